@@ -1,0 +1,11 @@
+// Registration functions of the zerocore._C submodules, one per binding file.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace zerocore::bindings {
+
+void bind_layout(pybind11::module_& m);
+void bind_adam(pybind11::module_& m);
+
+}  // namespace zerocore::bindings

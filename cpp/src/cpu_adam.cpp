@@ -1,0 +1,165 @@
+// adam_step / all_finite: argument validation, the per-call coefficients (in double, rounded to fp32 once
+// as torch does), the split over the pool, and the dispatch to the chosen ISA's chunk kernel.
+#include "zerocore/cpu_adam.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+
+#include "cpu_adam_kernels.hpp"
+#include "zerocore/error.hpp"
+
+namespace zerocore {
+namespace {
+
+// Chunk boundaries fall on multiples of 64 elements from the start: whole 64-byte lines of every fp32
+// and 16-bit stream when the spans are aligned, so two threads never write the same cache line.
+constexpr int64_t kChunkAlignment = 64;
+// Below this many elements per thread the handoff to a worker costs more than the work it saves.
+constexpr int64_t kMinElementsPerThread = 32 * 1024;
+// all_finite checks a flag between blocks of this many elements so that every thread stops soon after
+// any of them finds an inf/NaN.
+constexpr int64_t kFiniteBlock = 64 * 1024;
+
+using AdamChunkFn = void (*)(const AdamSpans&, const kernels::Coefficients&, int64_t, int64_t);
+using FiniteChunkFn = bool (*)(const void*, ScalarType, int64_t, int64_t);
+
+bool is_grad_type(ScalarType type) {
+  return type == ScalarType::kFloat32 || type == ScalarType::kBFloat16 || type == ScalarType::kFloat16;
+}
+
+void check_path(SimdPath path, const char* caller) {
+  bool compiled = false;
+  for (SimdPath p : compiled_simd_paths()) compiled = compiled || p == path;
+  ZC_CHECK_ARG(compiled, caller, ": SIMD path '", simd_path_name(path), "' (", static_cast<int>(path),
+               ") was not compiled into this build");
+  ZC_CHECK_ARG(cpu_supports(path), caller, ": this CPU cannot run the '", simd_path_name(path), "' SIMD path");
+}
+
+AdamChunkFn adam_kernel(SimdPath path) {
+  switch (path) {
+    case SimdPath::kScalar: return kernels::adam_chunk_scalar;
+#if defined(ZEROCORE_HAVE_AVX2)
+    case SimdPath::kAvx2: return kernels::adam_chunk_avx2;
+#endif
+#if defined(ZEROCORE_HAVE_AVX512)
+    case SimdPath::kAvx512: return kernels::adam_chunk_avx512;
+#endif
+    default: break;
+  }
+  throw InvalidArgument(detail::concat("no Adam kernel for SIMD path '", simd_path_name(path), "'"));
+}
+
+FiniteChunkFn finite_kernel(SimdPath path) {
+  switch (path) {
+    case SimdPath::kScalar: return kernels::all_finite_chunk_scalar;
+#if defined(ZEROCORE_HAVE_AVX2)
+    case SimdPath::kAvx2: return kernels::all_finite_chunk_avx2;
+#endif
+#if defined(ZEROCORE_HAVE_AVX512)
+    case SimdPath::kAvx512: return kernels::all_finite_chunk_avx512;
+#endif
+    default: break;
+  }
+  throw InvalidArgument(detail::concat("no all_finite kernel for SIMD path '", simd_path_name(path), "'"));
+}
+
+// Runs fn over [0, n): on the calling thread when the work is small, otherwise as one contiguous,
+// 64-aligned range per thread (balanced to within 64 elements).
+template <typename Fn>
+void split_over_pool(int64_t n, ThreadPool* pool, const Fn& fn) {
+  const int64_t threads = pool == nullptr ? 1 : pool->num_threads();
+  const int64_t useful_threads = std::min(threads, std::max<int64_t>(1, n / kMinElementsPerThread));
+  if (useful_threads <= 1) {
+    fn(0, n);
+    return;
+  }
+  const int64_t per_thread = (n + useful_threads - 1) / useful_threads;
+  const int64_t grain = (per_thread + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
+  pool->parallel_for(n, grain, fn);
+}
+
+void validate(const AdamSpans& spans, const AdamHyper& hyper) {
+  const int64_t n = spans.n;
+  ZC_CHECK_ARG(n >= 0, "adam_step: n must be >= 0, got ", n);
+  if (n > 0) {
+    ZC_CHECK_ARG(spans.param != nullptr, "adam_step: param must not be null when n > 0 (n = ", n, ")");
+    ZC_CHECK_ARG(spans.grad != nullptr, "adam_step: grad must not be null when n > 0 (n = ", n, ")");
+    ZC_CHECK_ARG(spans.exp_avg != nullptr, "adam_step: exp_avg must not be null when n > 0 (n = ", n, ")");
+    ZC_CHECK_ARG(spans.exp_avg_sq != nullptr, "adam_step: exp_avg_sq must not be null when n > 0 (n = ", n, ")");
+  }
+  ZC_CHECK_ARG(is_grad_type(spans.grad_type), "adam_step: grad_type must be float32, bfloat16 or float16, got ",
+               static_cast<int>(spans.grad_type));
+  // The output type only matters when there is an output (the bindings leave the default otherwise).
+  ZC_CHECK_ARG(spans.param_out == nullptr || spans.param_out_type == ScalarType::kBFloat16 ||
+                   spans.param_out_type == ScalarType::kFloat16,
+               "adam_step: param_out_type must be bfloat16 or float16, got ",
+               static_cast<int>(spans.param_out_type));
+  ZC_CHECK_ARG(hyper.step >= 1, "adam_step: step must be >= 1, got ", hyper.step);
+  // Comparisons with NaN are false, so a NaN fails these checks too.
+  ZC_CHECK_ARG(hyper.lr >= 0, "adam_step: lr must be >= 0, got ", hyper.lr);
+  ZC_CHECK_ARG(hyper.beta1 >= 0 && hyper.beta1 < 1, "adam_step: beta1 must be in [0, 1), got ", hyper.beta1);
+  ZC_CHECK_ARG(hyper.beta2 >= 0 && hyper.beta2 < 1, "adam_step: beta2 must be in [0, 1), got ", hyper.beta2);
+  ZC_CHECK_ARG(hyper.eps >= 0, "adam_step: eps must be >= 0, got ", hyper.eps);
+  ZC_CHECK_ARG(hyper.weight_decay >= 0, "adam_step: weight_decay must be >= 0, got ", hyper.weight_decay);
+}
+
+// The scalars torch's AdamW computes as Python floats, each rounded to fp32 once like its CPU kernels do.
+kernels::Coefficients make_coefficients(const AdamHyper& hyper) {
+  kernels::Coefficients coef;
+  coef.grad_scale = static_cast<float>(hyper.grad_scale);
+  coef.decay = hyper.adamw ? static_cast<float>(1.0 - hyper.lr * hyper.weight_decay) : 1.0f;
+  // torch.optim.Adam skips the add when weight_decay == 0, which matters for inf params (0 * inf = NaN).
+  coef.l2 = !hyper.adamw && hyper.weight_decay != 0.0;
+  coef.l2_weight_decay = static_cast<float>(hyper.weight_decay);
+  coef.one_minus_beta1 = static_cast<float>(1.0 - hyper.beta1);
+  coef.beta2 = static_cast<float>(hyper.beta2);
+  coef.one_minus_beta2 = static_cast<float>(1.0 - hyper.beta2);
+  coef.eps = static_cast<float>(hyper.eps);
+  if (hyper.bias_correction) {
+    const double step = static_cast<double>(hyper.step);
+    const double bias_correction1 = 1.0 - std::pow(hyper.beta1, step);
+    const double bias_correction2 = 1.0 - std::pow(hyper.beta2, step);
+    coef.neg_step_size = static_cast<float>(-(hyper.lr / bias_correction1));
+    coef.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  } else {
+    coef.neg_step_size = static_cast<float>(-hyper.lr);
+    coef.bias_correction2_sqrt = 1.0f;
+  }
+  return coef;
+}
+
+}  // namespace
+
+void adam_step(const AdamSpans& spans, const AdamHyper& hyper, ThreadPool* pool, SimdPath path) {
+  validate(spans, hyper);
+  check_path(path, "adam_step");
+  const AdamChunkFn kernel = adam_kernel(path);
+  if (spans.n == 0) return;
+  const kernels::Coefficients coef = make_coefficients(hyper);
+  split_over_pool(spans.n, pool, [&](int64_t begin, int64_t end) { kernel(spans, coef, begin, end); });
+}
+
+bool all_finite(const void* grad, ScalarType grad_type, int64_t n, ThreadPool* pool, SimdPath path) {
+  ZC_CHECK_ARG(n >= 0, "all_finite: n must be >= 0, got ", n);
+  ZC_CHECK_ARG(n == 0 || grad != nullptr, "all_finite: grad must not be null when n > 0 (n = ", n, ")");
+  ZC_CHECK_ARG(is_grad_type(grad_type), "all_finite: grad_type must be float32, bfloat16 or float16, got ",
+               static_cast<int>(grad_type));
+  check_path(path, "all_finite");
+  const FiniteChunkFn kernel = finite_kernel(path);
+  if (n == 0) return true;
+  std::atomic<bool> found_non_finite{false};
+  split_over_pool(n, pool, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; block += kFiniteBlock) {
+      if (found_non_finite.load(std::memory_order_relaxed)) return;
+      if (!kernel(grad, grad_type, block, std::min(end, block + kFiniteBlock))) {
+        found_non_finite.store(true, std::memory_order_relaxed);
+        return;
+      }
+    }
+  });
+  return !found_non_finite.load(std::memory_order_relaxed);
+}
+
+}  // namespace zerocore

@@ -1,0 +1,169 @@
+// The AVX-512 Adam kernel, 16 floats a vector; compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq
+// -mfma -mf16c and run only when the CPU has them. No avx512bf16 instructions: not every AVX-512 CPU has
+// them, and the integer rounding below is exactly torch's anyway. The tail is one masked iteration, so
+// any length and alignment work without a scalar loop.
+// GCC 12 reports its own _mm512_undefined_*() placeholders as maybe-uninitialized (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+#include <cstdint>
+
+#include "cpu_adam_kernels.hpp"
+
+namespace zerocore {
+namespace kernels {
+namespace {
+
+enum class OutKind { kNone, kBFloat16, kFloat16 };
+constexpr int64_t kLanes = 16;
+
+template <ScalarType kGrad>
+inline __m512 load_grad(const void* grad, int64_t i, __mmask16 mask) {
+  if constexpr (kGrad == ScalarType::kFloat32) {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(grad) + i);
+  } else {
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(grad) + i);
+    if constexpr (kGrad == ScalarType::kBFloat16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    } else {
+      return _mm512_cvtph_ps(bits);
+    }
+  }
+}
+
+// torch's round-to-nearest-even in integers: (bits + 0x7FFF + lsb) >> 16, NaN -> 0x7FC0.
+inline __m256i float_to_bf16(__m512 value) {
+  const __m512i bits = _mm512_castps_si512(value);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, _mm512_set1_epi32(0x7FC0)));
+}
+
+template <ScalarType kGrad, OutKind kOut, bool kL2>
+void adam_chunk(const AdamSpans& spans, const Coefficients& coef, int64_t begin, int64_t end) {
+  float* const param = spans.param;
+  float* const exp_avg = spans.exp_avg;
+  float* const exp_avg_sq = spans.exp_avg_sq;
+  uint16_t* const param_out = static_cast<uint16_t*>(spans.param_out);
+  const void* const grad = spans.grad;
+  const __m512 grad_scale = _mm512_set1_ps(coef.grad_scale);
+  const __m512 decay = _mm512_set1_ps(coef.decay);
+  const __m512 l2_weight_decay = _mm512_set1_ps(coef.l2_weight_decay);
+  const __m512 one_minus_beta1 = _mm512_set1_ps(coef.one_minus_beta1);
+  const __m512 beta2 = _mm512_set1_ps(coef.beta2);
+  const __m512 one_minus_beta2 = _mm512_set1_ps(coef.one_minus_beta2);
+  const __m512 bias_correction2_sqrt = _mm512_set1_ps(coef.bias_correction2_sqrt);
+  const __m512 eps = _mm512_set1_ps(coef.eps);
+  const __m512 neg_step_size = _mm512_set1_ps(coef.neg_step_size);
+
+  // Masked loads never fault on the lanes they skip, so the tail reuses the body with a partial mask.
+  auto step = [&](int64_t i, __mmask16 mask) {
+    __m512 g = _mm512_mul_ps(load_grad<kGrad>(grad, i, mask), grad_scale);
+    __m512 p = _mm512_maskz_loadu_ps(mask, param + i);
+    if constexpr (kL2) g = _mm512_fmadd_ps(l2_weight_decay, p, g);  // grad.add(param, alpha=wd)
+    __m512 m = _mm512_maskz_loadu_ps(mask, exp_avg + i);
+    m = _mm512_fmadd_ps(one_minus_beta1, _mm512_sub_ps(g, m), m);   // lerp_(grad, w), w < 0.5 form
+    __m512 v = _mm512_maskz_loadu_ps(mask, exp_avg_sq + i);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, _mm512_mul_ps(v, beta2));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bias_correction2_sqrt), eps);
+    const __m512 update = _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom);  // addcdiv_(m, denom, -step)
+    // param.mul_(1 - lr * wd) fused into the update: one rounding fewer than torch, and explicit, so
+    // the compiler's own contraction cannot make the AVX2 and AVX-512 results differ.
+    p = _mm512_fmadd_ps(p, decay, update);
+    _mm512_mask_storeu_ps(param + i, mask, p);
+    _mm512_mask_storeu_ps(exp_avg + i, mask, m);
+    _mm512_mask_storeu_ps(exp_avg_sq + i, mask, v);
+    if constexpr (kOut == OutKind::kBFloat16) {
+      _mm256_mask_storeu_epi16(param_out + i, mask, float_to_bf16(p));
+    } else if constexpr (kOut == OutKind::kFloat16) {
+      _mm256_mask_storeu_epi16(param_out + i, mask,
+                               _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+  };
+
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) step(i, static_cast<__mmask16>(0xFFFF));
+  if (i < end) step(i, static_cast<__mmask16>((1u << (end - i)) - 1u));
+}
+
+template <ScalarType kGrad, OutKind kOut>
+void adam_chunk_mode(const AdamSpans& spans, const Coefficients& coef, int64_t begin, int64_t end) {
+  if (coef.l2) {
+    adam_chunk<kGrad, kOut, true>(spans, coef, begin, end);
+  } else {
+    adam_chunk<kGrad, kOut, false>(spans, coef, begin, end);
+  }
+}
+
+template <ScalarType kGrad>
+void adam_chunk_out(const AdamSpans& spans, const Coefficients& coef, int64_t begin, int64_t end) {
+  if (spans.param_out == nullptr) {
+    adam_chunk_mode<kGrad, OutKind::kNone>(spans, coef, begin, end);
+  } else if (spans.param_out_type == ScalarType::kFloat16) {
+    adam_chunk_mode<kGrad, OutKind::kFloat16>(spans, coef, begin, end);
+  } else {
+    adam_chunk_mode<kGrad, OutKind::kBFloat16>(spans, coef, begin, end);
+  }
+}
+
+// Non-finite means all exponent bits set, i.e. |bits| >= the exponent mask: an unsigned max over each
+// block, compared once per block (the early exit), reads 64 bytes per iteration whatever the type.
+template <bool kWide>
+bool all_finite_bits(const void* data, uint32_t exponent_mask, int64_t begin, int64_t end) {
+  constexpr int64_t kPerVector = kWide ? 16 : 32;
+  constexpr int64_t kBlock = 4096;
+  const char* const base = static_cast<const char*>(data);
+  constexpr int64_t kElementBytes = kWide ? 4 : 2;
+  const __m512i abs_mask = kWide ? _mm512_set1_epi32(0x7FFFFFFF) : _mm512_set1_epi16(0x7FFF);
+  auto load = [&](int64_t i, int64_t count) {
+    const void* at = base + i * kElementBytes;
+    if (count == kPerVector) return _mm512_loadu_si512(at);
+    if constexpr (kWide) return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << count) - 1u), at);
+    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << count) - 1u), at);
+  };
+  auto at_least_mask = [&](__m512i largest) {
+    if constexpr (kWide) return _mm512_cmpge_epu32_mask(largest, _mm512_set1_epi32(exponent_mask)) != 0;
+    return _mm512_cmpge_epu16_mask(largest, _mm512_set1_epi16(static_cast<int16_t>(exponent_mask))) != 0;
+  };
+  for (int64_t block = begin; block < end; block += kBlock) {
+    const int64_t block_end = block + kBlock < end ? block + kBlock : end;
+    __m512i largest = _mm512_setzero_si512();
+    for (int64_t i = block; i < block_end; i += kPerVector) {
+      const int64_t count = block_end - i < kPerVector ? block_end - i : kPerVector;
+      const __m512i magnitude = _mm512_and_si512(load(i, count), abs_mask);
+      largest = kWide ? _mm512_max_epu32(largest, magnitude) : _mm512_max_epu16(largest, magnitude);
+    }
+    if (at_least_mask(largest)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void adam_chunk_avx512(const AdamSpans& spans, const Coefficients& coef, int64_t begin, int64_t end) {
+  switch (spans.grad_type) {
+    case ScalarType::kFloat32: return adam_chunk_out<ScalarType::kFloat32>(spans, coef, begin, end);
+    case ScalarType::kBFloat16: return adam_chunk_out<ScalarType::kBFloat16>(spans, coef, begin, end);
+    case ScalarType::kFloat16: return adam_chunk_out<ScalarType::kFloat16>(spans, coef, begin, end);
+  }
+}
+
+bool all_finite_chunk_avx512(const void* grad, ScalarType type, int64_t begin, int64_t end) {
+  switch (type) {
+    case ScalarType::kFloat32: return all_finite_bits<true>(grad, 0x7F800000u, begin, end);
+    case ScalarType::kBFloat16: return all_finite_bits<false>(grad, 0x7F80u, begin, end);
+    case ScalarType::kFloat16: return all_finite_bits<false>(grad, 0x7C00u, begin, end);
+  }
+  return true;
+}
+
+}  // namespace kernels
+}  // namespace zerocore

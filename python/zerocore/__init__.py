@@ -1,0 +1,10 @@
+"""zerocore: a ZeRO (Zero Redundancy Optimizer) engine for PyTorch with a C++/CUDA core."""
+
+from ._native import _C  # noqa: F401  (checks the torch version before anything native loads)
+from ._info import build_info
+from .layout import Bucket, FlatLayout, Piece
+from . import ops
+
+__version__ = build_info()["version"]
+
+__all__ = ["build_info", "FlatLayout", "Bucket", "Piece", "ops", "__version__"]

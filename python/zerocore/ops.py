@@ -1,0 +1,108 @@
+"""Stateless kernels for the engine and for other frameworks: ``zerocore.ops.adam_step`` and friends.
+
+The kernels are torch ops (``torch.ops.zerocore.adam_step_``) with fake kernels, so they trace under
+``torch.compile``; see Note [Adam op contract] in ``bindings/adam_bindings.cpp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from ._native import _C
+
+__all__ = ["adam_step", "all_finite", "force_simd_path", "set_num_threads", "get_num_threads"]
+
+
+@torch.library.register_fake("zerocore::adam_step_")
+def _adam_step_fake(param, grad, exp_avg, exp_avg_sq, param_out, **_: object) -> torch.Tensor:
+    return torch.empty((), dtype=torch.bool, device=param.device)
+
+
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    param_out: torch.Tensor | None = None,
+    check_finite: bool = False,
+    bias_correction: bool = True,
+) -> bool:
+    """One fused Adam/AdamW step on flat tensors, in place, on the CPU (SIMD) or a CUDA device.
+
+    Args:
+        param, exp_avg, exp_avg_sq: fp32, contiguous, same number of elements and device; updated in place.
+        grad: fp32, bf16 or fp16 gradient; multiplied by ``grad_scale`` before use.
+        step: the 1-based step count after this update (bias correction uses it).
+        lr, beta1, beta2, eps, weight_decay: as in ``torch.optim.AdamW``.
+        adamw: decoupled weight decay (AdamW) when True; L2 added to the gradient (``torch.optim.Adam``)
+            when False.
+        param_out: optional bf16/fp16 tensor that receives the updated params, rounded to nearest even.
+        check_finite: when True and ``grad`` holds an inf/NaN, nothing is written and True is returned.
+        bias_correction: Adam's bias correction of the moments.
+
+    Returns:
+        True when the step was skipped because of a non-finite gradient (only with ``check_finite``).
+
+    Raises:
+        ValueError: naming the argument, for a wrong dtype, device, size, layout or overlapping buffers.
+    """
+    skipped = torch.ops.zerocore.adam_step_(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        param_out,
+        step=float(step),
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        adamw=bool(adamw),
+        bias_correction=bool(bias_correction),
+        grad_scale=float(grad_scale),
+        check_finite=bool(check_finite),
+    )
+    return bool(skipped.item()) if check_finite else False
+
+
+def all_finite(grad: torch.Tensor) -> bool:
+    """True when every element of ``grad`` is finite; on the CPU it reads only ``grad``, once."""
+    if grad.device.type == "cpu":
+        return _C.all_finite(grad.contiguous())
+    return bool(torch.isfinite(grad).all().item())
+
+
+@contextlib.contextmanager
+def force_simd_path(path: str) -> Iterator[None]:
+    """Runs the CPU kernels on one SIMD path (``"scalar"``, ``"avx2"`` or ``"avx512"``) inside the block.
+
+    Raises:
+        ValueError: if the path is unknown, not compiled, or not supported by this CPU.
+    """
+    _C.force_simd_path(path)
+    try:
+        yield
+    finally:
+        _C.reset_simd_path()
+
+
+def set_num_threads(num_threads: int) -> None:
+    """Threads used by the CPU kernels; 0 (the default) follows ``torch.get_num_threads()``."""
+    _C.set_num_threads(int(num_threads))
+
+
+def get_num_threads() -> int:
+    return _C.get_num_threads()
