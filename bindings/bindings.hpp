@@ -7,5 +7,6 @@ namespace zerocore::bindings {
 
 void bind_layout(pybind11::module_& m);
 void bind_adam(pybind11::module_& m);
+void bind_distributed(pybind11::module_& m);
 
 }  // namespace zerocore::bindings

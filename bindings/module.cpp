@@ -49,4 +49,5 @@ PYBIND11_MODULE(_C, m) {
         [](const std::string& name) { return zerocore::cpu_supports(zerocore::parse_simd_path(name)); });
   zerocore::bindings::bind_layout(m);
   zerocore::bindings::bind_adam(m);
+  zerocore::bindings::bind_distributed(m);
 }

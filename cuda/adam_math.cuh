@@ -2,8 +2,9 @@
 // cpp/include/zerocore/adam_types.hpp.
 //
 // Every fp32 operation is spelled with an explicit-rounding intrinsic (__fmul_rn, __fmaf_rn, __fdiv_rn,
-// __fsqrt_rn, ...) so the result does not depend on --use_fast_math, -prec-div/-prec-sqrt or FMA
-// contraction. The sequence mirrors torch.optim.AdamW's single-tensor path as compiled by CUDA torch:
+// __fsqrt_rn, ...) so the result does not depend on -prec-div/-prec-sqrt or FMA contraction. Do not build
+// with --use_fast_math: its -ftz=true would still flush denormals. The sequence mirrors
+// torch.optim.AdamW's single-tensor path as compiled by CUDA torch:
 //   param.mul_(1 - lr*wd)                       p = p * decay                      (AdamW)
 //   grad = grad.add(param, alpha=wd)            g = fma(wd, p, g)                  (L2 / torch.optim.Adam)
 //   exp_avg.lerp_(grad, 1 - beta1)              torch's lerp (two branches on the weight)

@@ -82,13 +82,13 @@ int blocks_per_sm(Kernel kernel, std::atomic<int>* cache, int device) {
   return blocks;
 }
 
-// Grid for a grid-stride kernel with `work` thread-steps of kThreads each: enough blocks to fill the device
-// once, fewer for small inputs.
+// Grid for a grid-stride kernel with `thread_steps` units of per-thread work: enough blocks to fill the
+// device once, fewer for small inputs.
 template <typename Kernel>
-int grid_size(Kernel kernel, std::atomic<int>* cache, int64_t work_per_thread_steps) {
+int grid_size(Kernel kernel, std::atomic<int>* cache, int64_t thread_steps) {
   const int device = current_device();
   const int64_t resident = static_cast<int64_t>(sm_count(device)) * blocks_per_sm(kernel, cache, device);
-  const int64_t needed = (work_per_thread_steps + kThreads - 1) / kThreads;
+  const int64_t needed = (thread_steps + kThreads - 1) / kThreads;
   return static_cast<int>(std::max<int64_t>(1, std::min(needed, resident)));
 }
 
@@ -149,7 +149,8 @@ __device__ __forceinline__ void store_vec(float* dst, const float (&src)[N]) {
   for (int c = 0; c < N / 4; ++c) {
     // __stwb (st.global.wb.v4) keeps the store one 16-byte access; a plain float4 assignment is sometimes
     // split into scalar stores by the front end.
-    __stwb(reinterpret_cast<float4*>(dst) + c, make_float4(src[4 * c], src[4 * c + 1], src[4 * c + 2], src[4 * c + 3]));
+    const float4 value = make_float4(src[4 * c], src[4 * c + 1], src[4 * c + 2], src[4 * c + 3]);
+    __stwb(reinterpret_cast<float4*>(dst) + c, value);
   }
 }
 
@@ -183,7 +184,8 @@ __device__ __forceinline__ bool resolve_scalars(const KernelScalars& ks, AdamCoe
   if (ks.lr_ptr != nullptr || ks.step_ptr != nullptr || ks.grad_scale_ptr != nullptr) {
     const double lr = ks.lr_ptr != nullptr ? static_cast<double>(*ks.lr_ptr) : ks.lr;
     const double step = ks.step_ptr != nullptr ? static_cast<double>(*ks.step_ptr) : ks.step;
-    const double grad_scale = ks.grad_scale_ptr != nullptr ? static_cast<double>(*ks.grad_scale_ptr) : ks.grad_scale;
+    const double grad_scale =
+        ks.grad_scale_ptr != nullptr ? static_cast<double>(*ks.grad_scale_ptr) : ks.grad_scale;
     c = make_adam_coeffs(lr, ks.beta1, ks.beta2, ks.eps, ks.weight_decay, step, grad_scale, ks.bias_correction);
   }
   return true;
@@ -394,14 +396,18 @@ void check_spans(const AdamSpans& s, const char* where) {
   }
 }
 
-KernelScalars make_kernel_scalars(const AdamHyper& h, const AdamDeviceScalars& dev) {
-  ZC_CHECK_ARG(h.beta1 >= 0.0 && h.beta1 < 1.0, "beta1 must be in [0, 1), got ", h.beta1);
-  ZC_CHECK_ARG(h.beta2 >= 0.0 && h.beta2 < 1.0, "beta2 must be in [0, 1), got ", h.beta2);
-  ZC_CHECK_ARG(h.eps >= 0.0, "eps must be >= 0, got ", h.eps);
-  ZC_CHECK_ARG(dev.step != nullptr || h.step >= 1, "step must be >= 1, got ", h.step);
+// Validates the hyper-parameters as cpu adam_step does (values overridden by device scalars are not checked).
+KernelScalars make_kernel_scalars(const AdamHyper& h, const AdamDeviceScalars& dev, const char* where) {
+  ZC_CHECK_ARG(dev.step != nullptr || h.step >= 1, where, ": step must be >= 1, got ", h.step);
+  ZC_CHECK_ARG(dev.lr != nullptr || h.lr >= 0.0, where, ": lr must be >= 0, got ", h.lr);
+  ZC_CHECK_ARG(h.beta1 >= 0.0 && h.beta1 < 1.0, where, ": beta1 must be in [0, 1), got ", h.beta1);
+  ZC_CHECK_ARG(h.beta2 >= 0.0 && h.beta2 < 1.0, where, ": beta2 must be in [0, 1), got ", h.beta2);
+  ZC_CHECK_ARG(h.eps >= 0.0, where, ": eps must be >= 0, got ", h.eps);
+  ZC_CHECK_ARG(h.weight_decay >= 0.0, where, ": weight_decay must be >= 0, got ", h.weight_decay);
   KernelScalars ks{};
   const double step = static_cast<double>(std::max<int64_t>(h.step, 1));
-  ks.coeffs = make_adam_coeffs(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step, h.grad_scale, h.bias_correction);
+  ks.coeffs =
+      make_adam_coeffs(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step, h.grad_scale, h.bias_correction);
   ks.lr = h.lr;
   ks.beta1 = h.beta1;
   ks.beta2 = h.beta2;
@@ -484,7 +490,7 @@ using namespace cuda_detail;
 
 void launch_fused_adam(const AdamSpans& spans, const AdamHyper& hyper, const AdamDeviceScalars& dev, void* stream) {
   check_spans(spans, "launch_fused_adam");
-  const KernelScalars ks = make_kernel_scalars(hyper, dev);
+  const KernelScalars ks = make_kernel_scalars(hyper, dev, "launch_fused_adam");
   if (spans.n == 0) return;
   const auto s = static_cast<cudaStream_t>(stream);
   const AdamPtrs t = ptrs_of(spans);
@@ -505,11 +511,12 @@ void launch_multi_tensor_adam(const AdamSpans* tensors, int64_t num_tensors, con
   ZC_CHECK_ARG(num_tensors >= 0, "num_tensors must be >= 0, got ", num_tensors);
   ZC_CHECK_ARG(num_tensors == 0 || tensors != nullptr, "tensors must be non-null");
   for (int64_t i = 0; i < num_tensors; ++i) check_spans(tensors[i], "launch_multi_tensor_adam");
-  const KernelScalars ks = make_kernel_scalars(hyper, dev);
+  const KernelScalars ks = make_kernel_scalars(hyper, dev, "launch_multi_tensor_adam");
   const auto s = static_cast<cudaStream_t>(stream);
   // One group per kernel instantiation: (grad type, param_out type or none).
   auto group_of = [&](const AdamSpans& t) {
-    return static_cast<int>(t.grad_type) * 3 + (t.param_out == nullptr ? 0 : 1 + static_cast<int>(t.param_out_type == ScalarType::kFloat16));
+    const int out = t.param_out == nullptr ? 0 : (t.param_out_type == ScalarType::kBFloat16 ? 1 : 2);
+    return static_cast<int>(t.grad_type) * 3 + out;
   };
   std::vector<int64_t> order[9];
   for (int64_t i = 0; i < num_tensors; ++i) {

@@ -67,8 +67,9 @@ ArgParser::Option& ArgParser::add(const std::string& name, const std::string& me
   return options_.back();
 }
 
-void ArgParser::add_int(const std::string& name, int64_t* target, int64_t min_value, const std::string& help) {
-  add(name, "N", help, std::to_string(*target), [=](const std::string& text) {
+void ArgParser::add_int(const std::string& name, int64_t* target, int64_t min_value, const std::string& help,
+                        const std::string& default_text) {
+  add(name, "N", help, default_text.empty() ? std::to_string(*target) : default_text, [=](const std::string& text) {
     const int64_t value = parse_int(name, text);
     if (value < min_value) {
       throw UsageError("--" + name + " must be >= " + std::to_string(min_value) + ", got " + text);
@@ -159,7 +160,9 @@ void ArgParser::print_help(std::FILE* out) const {
   for (const Option& option : options_) {
     std::string left = "  --" + option.name + (option.metavar.empty() ? "" : " " + option.metavar);
     std::fprintf(out, "%s\n      %s", left.c_str(), option.help.c_str());
-    if (!option.is_flag && !option.default_text.empty()) std::fprintf(out, " (default: %s)", option.default_text.c_str());
+    if (!option.is_flag && !option.default_text.empty()) {
+      std::fprintf(out, " (default: %s)", option.default_text.c_str());
+    }
     std::fprintf(out, "\n");
   }
   std::fprintf(out, "  --help, -h\n      show this help\n");

@@ -24,7 +24,9 @@ class ArgParser {
  public:
   ArgParser(std::string command, std::string summary);
 
-  void add_int(const std::string& name, int64_t* target, int64_t min_value, const std::string& help);
+  // default_text replaces the shown default when the target's initial value is only a placeholder.
+  void add_int(const std::string& name, int64_t* target, int64_t min_value, const std::string& help,
+               const std::string& default_text = "");
   void add_string(const std::string& name, std::string* target, const std::string& help);
   // One of `choices`.
   void add_choice(const std::string& name, std::string* target, std::vector<std::string> choices,

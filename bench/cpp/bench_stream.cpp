@@ -51,7 +51,7 @@ int stream_command(int argc, char** argv) {
                    "in place from p, g, m, v: Adam's 4 reads and 3 writes). GB/s = 1e9 bytes/s counting the\n"
                    "loop's reads plus writes (no read-for-ownership), best and median of --repeat passes.");
   parser.add_int("size-mb", &size_mb, 1, "MiB per array (2^20 bytes; adam uses 4 arrays, copy 2)");
-  parser.add_int("elements", &elements, 1, "fp32 elements per array, instead of --size-mb");
+  parser.add_int("elements", &elements, 1, "fp32 elements per array, instead of --size-mb", "from --size-mb");
   parser.add_int_list("threads", &threads, 1, "thread counts to measure, e.g. 1,2");
   parser.add_int("repeat", &repeat, 1, "timed passes per measurement, after one warm-up pass");
   parser.add_choice_list("kernel", &kernels, {"copy", "triad", "adam"}, "kernels to run");
@@ -63,6 +63,7 @@ int stream_command(int argc, char** argv) {
   if (parser.was_set("elements") && parser.was_set("size-mb")) {
     throw UsageError("give --size-mb or --elements, not both");
   }
+  if (size_mb > (int64_t{1} << 40)) throw UsageError("--size-mb is too large: " + std::to_string(size_mb));
   if (!parser.was_set("elements")) elements = size_mb * (int64_t{1} << 20) / static_cast<int64_t>(sizeof(float));
 
   const zerocore::SimdPath requested =
@@ -81,7 +82,9 @@ int stream_command(int argc, char** argv) {
     for (const std::string& kernel_name : kernels) {
       const zerocore::StreamKernel kernel = zerocore::parse_stream_kernel(kernel_name);
       const size_t first = results.size();
-      for (zerocore::StoreKind store : store_list) results.push_back(probe.run(kernel, store, static_cast<int>(repeat)));
+      for (zerocore::StoreKind store : store_list) {
+        results.push_back(probe.run(kernel, store, static_cast<int>(repeat)));
+      }
       roofline_rows.push_back(fastest_index(results, first));
     }
   }

@@ -1,8 +1,9 @@
 // The AVX2 Adam kernel, 8 floats a vector; compiled with -mavx2 -mfma -mf16c and run only when the CPU has
 // them. AVX2 has no masked 16-bit loads, so the tail (< 8 elements) goes through small stack buffers and
-// the same vector step, which keeps every element's arithmetic identical to the body's.
+// the same vector code, which keeps every element's arithmetic identical to the body's.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -34,21 +35,30 @@ inline __m256 load_grad(const void* grad) {
   }
 }
 
-// torch's round-to-nearest-even in integers: (bits + 0x7FFF + lsb) >> 16, NaN -> 0x7FC0.
+// torch's round-to-nearest-even in integers, (bits + 0x7FFF + lsb) >> 16 with NaN -> 0x7FC0; a byte
+// shuffle gathers the high 16-bit word of each lane (cheaper than a shift, extract and pack).
 inline __m128i float_to_bf16(__m256 value) {
   const __m256i bits = _mm256_castps_si256(value);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
   const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
-  // Every lane is <= 0xFFFF, so the unsigned-saturating pack is a plain truncation to 16 bits.
-  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), is_nan);
+  const __m256i high_words = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(rounded, high_words), 0x08);
+  return _mm256_castsi256_si128(packed);
 }
 
-template <ScalarType kGrad, OutKind kOut, bool kL2>
+template <OutKind kOut>
+inline __m128i to_param_out(__m256 param) {
+  if constexpr (kOut == OutKind::kBFloat16) return float_to_bf16(param);
+  return _mm256_cvtps_ph(param, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+template <ScalarType kGrad, bool kL2>
 struct AdamAvx2 {
   __m256 grad_scale, decay, l2_weight_decay, one_minus_beta1, beta2, one_minus_beta2;
-  __m256 bias_correction2_sqrt, eps, neg_step_size;
+  __m256 inv_bias_correction2_sqrt, eps, neg_step_size;
 
   explicit AdamAvx2(const Coefficients& c)
       : grad_scale(_mm256_set1_ps(c.grad_scale)),
@@ -57,61 +67,83 @@ struct AdamAvx2 {
         one_minus_beta1(_mm256_set1_ps(c.one_minus_beta1)),
         beta2(_mm256_set1_ps(c.beta2)),
         one_minus_beta2(_mm256_set1_ps(c.one_minus_beta2)),
-        bias_correction2_sqrt(_mm256_set1_ps(c.bias_correction2_sqrt)),
+        inv_bias_correction2_sqrt(_mm256_set1_ps(c.inv_bias_correction2_sqrt)),
         eps(_mm256_set1_ps(c.eps)),
         neg_step_size(_mm256_set1_ps(c.neg_step_size)) {}
 
-  // Updates the 8 elements at these addresses.
-  inline void step(const void* grad, float* param, float* exp_avg, float* exp_avg_sq, uint16_t* param_out) const {
+  // Updates the 8 elements at these addresses and returns the new params.
+  inline __m256 update(const void* grad, float* param, float* exp_avg, float* exp_avg_sq) const {
     __m256 g = _mm256_mul_ps(load_grad<kGrad>(grad), grad_scale);
     __m256 p = _mm256_loadu_ps(param);
     if constexpr (kL2) g = _mm256_fmadd_ps(l2_weight_decay, p, g);  // grad.add(param, alpha=wd)
     __m256 m = _mm256_loadu_ps(exp_avg);
     m = _mm256_fmadd_ps(one_minus_beta1, _mm256_sub_ps(g, m), m);   // lerp_(grad, w), w < 0.5 form
     __m256 v = _mm256_loadu_ps(exp_avg_sq);
-    v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bias_correction2_sqrt), eps);
-    const __m256 update = _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom);  // addcdiv_(m, denom, -step)
-    // param.mul_(1 - lr * wd) fused into the update: one rounding fewer than torch, and explicit, so
-    // the compiler's own contraction cannot make the AVX2 and AVX-512 results differ.
-    p = _mm256_fmadd_ps(p, decay, update);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));  // mul_, addcmul_
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), inv_bias_correction2_sqrt), eps);
+    const __m256 step = _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom);  // addcdiv_(m, denom, -lr/bc1)
+    // param.mul_(1 - lr * wd) fused into the update: one rounding fewer than torch, and explicit, so the
+    // compiler's own contraction cannot make the AVX2 and AVX-512 results differ.
+    p = _mm256_fmadd_ps(p, decay, step);
     _mm256_storeu_ps(param, p);
     _mm256_storeu_ps(exp_avg, m);
     _mm256_storeu_ps(exp_avg_sq, v);
-    if constexpr (kOut == OutKind::kBFloat16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(param_out), float_to_bf16(p));
-    } else if constexpr (kOut == OutKind::kFloat16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(param_out),
-                       _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
+    return p;
   }
 };
 
 template <ScalarType kGrad, OutKind kOut, bool kL2>
 void adam_chunk(const AdamSpans& spans, const Coefficients& coef, int64_t begin, int64_t end) {
-  const AdamAvx2<kGrad, kOut, kL2> kernel(coef);
+  const AdamAvx2<kGrad, kL2> kernel(coef);
   constexpr int64_t kGradBytes = grad_bytes<kGrad>();
+  // Local copies: stores through float* could otherwise alias `spans` and force reloads every iteration.
   const char* const grad = static_cast<const char*>(spans.grad);
+  float* const param = spans.param;
+  float* const exp_avg = spans.exp_avg;
+  float* const exp_avg_sq = spans.exp_avg_sq;
   uint16_t* const param_out = static_cast<uint16_t*>(spans.param_out);
+  auto update_and_store = [&](int64_t i) {
+    const __m256 p = kernel.update(grad + i * kGradBytes, param + i, exp_avg + i, exp_avg_sq + i);
+    if constexpr (kOut != OutKind::kNone) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(param_out + i), to_param_out<kOut>(p));
+    }
+  };
+  // Fewer than 8 elements run the same vector code on stack copies: AVX2 has no masked 16-bit loads.
+  auto update_and_store_partial = [&](int64_t i, int64_t count) {
+    alignas(32) char grad_part[kLanes * 4] = {};
+    alignas(32) float param_part[kLanes] = {}, exp_avg_part[kLanes] = {}, exp_avg_sq_part[kLanes] = {};
+    std::memcpy(grad_part, grad + i * kGradBytes, count * kGradBytes);
+    std::memcpy(param_part, param + i, count * sizeof(float));
+    std::memcpy(exp_avg_part, exp_avg + i, count * sizeof(float));
+    std::memcpy(exp_avg_sq_part, exp_avg_sq + i, count * sizeof(float));
+    const __m256 p = kernel.update(grad_part, param_part, exp_avg_part, exp_avg_sq_part);
+    std::memcpy(param + i, param_part, count * sizeof(float));
+    std::memcpy(exp_avg + i, exp_avg_part, count * sizeof(float));
+    std::memcpy(exp_avg_sq + i, exp_avg_sq_part, count * sizeof(float));
+    if constexpr (kOut != OutKind::kNone) {
+      alignas(16) uint16_t out_part[kLanes];
+      _mm_store_si128(reinterpret_cast<__m128i*>(out_part), to_param_out<kOut>(p));
+      std::memcpy(param_out + i, out_part, count * sizeof(uint16_t));
+    }
+  };
+
   int64_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) {
-    kernel.step(grad + i * kGradBytes, spans.param + i, spans.exp_avg + i, spans.exp_avg_sq + i,
-                kOut == OutKind::kNone ? nullptr : param_out + i);
+  if constexpr (kOut != OutKind::kNone) {
+    // param_out is the only stream written without being read: non-temporal stores skip its
+    // read-for-ownership. They need 16-byte aligned addresses, so a partial head reaches one first.
+    const auto address = reinterpret_cast<uintptr_t>(param_out + i);
+    if (coef.stream_param_out && address % 2 == 0) {
+      const int64_t head = std::min<int64_t>(end - i, static_cast<int64_t>((16 - address % 16) % 16 / 2));
+      if (head > 0) update_and_store_partial(i, head);
+      for (i += head; i + kLanes <= end; i += kLanes) {
+        const __m256 p = kernel.update(grad + i * kGradBytes, param + i, exp_avg + i, exp_avg_sq + i);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(param_out + i), to_param_out<kOut>(p));
+      }
+      _mm_sfence();  // order the weakly-ordered stores before whatever the caller does next
+    }
   }
-  const int64_t rest = end - i;
-  if (rest == 0) return;
-  alignas(32) char grad_tail[kLanes * 4] = {};
-  alignas(32) float param_tail[kLanes] = {}, exp_avg_tail[kLanes] = {}, exp_avg_sq_tail[kLanes] = {};
-  alignas(16) uint16_t out_tail[kLanes] = {};
-  std::memcpy(grad_tail, grad + i * kGradBytes, rest * kGradBytes);
-  std::memcpy(param_tail, spans.param + i, rest * sizeof(float));
-  std::memcpy(exp_avg_tail, spans.exp_avg + i, rest * sizeof(float));
-  std::memcpy(exp_avg_sq_tail, spans.exp_avg_sq + i, rest * sizeof(float));
-  kernel.step(grad_tail, param_tail, exp_avg_tail, exp_avg_sq_tail, out_tail);
-  std::memcpy(spans.param + i, param_tail, rest * sizeof(float));
-  std::memcpy(spans.exp_avg + i, exp_avg_tail, rest * sizeof(float));
-  std::memcpy(spans.exp_avg_sq + i, exp_avg_sq_tail, rest * sizeof(float));
-  if (kOut != OutKind::kNone) std::memcpy(param_out + i, out_tail, rest * sizeof(uint16_t));
+  for (; i + kLanes <= end; i += kLanes) update_and_store(i);
+  if (i < end) update_and_store_partial(i, end - i);
 }
 
 template <ScalarType kGrad, OutKind kOut>

@@ -1,5 +1,7 @@
-// The portable Adam kernel: plain C++ compiled without ISA flags, the reference the SIMD paths must match
-// bit for bit except where they fuse a multiply-add (see Note [Adam arithmetic]).
+// The portable Adam kernel: plain C++ compiled without ISA flags. Where the SIMD paths use an FMA (torch's
+// lerp, addcmul, the L2 add, the denominator and the decayed update), this path forms the product exactly in double and
+// rounds the sum back to fp32, which equals the FMA result except in rare double-rounding ties. Without
+// that, the extra roundings push its moment errors noticeably above torch's (see Note [Adam arithmetic]).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +25,12 @@ inline float load_grad(const void* grad, int64_t i) {
   }
 }
 
+// a * b + c with the product exact (24-bit significands multiply exactly in double) and the sum rounded
+// twice, to double and then to fp32.
+inline float fused_multiply_add(float a, float b, float c) {
+  return static_cast<float>(static_cast<double>(a) * static_cast<double>(b) + static_cast<double>(c));
+}
+
 // The element loop, mirroring torch's single-tensor AdamW sequence operation by operation.
 template <ScalarType kGrad, OutKind kOut, bool kL2>
 void adam_chunk(const AdamSpans& spans, const Coefficients& coef, int64_t begin, int64_t end) {
@@ -36,14 +44,14 @@ void adam_chunk(const AdamSpans& spans, const Coefficients& coef, int64_t begin,
   for (int64_t i = begin; i < end; ++i) {
     float g = load_grad<kGrad>(grad, i) * c.grad_scale;
     float p = param[i];
-    if constexpr (kL2) g = g + c.l2_weight_decay * p;  // torch.optim.Adam: grad.add(param, alpha=wd)
-    p = p * c.decay;                                  // AdamW: param.mul_(1 - lr * wd)
+    if constexpr (kL2) g = fused_multiply_add(c.l2_weight_decay, p, g);  // Adam: grad.add(param, alpha=wd)
     float m = exp_avg[i];
-    m = m + c.one_minus_beta1 * (g - m);              // exp_avg.lerp_(grad, 1 - beta1)
+    m = fused_multiply_add(c.one_minus_beta1, g - m, m);  // exp_avg.lerp_(grad, 1 - beta1)
     float v = exp_avg_sq[i];
-    v = v * c.beta2 + c.one_minus_beta2 * g * g;      // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
-    const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
-    p = p + c.neg_step_size * m / denom;              // param.addcdiv_(exp_avg, denom, -step_size)
+    v = fused_multiply_add(c.one_minus_beta2 * g, g, v * c.beta2);  // mul_(beta2).addcmul_(g, g, 1 - beta2)
+    const float denom = std::sqrt(v) / c.inv_bias_correction2_sqrt + c.eps;
+    const float update = c.neg_step_size * m / denom;      // addcdiv_(exp_avg, denom, -step_size)
+    p = fused_multiply_add(p, c.decay, update);           // AdamW's param.mul_(1 - lr * wd), fused
     param[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;

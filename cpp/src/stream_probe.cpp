@@ -218,15 +218,16 @@ void StreamProbe::ensure_arrays(int count) {
   }
 }
 
-StreamResult StreamProbe::run(StreamKernel kernel, StoreKind stores, int repeats) {
-  ZC_CHECK_ARG(repeats >= 1, "stream probe repeats must be >= 1, got ", repeats);
+void StreamProbe::check_stores(StoreKind stores) const {
   ZC_CHECK_ARG(stores == StoreKind::kRegular || stream_supports_non_temporal(path_),
                "non-temporal stores are not available on the '", simd_path_name(path_), "' stream path");
+}
+
+void StreamProbe::pass(StreamKernel kernel, StoreKind stores) {
   ensure_arrays(stream_kernel_arrays(kernel));
   const StreamArrays arrays{arrays_[0].as<float>(), arrays_[1].as<float>(),
                             arrays_.size() > 2 ? arrays_[2].as<float>() : nullptr,
                             arrays_.size() > 3 ? arrays_[3].as<float>() : nullptr};
-
   void (*range_kernel)(StreamKernel, StoreKind, const StreamArrays&, int64_t, int64_t) = nullptr;
 #if defined(ZEROCORE_HAVE_AVX512)
   if (path_ == SimdPath::kAvx512) range_kernel = &stream_detail::stream_range_avx512;
@@ -240,16 +241,25 @@ StreamResult StreamProbe::run(StreamKernel kernel, StoreKind stores, int repeats
       portable_regular(k, x, begin, end);
     };
   }
+  auto body = [&](int64_t begin, int64_t end) { range_kernel(kernel, stores, arrays, begin, end); };
+  if (pool_ != nullptr) {
+    pool_->parallel_for(elements_, kStreamGrain, body);
+  } else {
+    body(0, elements_);
+  }
+}
 
-  auto one_pass = [&] {
-    auto body = [&](int64_t begin, int64_t end) { range_kernel(kernel, stores, arrays, begin, end); };
-    if (pool_ != nullptr) {
-      pool_->parallel_for(elements_, kStreamGrain, body);
-    } else {
-      body(0, elements_);
-    }
-  };
+double StreamProbe::time_pass(StreamKernel kernel, StoreKind stores) {
+  check_stores(stores);
+  ensure_arrays(stream_kernel_arrays(kernel));  // first touch is not part of the pass
+  const auto start = std::chrono::steady_clock::now();
+  pass(kernel, stores);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
+StreamResult StreamProbe::run(StreamKernel kernel, StoreKind stores, int repeats) {
+  ZC_CHECK_ARG(repeats >= 1, "stream probe repeats must be >= 1, got ", repeats);
+  check_stores(stores);
   StreamResult result;
   result.kernel = kernel;
   result.stores = stores;
@@ -257,13 +267,8 @@ StreamResult StreamProbe::run(StreamKernel kernel, StoreKind stores, int repeats
   result.threads = threads();
   result.elements = elements_;
   result.bytes_per_pass = elements_ * stream_kernel_bytes_per_element(kernel);
-  one_pass();  // warm-up: wakes the workers and brings the TLB and prefetchers to steady state
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    one_pass();
-    const auto stop = std::chrono::steady_clock::now();
-    result.seconds.push_back(std::chrono::duration<double>(stop - start).count());
-  }
+  time_pass(kernel, stores);  // warm-up: wakes the workers and brings the TLB and prefetchers to steady state
+  for (int r = 0; r < repeats; ++r) result.seconds.push_back(time_pass(kernel, stores));
   result.best_seconds = *std::min_element(result.seconds.begin(), result.seconds.end());
   result.median_seconds = median_of(result.seconds);
   return result;

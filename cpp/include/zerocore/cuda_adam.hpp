@@ -25,7 +25,7 @@ struct AdamDeviceScalars {
                                       // preceding launch_check_finite on the same stream)
 };
 
-// One Adam step over one set of flat spans (any length, any 4-byte alignment; 16-byte aligned spans use
+// One Adam step over one set of flat spans (any length, any element alignment; 16-byte aligned spans use
 // vector loads). param, exp_avg, exp_avg_sq and param_out must not overlap one another.
 void launch_fused_adam(const AdamSpans& spans, const AdamHyper& hyper, const AdamDeviceScalars& dev, void* stream);
 

@@ -80,8 +80,12 @@ struct StreamResult {
   double best_seconds = 0.0;
   double median_seconds = 0.0;
 
-  double best_gbps() const { return best_seconds > 0 ? bytes_per_pass / best_seconds * 1e-9 : 0.0; }
-  double median_gbps() const { return median_seconds > 0 ? bytes_per_pass / median_seconds * 1e-9 : 0.0; }
+  double best_gbps() const {
+    return best_seconds > 0 ? static_cast<double>(bytes_per_pass) / best_seconds * 1e-9 : 0.0;
+  }
+  double median_gbps() const {
+    return median_seconds > 0 ? static_cast<double>(bytes_per_pass) / median_seconds * 1e-9 : 0.0;
+  }
 };
 
 // The result with the highest best_gbps (the roofline among store kinds). `results` must not be empty.
@@ -106,9 +110,15 @@ class StreamProbe {
   StreamResult run(StreamKernel kernel, StoreKind stores, int repeats);
   // run() with regular stores and, where the path has them, non-temporal stores.
   std::vector<StreamResult> run_all_stores(StreamKernel kernel, int repeats);
+  // One timed pass and its seconds, no warm-up (the arrays are allocated, if needed, before the clock
+  // starts). For callers that interleave probe passes with the kernel they compare it to, so that both
+  // see the same machine: on a shared host the bandwidth drifts between back-to-back measurements.
+  double time_pass(StreamKernel kernel, StoreKind stores);
 
  private:
   void ensure_arrays(int count);
+  void check_stores(StoreKind stores) const;
+  void pass(StreamKernel kernel, StoreKind stores);
 
   int64_t elements_;
   ThreadPool* pool_;

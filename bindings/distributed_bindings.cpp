@@ -1,0 +1,85 @@
+// zerocore._C classes for the ZeRO engine: Comm (collectives through c10d), GradReducer (stages 1-2) and
+// the pure ReadyTracker (exposed for tests of the launch order).
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "bindings.hpp"
+#include "comm.hpp"
+#include "grad_reducer.hpp"
+#include "zerocore/ready_tracker.hpp"
+
+namespace py = pybind11;
+
+namespace zerocore::bindings {
+
+void bind_distributed(py::module_& m) {
+  py::class_<PendingCollective>(m, "PendingCollective")
+      .def("wait", &PendingCollective::wait, py::call_guard<py::gil_scoped_release>())
+      .def_readonly("tag", &PendingCollective::tag);
+
+  py::class_<CollectiveStats>(m, "CollectiveStats")
+      .def_readonly("calls", &CollectiveStats::calls)
+      .def_readonly("logical_elements", &CollectiveStats::logical_elements)
+      .def_readonly("algorithm_bytes", &CollectiveStats::algorithm_bytes)
+      .def_readonly("backend_calls", &CollectiveStats::backend_calls);
+
+  py::class_<Comm, std::shared_ptr<Comm>>(m, "Comm")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, const std::string&, const std::string&>(),
+           py::arg("process_group"), py::arg("reduce_scatter_algo") = "auto", py::arg("all_gather_algo") = "auto")
+      .def_property_readonly("rank", &Comm::rank)
+      .def_property_readonly("world_size", &Comm::world_size)
+      .def_property_readonly("backend", &Comm::backend)
+      .def_property_readonly("reduce_scatter_algo", &Comm::reduce_scatter_algo)
+      .def_property_readonly("all_gather_algo", &Comm::all_gather_algo)
+      .def("reduce_scatter", &Comm::reduce_scatter, py::arg("bucket"), py::arg("tag") = -1,
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_gather", &Comm::all_gather, py::arg("bucket"), py::arg("tag") = -1,
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("max") = false, py::arg("tag") = -1,
+           py::call_guard<py::gil_scoped_release>())
+      .def("broadcast", &Comm::broadcast, py::arg("tensor"), py::arg("root"), py::arg("tag") = -1,
+           py::call_guard<py::gil_scoped_release>())
+      .def("stats", &Comm::stats)
+      .def("reset_stats", &Comm::reset_stats)
+      .def("log", &Comm::log)
+      .def("set_logging", &Comm::set_logging)
+      .def("clear_log", &Comm::clear_log);
+
+  py::class_<GradReducer>(m, "GradReducer")
+      .def(py::init([](std::shared_ptr<Comm> comm, std::vector<int64_t> bucket_padded_size,
+                       std::vector<int64_t> param_bucket, std::vector<int64_t> param_offset,
+                       std::vector<int64_t> param_numel, std::vector<int64_t> launch_order,
+                       std::vector<at::Tensor> shard_destinations, at::ScalarType reduce_dtype, double prescale) {
+             ReducerGeometry geometry{std::move(bucket_padded_size), std::move(param_bucket), std::move(param_offset),
+                                      std::move(param_numel), std::move(launch_order)};
+             return std::make_unique<GradReducer>(std::move(comm), std::move(geometry), std::move(shard_destinations),
+                                                  reduce_dtype, prescale);
+           }),
+           py::arg("comm"), py::arg("bucket_padded_size"), py::arg("param_bucket"), py::arg("param_offset"),
+           py::arg("param_numel"), py::arg("launch_order"), py::arg("shard_destinations"), py::arg("reduce_dtype"),
+           py::arg("prescale"))
+      .def("begin_backward", &GradReducer::begin_backward, py::arg("accumulate"))
+      .def("mark_ready", &GradReducer::mark_ready, py::arg("param"), py::arg("grad"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("finalize", &GradReducer::finalize, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("in_backward", &GradReducer::in_backward)
+      .def_property_readonly("buffer_bytes", &GradReducer::buffer_bytes)
+      .def_property_readonly("peak_buffer_bytes", &GradReducer::peak_buffer_bytes);
+
+  py::class_<ReadyTracker>(m, "ReadyTracker")
+      .def(py::init<std::vector<int64_t>, int64_t, std::vector<int64_t>>(), py::arg("param_bucket"),
+           py::arg("num_buckets"), py::arg("launch_order"))
+      .def("reset", &ReadyTracker::reset)
+      .def("mark_ready",
+           [](ReadyTracker& t, int64_t param) {
+             std::vector<int64_t> launch;
+             t.mark_ready(param, launch);
+             return launch;
+           })
+      .def("finalize", [](ReadyTracker& t) {
+        std::vector<int64_t> launch, unmarked;
+        t.finalize(launch, unmarked);
+        return py::make_tuple(launch, unmarked);
+      });
+}
+
+}  // namespace zerocore::bindings

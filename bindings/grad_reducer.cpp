@@ -1,0 +1,125 @@
+#include "grad_reducer.hpp"
+
+#include <algorithm>
+
+#include "zerocore/error.hpp"
+
+namespace zerocore::bindings {
+
+GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
+                         std::vector<at::Tensor> shard_destinations, at::ScalarType reduce_dtype, double prescale)
+    : comm_(std::move(comm)),
+      geometry_(std::move(geometry)),
+      destinations_(std::move(shard_destinations)),
+      reduce_dtype_(reduce_dtype),
+      prescale_(prescale),
+      tracker_(geometry_.param_bucket, static_cast<int64_t>(geometry_.bucket_padded_size.size()),
+               geometry_.launch_order) {
+  const size_t buckets = geometry_.bucket_padded_size.size();
+  const size_t params = geometry_.param_bucket.size();
+  ZC_CHECK_ARG(destinations_.size() == buckets, "shard_destinations must hold one tensor per bucket (", buckets,
+               "), got ", destinations_.size());
+  ZC_CHECK_ARG(geometry_.param_offset.size() == params && geometry_.param_numel.size() == params,
+               "param_offset and param_numel must have one entry per parameter (", params, ")");
+  const int world = comm_->world_size();
+  for (size_t b = 0; b < buckets; ++b) {
+    const int64_t padded = geometry_.bucket_padded_size[b];
+    ZC_CHECK_ARG(padded % world == 0, "bucket ", b, " of ", padded, " elements is not divisible by world size ",
+                 world);
+    ZC_CHECK_ARG(destinations_[b].numel() == padded / world && destinations_[b].is_contiguous(),
+                 "shard_destinations[", b, "] must be a contiguous tensor of ", padded / world, " elements");
+    max_bucket_ = std::max(max_bucket_, padded);
+  }
+  for (size_t i = 0; i < params; ++i) {
+    const int64_t b = geometry_.param_bucket[i];
+    ZC_CHECK_ARG(geometry_.param_offset[i] >= 0 &&
+                     geometry_.param_offset[i] + geometry_.param_numel[i] <= geometry_.bucket_padded_size[b],
+                 "parameter ", i, " does not fit inside bucket ", b);
+  }
+  buffer_options_ = destinations_.empty() ? at::TensorOptions().dtype(reduce_dtype)
+                                          : destinations_.front().options().dtype(reduce_dtype);
+  bucket_view_.resize(buckets);
+  bucket_base_.resize(buckets);
+}
+
+void GradReducer::begin_backward(bool accumulate) {
+  ZC_CHECK(in_flight_.empty(), "begin_backward() while reductions of the previous backward are in flight; "
+                               "finalize() must run at the end of every backward");
+  tracker_.reset();
+  accumulate_ = accumulate;
+}
+
+at::Tensor& GradReducer::ensure_buffer(int64_t bucket) {
+  at::Tensor& view = bucket_view_[bucket];
+  if (view.defined()) return view;
+  if (free_buffers_.empty() && !in_flight_.empty()) complete_oldest();
+  at::Tensor base;
+  if (!free_buffers_.empty()) {
+    base = std::move(free_buffers_.back());
+    free_buffers_.pop_back();
+  } else {
+    base = at::empty({max_bucket_}, buffer_options_);
+    ++all_buffers_;
+    peak_buffers_ = std::max(peak_buffers_, all_buffers_);
+  }
+  view = base.narrow(0, 0, geometry_.bucket_padded_size[bucket]);
+  view.zero_();  // padding and the slots of parameters without a gradient reduce as zeros
+  bucket_base_[bucket] = std::move(base);
+  return view;
+}
+
+void GradReducer::mark_ready(int64_t param, const at::Tensor& grad) {
+  ZC_CHECK_ARG(param >= 0 && param < tracker_.num_params(), "parameter index must be in [0, ", tracker_.num_params(),
+               "), got ", param);
+  const int64_t bucket = geometry_.param_bucket[param];
+  at::Tensor& view = ensure_buffer(bucket);
+  if (grad.defined()) {
+    ZC_CHECK_ARG(grad.numel() == geometry_.param_numel[param], "gradient of parameter ", param, " has ",
+                 grad.numel(), " elements, expected ", geometry_.param_numel[param]);
+    view.narrow(0, geometry_.param_offset[param], geometry_.param_numel[param]).copy_(grad.reshape({-1}));
+  }
+  std::vector<int64_t> ready;
+  tracker_.mark_ready(param, ready);
+  for (int64_t b : ready) launch(b);
+}
+
+void GradReducer::launch(int64_t bucket) {
+  at::Tensor& view = ensure_buffer(bucket);
+  if (prescale_ != 1.0) view.mul_(prescale_);
+  in_flight_.push_back(comm_->reduce_scatter(view, bucket));
+}
+
+void GradReducer::complete_oldest() {
+  PendingCollective pending = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  pending.wait();
+  const int64_t bucket = pending.tag;
+  at::Tensor& view = bucket_view_[bucket];
+  const int64_t shard = view.numel() / comm_->world_size();
+  const at::Tensor reduced = view.narrow(0, comm_->rank() * shard, shard);
+  if (accumulate_) {
+    destinations_[bucket].add_(reduced);
+  } else {
+    destinations_[bucket].copy_(reduced);
+  }
+  view = at::Tensor();
+  free_buffers_.push_back(std::move(bucket_base_[bucket]));
+}
+
+void GradReducer::finalize() {
+  std::vector<int64_t> remaining;
+  std::vector<int64_t> unmarked;
+  tracker_.finalize(remaining, unmarked);
+  for (int64_t bucket : remaining) launch(bucket);
+  while (!in_flight_.empty()) complete_oldest();
+}
+
+int64_t GradReducer::buffer_bytes() const {
+  return static_cast<int64_t>(all_buffers_) * max_bucket_ * c10::elementSize(reduce_dtype_);
+}
+
+int64_t GradReducer::peak_buffer_bytes() const {
+  return static_cast<int64_t>(peak_buffers_) * max_bucket_ * c10::elementSize(reduce_dtype_);
+}
+
+}  // namespace zerocore::bindings

@@ -1,0 +1,76 @@
+// Stages 1-2: gathers parameters' gradients into bucket buffers and reduce-scatters each bucket as soon
+// as it is complete and its turn has come (Note [Bucket launch order] in ready_tracker.hpp), then
+// deposits this rank's reduced shard into the caller's shard tensors.
+//
+// Note [Reducer memory]
+// ---------------------
+// Bucket buffers come from a small pool (buffers of the largest bucket, in the reduce dtype). A bucket
+// takes a buffer when its first gradient arrives and returns it once its reduce-scatter completed and its
+// shard was deposited. When the pool is empty the oldest in-flight bucket is completed first; only when
+// nothing is in flight does the pool grow. With gradients arriving roughly in reverse layout order (the
+// launch order), two or three buffers are live at a time, whatever the model size.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "comm.hpp"
+#include "zerocore/ready_tracker.hpp"
+
+namespace zerocore::bindings {
+
+struct ReducerGeometry {
+  std::vector<int64_t> bucket_padded_size;  // per bucket: elements, padded (divisible by world size)
+  std::vector<int64_t> param_bucket;        // per parameter: its bucket
+  std::vector<int64_t> param_offset;        // per parameter: its first element inside its bucket
+  std::vector<int64_t> param_numel;         // per parameter: elements
+  std::vector<int64_t> launch_order;        // a permutation of the buckets
+};
+
+class GradReducer {
+ public:
+  // shard_destinations[b]: a tensor of bucket b's shard size that receives this rank's reduced shard.
+  // prescale multiplies each bucket before the reduction (1 / world_size averages as DDP does).
+  GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry, std::vector<at::Tensor> shard_destinations,
+              at::ScalarType reduce_dtype, double prescale);
+
+  // Starts a backward pass whose shards are added to (accumulate) or copied over the destinations.
+  void begin_backward(bool accumulate);
+  // Copies `grad` (undefined = no gradient, zeros) into parameter `param`'s slot and launches every bucket
+  // whose turn has come.
+  void mark_ready(int64_t param, const at::Tensor& grad);
+  // Launches the buckets not launched yet (zeros for parameters that got no gradient), waits for all and
+  // deposits every shard. The destinations are final when it returns.
+  void finalize();
+
+  bool in_backward() const { return tracker_.state() == ReadyTracker::State::kInBackward; }
+  int64_t buffers_allocated() const { return static_cast<int64_t>(all_buffers_); }
+  int64_t buffer_bytes() const;       // bytes of the pool now
+  int64_t peak_buffer_bytes() const;  // the most the pool ever held
+  const ReadyTracker& tracker() const { return tracker_; }
+
+ private:
+  at::Tensor& ensure_buffer(int64_t bucket);
+  void launch(int64_t bucket);
+  void complete_oldest();
+
+  std::shared_ptr<Comm> comm_;
+  ReducerGeometry geometry_;
+  std::vector<at::Tensor> destinations_;
+  at::ScalarType reduce_dtype_;
+  double prescale_;
+  at::TensorOptions buffer_options_;
+  int64_t max_bucket_ = 0;
+  ReadyTracker tracker_;
+  bool accumulate_ = false;
+
+  std::vector<at::Tensor> bucket_view_;  // per bucket: its view into a pool buffer, or undefined
+  std::vector<at::Tensor> bucket_base_;  // per bucket: the pool buffer the view belongs to
+  std::vector<at::Tensor> free_buffers_;
+  std::deque<PendingCollective> in_flight_;  // launched, in launch order
+  size_t all_buffers_ = 0;
+  size_t peak_buffers_ = 0;
+};
+
+}  // namespace zerocore::bindings

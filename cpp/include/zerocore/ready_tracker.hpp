@@ -1,0 +1,58 @@
+// Decides when gradient buckets launch their reduction, independently of the order in which gradients
+// become ready, so every rank issues the same collectives in the same order (a rank that issued them in
+// another order would hang or, worse, mix buckets of equal size).
+//
+// Note [Bucket launch order]
+// --------------------------
+// Buckets launch strictly in `launch_order` (by default the reverse of the layout order, because
+// backward produces the last parameters' gradients first). A bucket whose parameters are all ready waits
+// until every bucket before it in launch_order has launched ("not its turn yet"), as in DDP's Reducer.
+// At the end of backward, finalize() launches every bucket not yet launched, still in launch_order, and
+// lists the parameters that were never marked so their slots can be zero-filled: unused parameters
+// never leave a rank waiting in a collective that the other ranks skipped.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace zerocore {
+
+class ReadyTracker {
+ public:
+  enum class State { kIdle, kInBackward, kFinalized };
+
+  // param_bucket[i]: the bucket of parameter i. launch_order: a permutation of [0, num_buckets).
+  // Throws InvalidArgument when a bucket index is out of range or launch_order is not a permutation.
+  ReadyTracker(std::vector<int64_t> param_bucket, int64_t num_buckets, std::vector<int64_t> launch_order);
+
+  int64_t num_params() const { return static_cast<int64_t>(param_bucket_.size()); }
+  int64_t num_buckets() const { return static_cast<int64_t>(expected_.size()); }
+  State state() const { return state_; }
+  const std::vector<int64_t>& launch_order() const { return launch_order_; }
+
+  // Starts a backward pass: every parameter unmarked, no bucket launched. Legal in any state.
+  void reset();
+
+  // Marks parameter `param` ready and appends to `launch` the buckets that may launch now, in order.
+  // Throws std::runtime_error when the parameter was already marked in this backward, or after finalize().
+  void mark_ready(int64_t param, std::vector<int64_t>& launch);
+
+  // Ends the backward: appends the buckets still to launch (in order) to `launch`, and the parameters
+  // never marked to `unmarked`. Throws std::runtime_error if called twice without reset().
+  void finalize(std::vector<int64_t>& launch, std::vector<int64_t>& unmarked);
+
+  bool is_marked(int64_t param) const { return marked_.at(param) != 0; }
+
+ private:
+  void advance(std::vector<int64_t>& launch);
+
+  std::vector<int64_t> param_bucket_;  // bucket of each parameter
+  std::vector<int64_t> launch_order_;  // the one order every rank launches buckets in
+  std::vector<int64_t> expected_;      // parameters per bucket
+  std::vector<int64_t> pending_;       // parameters per bucket not yet marked in this backward
+  std::vector<uint8_t> marked_;        // per parameter: marked in this backward
+  int64_t cursor_ = 0;                 // next position in launch_order_ to launch
+  State state_ = State::kIdle;
+};
+
+}  // namespace zerocore

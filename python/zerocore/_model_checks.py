@@ -1,0 +1,109 @@
+"""What the engine checks about a model before it touches it, and how it groups the parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import OptimizerConfig
+
+_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction", "name"}
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The one device every parameter and buffer of ``model`` lives on; ValueError otherwise."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
+    first_name, first = tensors[0]
+    for name, tensor in tensors[1:]:
+        if tensor.device != first.device:
+            raise ValueError(
+                f"the model's tensors are on several devices: {first_name!r} on {first.device} and {name!r} on "
+                f"{tensor.device}; move the model to one device (model.to(device)) before initialize()"
+            )
+    return first.device
+
+
+def _fingerprint(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
+
+
+def check_same_model_on_all_ranks(model: nn.Module, group: dist.ProcessGroup, rank: int) -> None:
+    """Raises on every rank, naming the first differing parameter and rank, when the models differ."""
+    mine = _fingerprint(model)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for other_rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for index in range(max(len(reference), len(theirs))):
+            ours = reference[index] if index < len(reference) else None
+            other = theirs[index] if index < len(theirs) else None
+            if ours != other:
+                raise ValueError(
+                    f"the model differs between ranks: parameter #{index} is {_describe(ours)} on rank 0 but "
+                    f"{_describe(other)} on rank {other_rank} (this is rank {rank}). Every rank must build the "
+                    "same model (names, shapes, dtypes, requires_grad)."
+                )
+
+
+def _describe(entry: tuple[str, tuple[int, ...], str, bool] | None) -> str:
+    if entry is None:
+        return "missing"
+    name, shape, dtype, requires_grad = entry
+    return f"{name!r} shape={list(shape)} dtype={dtype} requires_grad={requires_grad}"
+
+
+def collect_trainable(
+    model: nn.Module, param_groups: Iterable[Mapping[str, Any]] | None, defaults: OptimizerConfig
+) -> list[dict[str, Any]]:
+    """Optimizer groups of unique trainable parameters, each completed with the config's defaults.
+
+    Tied parameters appear once. Frozen parameters are left out (they stay replicated and untouched).
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    base = {
+        "lr": defaults.lr, "betas": tuple(defaults.betas), "eps": defaults.eps,
+        "weight_decay": defaults.weight_decay, "adamw_mode": defaults.adamw_mode,
+        "bias_correction": defaults.bias_correction,
+    }
+    if param_groups is None:
+        raw = [{"params": list(model.parameters())}]
+    else:
+        raw = [dict(g) if isinstance(g, Mapping) else {"params": [g]} for g in param_groups]
+    seen: set[int] = set()
+    groups: list[dict[str, Any]] = []
+    for index, group in enumerate(raw):
+        unknown = set(group) - _GROUP_KEYS
+        if unknown:
+            raise ValueError(f"param_groups[{index}] has unknown keys {sorted(unknown)}; accepted: {sorted(_GROUP_KEYS)}")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        unique = []
+        for param in params:
+            if id(param) not in names:
+                raise ValueError(f"param_groups[{index}] holds a tensor that is not a parameter of the model")
+            if id(param) in seen:
+                if param_groups is not None and any(param is p for p in unique):
+                    continue
+                if param_groups is not None:
+                    raise ValueError(f"parameter {names[id(param)]!r} appears in more than one param group")
+                continue
+            seen.add(id(param))
+            if param.requires_grad:
+                unique.append(param)
+        if unique:
+            groups.append({**base, **{k: v for k, v in group.items() if k != "params"}, "params": unique})
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise ValueError(
+            f"parameter {missing[0]!r} requires grad but is in no param group; add it to one or set "
+            "requires_grad=False"
+        )
+    return groups

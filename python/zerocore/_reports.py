@@ -1,0 +1,76 @@
+"""engine.memory_report() and engine.comm_report(): exact bytes held and collectives issued."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def memory_report(engine: Engine) -> dict[str, Any]:
+    """Bytes this rank holds for model state, itemized, beside ZeRO's formula for the stage.
+
+    ``psi`` counts trainable elements; ``psi_padded`` adds the layout's alignment and bucket padding,
+    which the buffers really hold and the formula is evaluated on. Master params cost nothing extra in
+    fp32 training (the rank's shard of the parameter buffer is the master).
+    """
+    items = {"params": 0, "grads": 0, "master_params": 0, "optimizer_moments": 0}
+    for group in engine.groups:
+        for key, value in group.memory().items():
+            items[key] += value
+    items["reduce_buckets"] = engine.reducer.peak_buffer_bytes
+    items["allgather_buckets"] = 0  # the all-gather fills the parameter buffer in place
+    frozen = [p for p in engine.module.parameters() if not p.requires_grad]
+    items["frozen_params"] = sum(p.numel() * p.element_size() for p in frozen)
+    psi = sum(p.numel() for group in engine.groups for p in group.params)
+    psi_padded = sum(group.layout.total_size for group in engine.groups)
+    n = engine.world_size
+    width = torch.empty((), dtype=engine.compute_dtype).element_size()
+    optimizer_k = 8 if engine.compute_dtype == torch.float32 else 12
+    grads = width * psi_padded if engine.stage == 1 else width * psi_padded // n
+    formula = {
+        "params": width * psi_padded,
+        "grads": grads,
+        "optimizer_state": optimizer_k * psi_padded // n,
+    }
+    formula["total"] = sum(formula.values())
+    model_state = items["params"] + items["grads"] + items["master_params"] + items["optimizer_moments"]
+    return {
+        "stage": engine.stage,
+        "world_size": n,
+        "compute_dtype": str(engine.compute_dtype).replace("torch.", ""),
+        "psi": psi,
+        "psi_padded": psi_padded,
+        "bytes": items,
+        "model_state_bytes": model_state,
+        "total_bytes": sum(items.values()),
+        "formula": formula,
+        "formula_text": (
+            f"{width}Psi + {width}Psi + {optimizer_k}Psi/N" if engine.stage == 1
+            else f"{width}Psi + ({width}+{optimizer_k})Psi/N"
+        ),
+        "ddp_bytes": (2 * width + optimizer_k) * psi,
+    }
+
+
+def comm_report(engine: Engine) -> dict[str, Any]:
+    """Collectives issued since the last ``reset_comm_stats()``, counted in C++ where they are issued.
+
+    ``logical_elements`` is the collective's size as ZeRO defines it (a reduce-scatter of a bucket counts
+    the whole bucket); ``algorithm_bytes`` the bytes this rank sent under the algorithm actually used.
+    """
+    stats = {
+        op: {"calls": s.calls, "logical_elements": s.logical_elements, "algorithm_bytes": s.algorithm_bytes,
+             "backend_calls": s.backend_calls}
+        for op, s in engine.comm.stats().items()
+    }
+    return {
+        "backend": engine.comm.backend,
+        "algorithms": {"reduce_scatter": engine.comm.reduce_scatter_algo, "all_gather": engine.comm.all_gather_algo},
+        "collectives": stats,
+        "psi_padded": sum(group.layout.total_size for group in engine.groups),
+        "ddp_all_reduce_elements_per_step": sum(p.numel() for group in engine.groups for p in group.params),
+    }

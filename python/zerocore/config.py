@@ -1,0 +1,445 @@
+"""Engine configuration: frozen dataclasses, validated once at construction, and a DeepSpeed JSON reader.
+
+Every invalid value raises ``ValueError`` naming its DeepSpeed key path (``"zero_optimization.stage"``) and
+what is accepted. :meth:`ZeroConfig.from_deepspeed` reads a DeepSpeed config (a JSON file or a dict) and
+sorts its keys into three classes: keys zerocore supports (parsed), real DeepSpeed keys zerocore does not
+support yet (an error, or with ``strict=False`` one warning listing them all, and then ignored), and unknown
+keys (always an error, with a "did you mean" suggestion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["OptimizerConfig", "FP16Config", "ZeroOptimizationConfig", "ZeroConfig"]
+
+_OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW"}
+_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# weight_decay when a DeepSpeed JSON leaves it out, per optimizer type.
+_DEFAULT_WEIGHT_DECAY = {"Adam": 0.0, "AdamW": 0.0}  # DeepSpeed builds FusedAdam, whose default is 0.0
+
+
+def _fail(path: str, message: str) -> None:
+    raise ValueError(f"{path}: {message}")
+
+
+def _no_auto(value: Any, path: str) -> None:
+    if isinstance(value, str) and value == "auto":
+        _fail(path, '"auto" is a Hugging Face Trainer placeholder that the Trainer fills in before DeepSpeed '
+              "sees the config; zerocore needs the actual value")
+
+
+def _bool(value: Any, path: str) -> bool:
+    _no_auto(value, path)
+    if not isinstance(value, bool):
+        _fail(path, f"expected true or false, got {value!r}")
+    return value
+
+
+def _int(value: Any, path: str, minimum: int, maximum: int | None = None) -> int:
+    _no_auto(value, path)
+    wanted = f"an integer >= {minimum}" + ("" if maximum is None else f" and <= {maximum}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(path, f"expected {wanted}, got {value!r}")
+    if not isinstance(value, numbers.Integral):
+        if not (math.isfinite(value) and float(value).is_integer()):
+            _fail(path, f"expected {wanted} (a float only when integral, like 5e8), got {value!r}")
+    result = int(value)
+    if result < minimum or (maximum is not None and result > maximum):
+        _fail(path, f"expected {wanted}, got {value!r}")
+    return result
+
+
+def _float(value: Any, path: str, minimum: float, *, above: bool = False, below: float | None = None) -> float:
+    _no_auto(value, path)
+    wanted = f"a finite number {'>' if above else '>='} {minimum:g}" + ("" if below is None else f" and < {below:g}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(path, f"expected {wanted}, got {value!r}")
+    result = float(value)
+    if (not math.isfinite(result) or result < minimum or (above and result == minimum)
+            or (below is not None and result >= below)):
+        _fail(path, f"expected {wanted}, got {value!r}")
+    return result
+
+
+def _choice(value: Any, path: str, choices: Mapping[str, str]) -> str:
+    _no_auto(value, path)
+    if not isinstance(value, str) or value.lower() not in choices:
+        accepted = ", ".join(repr(c) for c in choices.values())
+        _fail(path, f"expected one of {accepted} (case-insensitive), got {value!r}")
+    return choices[value.lower()]
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Adam / AdamW hyperparameters (DeepSpeed ``optimizer``: ``{"type": ..., "params": {...}}``).
+
+    Attributes:
+        type: ``"Adam"`` or ``"AdamW"``; case-insensitive on input, stored in this spelling.
+        lr: learning rate, >= 0.
+        betas: ``(beta1, beta2)``, each in ``[0, 1)``; any 2-sequence is accepted and stored as a tuple.
+        eps: added to the denominator, >= 0.
+        weight_decay: >= 0; 0.0 by default, as in DeepSpeed (whose FusedAdam defaults to 0.0 for both types).
+        adamw_mode: decoupled (AdamW) weight decay if True, L2 added to the gradient if False. DeepSpeed's
+            ``adam_w_mode``: ``"Adam"`` defaults to True as in DeepSpeed; ``"AdamW"`` requires True.
+        bias_correction: apply Adam's bias correction.
+
+    Raises:
+        ValueError: naming the key path of the first invalid value.
+    """
+
+    type: str = "AdamW"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adamw_mode: bool = True
+    bias_correction: bool = True
+
+    def __post_init__(self) -> None:
+        p = "optimizer.params."
+        object.__setattr__(self, "type", _choice(self.type, "optimizer.type", _OPTIMIZER_TYPES))
+        object.__setattr__(self, "lr", _float(self.lr, p + "lr", 0.0))
+        _no_auto(self.betas, p + "betas")
+        if isinstance(self.betas, (str, bytes)) or not isinstance(self.betas, Sequence) or len(self.betas) != 2:
+            _fail(p + "betas", f"expected two numbers [beta1, beta2], each in [0, 1), got {self.betas!r}")
+        betas = tuple(_float(b, f"{p}betas[{i}]", 0.0, below=1.0) for i, b in enumerate(self.betas))
+        object.__setattr__(self, "betas", betas)
+        object.__setattr__(self, "eps", _float(self.eps, p + "eps", 0.0))
+        object.__setattr__(self, "weight_decay", _float(self.weight_decay, p + "weight_decay", 0.0))
+        adamw_mode = _bool(self.adamw_mode, p + "adam_w_mode (adamw_mode)")
+        if self.type == "AdamW" and not adamw_mode:
+            _fail(p + "adam_w_mode (adamw_mode)", 'type "AdamW" always uses decoupled weight decay; for L2 '
+                  'weight decay use type "Adam" with adam_w_mode false')
+        object.__setattr__(self, "adamw_mode", adamw_mode)
+        object.__setattr__(self, "bias_correction", _bool(self.bias_correction, p + "bias_correction"))
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """fp16 mixed precision and its loss scaler (DeepSpeed ``fp16``).
+
+    Attributes:
+        enabled: train in fp16 with fp32 master weights.
+        loss_scale: a static loss scale (> 0), or 0 for dynamic loss scaling.
+        initial_scale_power: the dynamic scaler starts at ``2**initial_scale_power`` (0..127).
+        loss_scale_window: overflow-free steps before the dynamic scale doubles (>= 1).
+        hysteresis: overflows tolerated before the dynamic scale halves (>= 1).
+        min_loss_scale: the dynamic scale never drops below this (> 0).
+
+    Raises:
+        ValueError: naming the key path of the first invalid value.
+    """
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        set_, p = object.__setattr__, "fp16."
+        set_(self, "enabled", _bool(self.enabled, p + "enabled"))
+        set_(self, "loss_scale", _float(self.loss_scale, p + "loss_scale", 0.0))
+        set_(self, "initial_scale_power", _int(self.initial_scale_power, p + "initial_scale_power", 0, 127))
+        set_(self, "loss_scale_window", _int(self.loss_scale_window, p + "loss_scale_window", 1))
+        set_(self, "hysteresis", _int(self.hysteresis, p + "hysteresis", 1))
+        set_(self, "min_loss_scale", _float(self.min_loss_scale, p + "min_loss_scale", 0.0, above=True))
+
+
+@dataclass(frozen=True)
+class ZeroOptimizationConfig:
+    """ZeRO stage and communication buckets (DeepSpeed ``zero_optimization``). Sizes count elements.
+
+    Attributes:
+        stage: 1 (optimizer states partitioned), 2 (+ gradients) or 3 (+ parameters). DeepSpeed's stage 0
+            (plain data parallelism) is rejected.
+        reduce_bucket_size: elements per gradient reduction (>= 1). Integral floats such as 5e8 are accepted.
+        allgather_bucket_size: elements per parameter all-gather (>= 1).
+        overlap_comm: overlap gradient reduction with the backward pass.
+        contiguous_gradients: copy gradients into a contiguous buffer as they are produced.
+        reduce_scatter: reduce-scatter (rather than all-reduce) gradients.
+        stage3_prefetch_bucket_size: stage 3: parameter elements fetched ahead of use (>= 0; 0 = no prefetch).
+        stage3_max_live_parameters: stage 3: gathered parameter elements kept per GPU (>= 1).
+        stage3_param_persistence_threshold: stage 3: parameters with fewer elements stay unpartitioned (>= 0).
+
+    Raises:
+        ValueError: naming the key path of the first invalid value.
+    """
+
+    stage: int = 1
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+
+    def __post_init__(self) -> None:
+        p = "zero_optimization."
+        _no_auto(self.stage, p + "stage")
+        if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
+            why = " (DeepSpeed's stage 0 is plain data parallelism; zerocore starts at stage 1)"
+            why = why if self.stage == 0 else ""
+            _fail(p + "stage", f"accepted values are 1, 2, 3, got {self.stage!r}{why}")
+        object.__setattr__(self, "stage", int(self.stage))
+        minimums = {"reduce_bucket_size": 1, "allgather_bucket_size": 1, "stage3_prefetch_bucket_size": 0,
+                    "stage3_max_live_parameters": 1, "stage3_param_persistence_threshold": 0}
+        for name, minimum in minimums.items():
+            object.__setattr__(self, name, _int(getattr(self, name), p + name, minimum))
+        for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter"):
+            object.__setattr__(self, name, _bool(getattr(self, name), p + name))
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Everything the zerocore engine reads; build it directly or with :meth:`from_deepspeed`.
+
+    Attributes:
+        optimizer: Adam / AdamW hyperparameters.
+        gradient_accumulation_steps: micro-batches per optimizer step (>= 1).
+        gradient_clipping: clip the global gradient norm to this (>= 0; 0 = off).
+        bf16: train in bfloat16 (DeepSpeed ``"bf16": {"enabled": true}``). Exclusive with ``fp16.enabled``.
+        fp16: fp16 mixed precision and loss scaling.
+        zero_optimization: ZeRO stage and buckets.
+        communication_data_type: gradient-reduction dtype, ``"fp32"``, ``"fp16"`` or ``"bf16"``
+            (case-insensitive, stored lower case); None reduces in fp32.
+        train_batch_size: global batch size (>= 1) or None; see :meth:`check_batch_sizes`.
+        train_micro_batch_size_per_gpu: per-rank micro-batch size (>= 1) or None.
+        steps_per_print: log every this many optimizer steps (>= 1).
+
+    Raises:
+        ValueError: naming the key path of the first invalid value, or bf16 and fp16 both enabled.
+    """
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    bf16: bool = False
+    fp16: FP16Config = field(default_factory=FP16Config)
+    zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
+    communication_data_type: str | None = None
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    steps_per_print: int = 10
+
+    def __post_init__(self) -> None:
+        for name, cls in (("optimizer", OptimizerConfig), ("fp16", FP16Config),
+                          ("zero_optimization", ZeroOptimizationConfig)):
+            if not isinstance(getattr(self, name), cls):
+                _fail(name, f"expected a {cls.__name__}, got {type(getattr(self, name)).__name__} "
+                      "(use ZeroConfig.from_deepspeed to read a DeepSpeed dict)")
+        ints = {"gradient_accumulation_steps": False, "train_batch_size": True,
+                "train_micro_batch_size_per_gpu": True, "steps_per_print": False}
+        for name, optional in ints.items():
+            value = getattr(self, name)
+            if not (optional and value is None):
+                object.__setattr__(self, name, _int(value, name, 1))
+        object.__setattr__(self, "gradient_clipping", _float(self.gradient_clipping, "gradient_clipping", 0.0))
+        object.__setattr__(self, "bf16", _bool(self.bf16, "bf16.enabled"))
+        if self.communication_data_type is not None:
+            dtype = _choice(self.communication_data_type, "communication_data_type", {k: k for k in _COMM_DTYPES})
+            object.__setattr__(self, "communication_data_type", dtype)
+        if self.bf16 and self.fp16.enabled:
+            raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """bfloat16 if ``bf16``, float16 if ``fp16.enabled``, else float32."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16.enabled else torch.float32
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in: ``communication_data_type``, float32 when it is None."""
+        return torch.float32 if self.communication_data_type is None else _COMM_DTYPES[self.communication_data_type]
+
+    def check_batch_sizes(self, world_size: int) -> None:
+        """Checks DeepSpeed's rule ``train_batch_size == micro * gradient_accumulation_steps * world_size``.
+
+        Nothing is checked without ``train_batch_size``; without ``train_micro_batch_size_per_gpu`` the
+        batch must divide by ``gradient_accumulation_steps * world_size``.
+
+        Args:
+            world_size: number of data-parallel ranks (>= 1).
+
+        Raises:
+            ValueError: naming train_batch_size, train_micro_batch_size_per_gpu and
+                gradient_accumulation_steps with their values.
+        """
+        world = _int(world_size, "world_size", 1)
+        batch, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        gas = self.gradient_accumulation_steps
+        if batch is None:
+            return
+        if micro is None:
+            if batch % (gas * world):
+                raise ValueError(f"train_batch_size ({batch}) is not divisible by gradient_accumulation_steps "
+                                 f"({gas}) * world_size ({world}), so no train_micro_batch_size_per_gpu fits")
+            return
+        if batch != micro * gas * world:
+            hint = ""
+            if batch % (micro * world) == 0:
+                hint = f"; gradient_accumulation_steps = {batch // (micro * world)} would satisfy it"
+            raise ValueError(f"train_batch_size ({batch}) must equal train_micro_batch_size_per_gpu ({micro}) "
+                             f"* gradient_accumulation_steps ({gas}) * world_size ({world}) "
+                             f"= {micro * gas * world}{hint}")
+
+    @classmethod
+    def from_deepspeed(cls, source: str | os.PathLike[str] | Mapping[str, Any], *, strict: bool = True) -> ZeroConfig:
+        """Reads a DeepSpeed config: a path to a JSON file, or an already-loaded mapping (never mutated).
+
+        Args:
+            source: the JSON file's path, or the config as a mapping.
+            strict: if False, real DeepSpeed keys that zerocore does not support yet are ignored with one
+                ``UserWarning`` listing them all, instead of raising. Unknown keys raise either way.
+
+        Returns:
+            The validated config. Missing keys take the dataclass defaults, except ``weight_decay``, which
+            defaults to 0.0 for both optimizer types, as DeepSpeed does.
+
+        Raises:
+            ValueError: an invalid value, an unknown key, an unsupported key (with ``strict``), an ``"auto"``
+                placeholder, or a file that is not valid JSON.
+            TypeError: ``source`` is neither a path nor a mapping.
+        """
+        if isinstance(source, (str, os.PathLike)):
+            data = _load_json(source)
+        elif isinstance(source, Mapping):
+            data = source
+        else:
+            raise TypeError(f"source must be a path or a mapping, got {type(source).__name__}")
+        unsupported: list[str] = []
+        top = _section(data, "", unsupported)
+        optimizer = _section(top.get("optimizer", {}), "optimizer", unsupported)
+        params = _section(optimizer.get("params", {}), "optimizer.params", unsupported)
+        fp16 = _section(top.get("fp16", {}), "fp16", unsupported)
+        bf16 = _section(top.get("bf16", {}), "bf16", unsupported)
+        zero = _section(top.get("zero_optimization", {}), "zero_optimization", unsupported)
+        if unsupported and strict:
+            raise ValueError(f"DeepSpeed keys not supported yet by zerocore: {', '.join(unsupported)}; remove them, "
+                             "or pass strict=False to ignore them with a warning")
+
+        opt_type = _choice(optimizer.get("type", "AdamW"), "optimizer.type", _OPTIMIZER_TYPES)
+        opt_kwargs = {("adamw_mode" if k == "adam_w_mode" else k): v for k, v in params.items()}
+        opt_kwargs.setdefault("weight_decay", _DEFAULT_WEIGHT_DECAY[opt_type])
+        if opt_type == "AdamW" and "adamw_mode" in opt_kwargs:  # DeepSpeed: type AdamW forces adam_w_mode on
+            _bool(opt_kwargs.pop("adamw_mode"), "optimizer.params.adam_w_mode")
+        plain = {k: v for k, v in top.items() if k not in ("optimizer", "fp16", "bf16", "zero_optimization")}
+        config = cls(optimizer=OptimizerConfig(type=opt_type, **opt_kwargs), bf16=bf16.get("enabled", False),
+                     fp16=FP16Config(**fp16), zero_optimization=ZeroOptimizationConfig(**zero), **plain)
+        if unsupported:
+            warnings.warn(f"zerocore ignores these DeepSpeed keys, not supported yet: {', '.join(unsupported)}",
+                          UserWarning, stacklevel=2)
+        return config
+
+    def to_deepspeed(self) -> dict[str, Any]:
+        """Returns a DeepSpeed config dict (JSON-serializable); ``from_deepspeed`` of it equals ``self``."""
+        o = self.optimizer
+        out: dict[str, Any] = {
+            "optimizer": {"type": o.type, "params": {
+                "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+                "adam_w_mode": o.adamw_mode, "bias_correction": o.bias_correction}},
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_clipping": self.gradient_clipping,
+            "bf16": {"enabled": self.bf16},
+            "fp16": dataclasses.asdict(self.fp16),
+            "zero_optimization": dataclasses.asdict(self.zero_optimization),
+            "steps_per_print": self.steps_per_print,
+        }
+        for name in ("communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+# Per section (key path, "" = top level): supported keys, aliases DeepSpeed also accepts, keys accepted and
+# ignored, and real DeepSpeed keys that zerocore does not support yet.
+_Z3 = ("max_reuse_distance model_persistence_threshold gather_16bit_weights_on_model_save "
+       "module_granularity_threshold use_all_reduce_for_fetch_params allgather_sequential").split()
+_SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozenset[str]]] = {
+    "": (frozenset(f.name for f in dataclasses.fields(ZeroConfig)), {"bfloat16": "bf16"},
+         frozenset({"wall_clock_breakdown"}), frozenset((
+             "scheduler activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger amp "
+             "zero_allow_untested_optimizer zero_force_ds_cpu_optimizer elasticity autotuning prescale_gradients "
+             "gradient_predivide_factor sparse_gradients sparse_attention pipeline data_efficiency "
+             "curriculum_learning compression_training checkpoint aio nebula data_types memory_breakdown "
+             "dump_state disable_allgather torch_autocast compile hybrid_engine eigenvalue progressive_layer_drop "
+             "quantize_training weight_quantization seq_parallel_communication_data_type dataloader_drop_last "
+             "tensor_parallel").split())),
+    "optimizer": (frozenset({"type", "params"}), {}, frozenset(), frozenset({"legacy_fusion"})),
+    "optimizer.params": (frozenset({"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}), {},
+                         frozenset(), frozenset({"torch_adam", "amsgrad"})),
+    "fp16": (frozenset(f.name for f in dataclasses.fields(FP16Config)), {}, frozenset(),
+             frozenset({"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"})),
+    "bf16": (frozenset({"enabled"}), {}, frozenset(), frozenset({"immediate_grad_update"})),
+    "zero_optimization": (
+        frozenset(f.name for f in dataclasses.fields(ZeroOptimizationConfig)),
+        {name: "stage3_" + name for name in ("prefetch_bucket_size", "max_live_parameters",
+                                             "param_persistence_threshold")},
+        frozenset(),
+        frozenset((
+            "offload_optimizer offload_param sub_group_size cpu_offload cpu_offload_param cpu_offload_use_pin_memory "
+            "load_from_fp32_weights elastic_checkpoint allgather_partitions use_multi_rank_bucket_allreduce "
+            "ignore_unused_parameters legacy_stage1 round_robin_gradients zero_hpz_partition_size "
+            "zero_quantized_weights zero_quantized_nontrainable_weights zero_quantized_gradients zeropp_loco_param "
+            "mics_shard_size mics_hierarchical_params_gather memory_efficient_linear pipeline_loading_checkpoint "
+            "override_module_apply log_trace_cache_warnings stage3_gather_fp16_weights_on_model_save zenflow "
+            "leaf_module").split() + _Z3 + ["stage3_" + name for name in _Z3])),
+}
+_HINTS = {"optimizer.params.max_grad_norm": "DeepSpeed clips with the top-level gradient_clipping"}
+
+
+def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
+    """Returns the supported keys of one section (aliases resolved); records unsupported key paths."""
+    supported, aliases, ignored, not_yet = _SCHEMA[path]
+    prefix = path + "." if path else ""
+    if not isinstance(mapping, Mapping):
+        _fail(path or "config", f"expected a JSON object (a mapping), got {mapping!r}")
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if not isinstance(key, str):
+            _fail(path or "config", f"keys must be strings, got {key!r}")
+        name = aliases.get(key, key)
+        if name in supported:
+            if name in out:
+                _fail(prefix + name, "given twice, under its name and under an alias DeepSpeed also accepts")
+            out[name] = value
+        elif key in not_yet:
+            unsupported.append(prefix + key)
+        elif key not in ignored:
+            known = sorted(supported | set(aliases) | ignored | not_yet)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = f" ({_HINTS[prefix + key]})" if prefix + key in _HINTS else hint
+            _fail(prefix + key, f"unknown key{hint}; accepted keys here: {', '.join(sorted(supported | ignored))}")
+    return out
+
+
+def _load_json(path: str | os.PathLike[str]) -> Any:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(f"{os.fspath(path)}: key {key!r} appears twice in one object")
+            out[key] = value
+        return out
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f, object_pairs_hook=no_duplicates)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{os.fspath(path)}: not valid JSON: {e}") from e

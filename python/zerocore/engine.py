@@ -1,0 +1,385 @@
+"""The ZeRO engine for stages 1 and 2: ``zerocore.initialize(model, config) -> Engine``.
+
+Note [Engine lifecycle]
+-----------------------
+A training iteration is DeepSpeed's: ``loss = engine(batch)``, ``engine.backward(loss)``,
+``engine.step()``, repeated ``gradient_accumulation_steps`` times per optimizer update. ``step()`` counts
+micro-steps and updates only at the accumulation boundary. Every backward outside ``no_sync()`` must be
+followed by ``step()`` before the next one; backwards inside ``no_sync()`` only accumulate locally.
+
+Which backwards communicate (see Note [Stage 1-2 storage] in _flat_group.py):
+  stage 1: the boundary backward reduce-scatters every bucket (earlier micro-steps accumulate in place);
+  stage 2: every backward outside ``no_sync()`` reduce-scatters and adds this rank's shard.
+The boundary ``step()`` then, on every rank in the same order: agrees on fp16 overflow (one all-reduce),
+computes the global gradient norm for clipping (one all-reduce), runs the fused Adam kernel on this
+rank's shard of every bucket (writing the compute-dtype params in the same pass) and all-gathers each
+bucket's params asynchronously; the next forward waits for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import ops
+from ._flat_group import FlatParamGroup
+from ._loss_scaler import LossScaler
+from ._model_checks import check_same_model_on_all_ranks, collect_trainable, model_device
+from ._native import _C
+from .config import ZeroConfig
+from .layout import FlatLayout
+from .optimizer import ZeroOptimizer
+
+__all__ = ["Engine", "initialize"]
+
+# Alignment of every tensor and shard boundary, in elements: 128 bytes for fp16/bf16 (vector loads and
+# cache lines on CPU, coalesced access on GPU).
+_ALIGNMENT = 64
+
+
+def initialize(
+    model: nn.Module,
+    config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str],
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    param_groups: Iterable[Mapping[str, Any]] | None = None,
+    comm_algorithms: Mapping[str, str] | None = None,
+) -> Engine:
+    """Wraps ``model`` for ZeRO data-parallel training.
+
+    Args:
+        model: an ordinary ``nn.Module``, identical on every rank (checked), on one device.
+        config: a :class:`ZeroConfig`, or a DeepSpeed config as a dict or a JSON file path.
+        process_group: the data-parallel group (a subgroup composes with tensor/pipeline parallelism);
+            default: the default group, initialized here from the environment (``torchrun``) or as a
+            single-process group when none exists.
+        param_groups: torch-style groups (``{"params": [...], "weight_decay": 0.0, ...}``) over the model's
+            parameters; default: one group of every trainable parameter.
+        comm_algorithms: ``{"reduce_scatter": ..., "all_gather": ...}`` overrides of the per-backend choice
+            (see Note [Collective algorithms] in bindings/comm.hpp).
+    """
+    if not isinstance(config, ZeroConfig):
+        config = ZeroConfig.from_deepspeed(config)
+    return Engine(model, config, process_group, param_groups=param_groups, comm_algorithms=comm_algorithms)
+
+
+def _default_process_group(device: torch.device) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+class Engine:
+    """ZeRO stage 1/2 training engine. Build it with :func:`initialize`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        process_group: dist.ProcessGroup | None,
+        *,
+        param_groups: Iterable[Mapping[str, Any]] | None = None,
+        comm_algorithms: Mapping[str, str] | None = None,
+    ) -> None:
+        stage = config.zero_optimization.stage
+        if stage not in (1, 2):
+            raise ValueError(f"zero_optimization.stage={stage} is not available yet; stages 1 and 2 are")
+        self.module = model
+        self.config = config
+        self.stage = stage
+        self.device = model_device(model)
+        self.process_group = process_group if process_group is not None else _default_process_group(self.device)
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        config.check_batch_sizes(self.world_size)
+        algorithms = dict(comm_algorithms or {})
+        unknown = set(algorithms) - {"reduce_scatter", "all_gather"}
+        if unknown:
+            raise ValueError(f"comm_algorithms keys must be 'reduce_scatter' or 'all_gather', got {sorted(unknown)}")
+        self.comm = _C.Comm(self.process_group, algorithms.get("reduce_scatter", "auto"),
+                            algorithms.get("all_gather", "auto"))
+
+        check_same_model_on_all_ranks(model, self.process_group, self.rank)
+        self._broadcast_module_state()
+        groups = collect_trainable(model, param_groups, config.optimizer)
+        self.compute_dtype = config.compute_dtype
+        bucket_cap = min(config.zero_optimization.reduce_bucket_size, config.zero_optimization.allgather_bucket_size)
+        self.groups: list[FlatParamGroup] = []
+        for group in groups:
+            params = group["params"]
+            layout = FlatLayout([p.numel() for p in params], self.world_size, _ALIGNMENT, bucket_cap)
+            self.groups.append(FlatParamGroup(params, layout, rank=self.rank, stage=stage,
+                                              compute_dtype=self.compute_dtype, device=self.device))
+        if self.compute_dtype != torch.float32:
+            model.to(self.compute_dtype)  # the rest (frozen params, buffers); trainable ones are already cast
+        self.optimizer = ZeroOptimizer(self, groups)
+        self.loss_scaler = LossScaler(config.fp16)
+        self._build_reducer()
+        self._register_hooks()
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._no_sync = False
+        self._awaiting_step = False  # a synced backward ran and step() has not followed yet
+        self._backward_ran = False  # any backward since the last step()
+        self._reducing = False
+        self._finalized = True
+        self._pending_gathers: list[Any] = []
+        self._last_grad_norm: float | None = None
+        self.zero_grad()
+
+    # ---- construction helpers -----------------------------------------------------------------------
+    def _broadcast_module_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers, as DDP does."""
+        with torch.no_grad():
+            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+                self.comm.broadcast(tensor.data if tensor.is_contiguous() else tensor.data.contiguous(), 0).wait()
+
+    def _build_reducer(self) -> None:
+        """One GradReducer over every group's buckets; parameters get stable global indices."""
+        bucket_sizes: list[int] = []
+        destinations: list[torch.Tensor] = []
+        param_bucket: list[int] = []
+        param_offset: list[int] = []
+        param_numel: list[int] = []
+        self._param_slots: list[tuple[FlatParamGroup, int]] = []
+        for group in self.groups:
+            first_bucket = len(bucket_sizes)
+            for k, bucket in enumerate(group.buckets):
+                bucket_sizes.append(bucket.padded_size)
+                destinations.append(group.grad_slice(k))
+            bucket_of = group.layout.tensor_buckets().tolist()
+            for index, param in enumerate(group.params):
+                bucket = group.buckets[bucket_of[index]]
+                param_bucket.append(first_bucket + bucket_of[index])
+                param_offset.append(group.offsets[index] - bucket.flat_start)
+                param_numel.append(param.numel())
+                self._param_slots.append((group, index))
+        launch_order = list(reversed(range(len(bucket_sizes))))  # see Note [Bucket launch order]
+        self.reducer = _C.GradReducer(
+            self.comm, bucket_sizes, param_bucket, param_offset, param_numel, launch_order, destinations,
+            self.config.reduce_dtype, 1.0 / self.world_size,
+        )
+        self.num_buckets = len(bucket_sizes)
+
+    def _register_hooks(self) -> None:
+        engine_ref = weakref.ref(self)
+        self._hook_handles = []
+        for index, (group, local) in enumerate(self._param_slots):
+            param = group.params[local]
+
+            def hook(p: torch.Tensor, index: int = index) -> None:
+                engine = engine_ref()
+                if engine is not None:
+                    engine._on_grad_ready(index, p)
+
+            self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    # ---- forward / backward -------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the module after the last step's all-gathers landed. In bf16/fp16 training, floating-point
+        tensor arguments are cast to the compute dtype (integer inputs such as token ids are left alone)."""
+        self.wait_for_params()
+        if self.compute_dtype != torch.float32:
+            args = tuple(self._cast_input(a) for a in args)
+            kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
+        return self.module(*args, **kwargs)
+
+    def _cast_input(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.compute_dtype)
+        return value
+
+    def wait_for_params(self) -> None:
+        """Blocks until the all-gather of the last step's updated parameters has landed."""
+        for pending in self._pending_gathers:
+            pending.wait()
+        self._pending_gathers = []
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Back-propagates ``loss`` (scaled for fp16 and averaged over accumulation micro-steps)."""
+        if self._awaiting_step:
+            raise RuntimeError(
+                "backward() was called twice without step() in between. Call engine.step() after every "
+                "engine.backward() (it only updates at the accumulation boundary), or wrap accumulation "
+                "backwards in engine.no_sync()."
+            )
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise ValueError("backward() needs a loss tensor that requires grad")
+        self.wait_for_params()
+        self._reducing = not self._no_sync and (self.stage == 2 or self.is_gradient_accumulation_boundary())
+        self._finalized = not self._reducing
+        if self._reducing:
+            accumulate = self.stage == 2
+            self.reducer.begin_backward(accumulate)
+        scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        if not self._finalized:  # no parameter got a gradient in this backward
+            self._finalize_backward()
+        self._backward_ran = True
+        self._awaiting_step = not self._no_sync
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        group, local = self._param_slots[index]
+        if not self._reducing:
+            if self.stage == 1 and param.grad is not None:
+                view = group.grad_view(local)
+                if param.grad.data_ptr() != view.data_ptr():
+                    view.copy_(param.grad)  # autograd made a fresh tensor: keep accumulating in the buffer
+                    param.grad = view
+            return
+        if self._finalized:
+            raise RuntimeError(f"parameter {index} produced a gradient after the backward was finalized")
+        if not self.reducer.in_backward:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+        self.reducer.mark_ready(index, param.grad)
+        if self.stage == 2:
+            param.grad = None  # its values now live in the bucket; see Note [Stage 1-2 storage]
+        elif param.grad is not None and param.grad.data_ptr() != group.grad_view(local).data_ptr():
+            param.grad = group.grad_view(local)
+
+    def _finalize_backward(self) -> None:
+        if self._finalized:
+            return
+        self.reducer.finalize()
+        self._finalized = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate gradients locally without communicating (every stage).
+
+        Stage 2 then holds full gradients until the next synced backward, like FSDP's ``no_sync``.
+        """
+        previous = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # ---- step ---------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Ends a micro-step; at the accumulation boundary, updates the parameters on every rank."""
+        if not self._backward_ran:
+            raise RuntimeError("step() was called before backward(); call engine.backward(loss) first")
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self._backward_ran = False
+        self._awaiting_step = False
+        if boundary:
+            self.optimizer.step()
+            self.zero_grad()
+
+    def _apply_update(self) -> None:
+        """The sharded optimizer step; called by ``optimizer.step()`` (so lr schedulers see it)."""
+        overflow = False
+        if self.config.fp16.enabled:
+            local = 0.0 if all(group.grads_finite() for group in self.groups) else 1.0
+            flag = torch.tensor([local], dtype=torch.float32, device=self.device)
+            self.comm.all_reduce(flag, True).wait()
+            overflow = bool(flag.item() > 0)
+        self.loss_scaler.update(overflow) if self.config.fp16.enabled else None
+        if overflow:
+            self.skipped_steps += 1
+            self._last_grad_norm = float("inf")
+            return
+        grad_scale = 1.0 / self.loss_scaler.scale if self.config.fp16.enabled else 1.0
+        grad_scale = self._apply_overflow_scale_fix(grad_scale, overflow)
+        grad_scale *= self._clip_coefficient(grad_scale)
+        for group, hyper in zip(self.groups, self.optimizer.param_groups):
+            group.step_count += 1
+            beta1, beta2 = hyper["betas"]
+            for bucket in range(len(group.buckets)):
+                exp_avg, exp_avg_sq = group.moment_slices(bucket)
+                ops.adam_step(
+                    group.master_slice(bucket), group.grad_slice(bucket), exp_avg, exp_avg_sq,
+                    step=group.step_count, lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                    weight_decay=hyper["weight_decay"], adamw=hyper["adamw_mode"], grad_scale=grad_scale,
+                    bias_correction=hyper["bias_correction"],
+                    param_out=None if self.compute_dtype == torch.float32 else group.param_shard_slice(bucket),
+                )
+        self.global_steps += 1
+        for group in self.groups:
+            for bucket in range(len(group.buckets)):
+                self._pending_gathers.append(self.comm.all_gather(group.param_bucket(bucket), bucket))
+
+    @staticmethod
+    def _apply_overflow_scale_fix(grad_scale: float, overflow: bool) -> float:
+        # The scaler already advanced for this step; the gradients were scaled by the scale in effect at
+        # backward time, which update() only changes after an overflow (and then no step runs).
+        return grad_scale
+
+    def _clip_coefficient(self, grad_scale: float) -> float:
+        """Global L2 norm of the (unscaled) gradients across every shard; the clip coefficient."""
+        clip = self.config.gradient_clipping
+        sum_sq = sum((group.grad_sum_of_squares() for group in self.groups),
+                     torch.zeros((), dtype=torch.float32, device=self.device)).reshape(1)
+        self.comm.all_reduce(sum_sq, False).wait()
+        norm = math.sqrt(float(sum_sq.item())) * grad_scale
+        self._last_grad_norm = norm
+        if clip <= 0:
+            return 1.0
+        return min(1.0, clip / (norm + 1e-6))
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last update (inf when fp16 overflow skipped it)."""
+        return self._last_grad_norm
+
+    def zero_grad(self) -> None:
+        for group in self.groups:
+            group.zero_grad()
+
+    # ---- reports ------------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, Any]:
+        from ._reports import memory_report
+
+        return memory_report(self)
+
+    def comm_report(self) -> dict[str, Any]:
+        from ._reports import comm_report
+
+        return comm_report(self)
+
+    def reset_comm_stats(self) -> None:
+        self.comm.reset_stats()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's (full, replicated in stages 1-2) state dict, after pending all-gathers land."""
+        self.wait_for_params()
+        return self.module.state_dict()

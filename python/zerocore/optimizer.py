@@ -1,0 +1,34 @@
+"""The engine's optimizer as a ``torch.optim.Optimizer``, so lr schedulers and code that reads
+``param_groups`` work unchanged. Its state is sharded and lives in the engine's flat groups."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Sharded Adam/AdamW. ``param_groups`` hold the model's parameters and the hyper-parameters the next
+    step uses (``lr``, ``betas``, ``eps``, ``weight_decay``, ``adamw_mode``, ``bias_correction``)."""
+
+    def __init__(self, engine: Engine, groups: list[dict[str, Any]]) -> None:
+        first = groups[0]
+        defaults = {key: first[key] for key in ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")}
+        super().__init__([dict(g) for g in groups], defaults)
+        self._engine = engine
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Applies the sharded update. Called by ``engine.step()`` at the accumulation boundary."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step() takes no closure; use engine.backward() then engine.step()")
+        self._engine._apply_update()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad()

@@ -1,0 +1,97 @@
+"""run_ranks(fn, world_size): runs fn(rank, world_size, *args) in world_size processes on Gloo over loopback.
+
+Each rank's return value comes back in a list; an exception on any rank fails the caller with that rank's
+traceback; a rank that does not finish within ``timeout`` seconds fails the caller and every process is
+killed, so a hang becomes a fast failure instead of a stuck CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue: Any,
+            pg_timeout: float) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class RankError(AssertionError):
+    """A rank raised; the message holds its traceback."""
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+              pg_timeout: float = 60.0, expect_errors: bool = False) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on every rank and returns the results by rank.
+
+    With ``expect_errors`` the per-rank outcome ``("ok", result)`` or ``("error", traceback)`` is returned
+    instead of raising.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, pg_timeout), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    import queue as queue_module
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s (a hang?); "
+                                   f"finished: {outcomes}")
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+                outcomes[rank] = (status, payload)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in outcomes]
+                if dead:
+                    raise RankError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if expect_errors:
+        return [outcomes[r] for r in range(world_size)]
+    errors = {r: payload for r, (status, payload) in outcomes.items() if status == "error"}
+    if errors:
+        raise RankError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [outcomes[r][1] for r in range(world_size)]

@@ -1,0 +1,352 @@
+"""zerocore.config: defaults, validation, and the DeepSpeed JSON reader/writer (fast, no distributed)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import warnings
+
+import pytest
+import torch
+
+from zerocore.config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
+
+# Every key zerocore supports, none at its default.
+FULL = {
+    "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1,
+                                             "adam_w_mode": False, "bias_correction": False}},
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": False},
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+             "hysteresis": 3, "min_loss_scale": 0.5},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e8,
+                          "overlap_comm": False, "contiguous_gradients": False, "reduce_scatter": False,
+                          "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 1e8,
+                          "stage3_param_persistence_threshold": 1e4},
+    "communication_data_type": "FP16",
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": 2,
+    "steps_per_print": 100,
+    "wall_clock_breakdown": True,
+}
+
+
+def ds(**sections):
+    """A DeepSpeed dict with the given top-level keys."""
+    return dict(sections)
+
+
+def test_defaults():
+    c = ZeroConfig()
+    assert c.optimizer == OptimizerConfig(type="AdamW", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                          adamw_mode=True, bias_correction=True)
+    assert c.fp16 == FP16Config(enabled=False, loss_scale=0.0, initial_scale_power=16, loss_scale_window=1000,
+                                hysteresis=2, min_loss_scale=1.0)
+    z = c.zero_optimization
+    assert (z.stage, z.reduce_bucket_size, z.allgather_bucket_size) == (1, 500_000_000, 500_000_000)
+    assert (z.overlap_comm, z.contiguous_gradients, z.reduce_scatter) == (True, True, True)
+    assert (z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters,
+            z.stage3_param_persistence_threshold) == (50_000_000, 1_000_000_000, 100_000)
+    assert (c.gradient_accumulation_steps, c.gradient_clipping, c.bf16, c.steps_per_print) == (1, 0.0, False, 10)
+    assert c.communication_data_type is c.train_batch_size is c.train_micro_batch_size_per_gpu is None
+    assert c.compute_dtype == c.reduce_dtype == torch.float32
+    assert ZeroConfig.from_deepspeed({}) == c
+    assert hash(c) == hash(ZeroConfig())
+
+
+def test_dtypes():
+    assert ZeroConfig(bf16=True).compute_dtype == torch.bfloat16
+    assert ZeroConfig(fp16=FP16Config(enabled=True)).compute_dtype == torch.float16
+    for name, dtype in [("fp32", torch.float32), ("FP16", torch.float16), ("Bf16", torch.bfloat16)]:
+        c = ZeroConfig(communication_data_type=name)
+        assert (c.communication_data_type, c.reduce_dtype) == (name.lower(), dtype)
+
+
+def test_full_round_trip(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(FULL))
+    c = ZeroConfig.from_deepspeed(FULL)
+    assert ZeroConfig.from_deepspeed(path) == ZeroConfig.from_deepspeed(str(path)) == c
+    assert c.optimizer == OptimizerConfig("Adam", 3e-4, (0.8, 0.95), 1e-6, 0.1, False, False)
+    assert c.fp16 == FP16Config(True, 0.0, 12, 500, 3, 0.5)
+    assert c.zero_optimization == ZeroOptimizationConfig(3, 50_000_000, 200_000_000, False, False, False,
+                                                         0, 100_000_000, 10_000)
+    assert (c.gradient_accumulation_steps, c.gradient_clipping, c.communication_data_type) == (4, 1.0, "fp16")
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.steps_per_print) == (64, 2, 100)
+    assert (c.compute_dtype, c.reduce_dtype) == (torch.float16, torch.float16)
+    out = c.to_deepspeed()
+    assert ZeroConfig.from_deepspeed(out) == c
+    assert ZeroConfig.from_deepspeed(json.loads(json.dumps(out))) == c
+    for other in (ZeroConfig(), ZeroConfig(bf16=True, communication_data_type="bf16"),
+                  ZeroConfig(optimizer=OptimizerConfig(type="adam", weight_decay=0.01, adamw_mode=False))):
+        assert ZeroConfig.from_deepspeed(other.to_deepspeed()) == other
+
+
+def test_integral_floats():
+    c = ZeroConfig.from_deepspeed(ds(zero_optimization={"reduce_bucket_size": 5e8, "stage": 2.0}))
+    assert c.zero_optimization.reduce_bucket_size == 500_000_000
+    assert type(c.zero_optimization.reduce_bucket_size) is int and type(c.zero_optimization.stage) is int
+    assert type(ZeroOptimizationConfig(allgather_bucket_size=2e8).allgather_bucket_size) is int
+    with pytest.raises(ValueError, match=r"zero_optimization\.reduce_bucket_size.*1\.5"):
+        ZeroConfig.from_deepspeed(ds(zero_optimization={"reduce_bucket_size": 1.5}))
+    with pytest.raises(ValueError, match=r"zero_optimization\.allgather_bucket_size"):
+        ZeroOptimizationConfig(allgather_bucket_size=1.5)
+
+
+BAD = [  # (DeepSpeed dict, key path named in the error, a fragment of the accepted values)
+    (ds(optimizer={"type": "Lamb"}), "optimizer.type", "'Adam', 'AdamW'"),
+    (ds(optimizer={"type": 1}), "optimizer.type", "'Adam', 'AdamW'"),
+    (ds(optimizer={"params": {"lr": -1e-3}}), "optimizer.params.lr", ">= 0"),
+    (ds(optimizer={"params": {"lr": float("nan")}}), "optimizer.params.lr", "finite"),
+    (ds(optimizer={"params": {"lr": "1e-3"}}), "optimizer.params.lr", ">= 0"),
+    (ds(optimizer={"params": {"betas": [0.9, 1.0]}}), "optimizer.params.betas[1]", "< 1"),
+    (ds(optimizer={"params": {"betas": [-0.1, 0.9]}}), "optimizer.params.betas[0]", ">= 0"),
+    (ds(optimizer={"params": {"betas": [0.9]}}), "optimizer.params.betas", "two numbers"),
+    (ds(optimizer={"params": {"betas": "0.9"}}), "optimizer.params.betas", "two numbers"),
+    (ds(optimizer={"params": {"eps": -1.0}}), "optimizer.params.eps", ">= 0"),
+    (ds(optimizer={"params": {"weight_decay": -0.1}}), "optimizer.params.weight_decay", ">= 0"),
+    (ds(optimizer={"type": "Adam", "params": {"adam_w_mode": 1}}), "optimizer.params.adam_w_mode", "true or false"),
+    (ds(optimizer={"params": {"adam_w_mode": "yes"}}), "optimizer.params.adam_w_mode", "true or false"),
+    (ds(optimizer={"params": {"bias_correction": 0}}), "optimizer.params.bias_correction", "true or false"),
+    (ds(optimizer=[]), "optimizer", "JSON object"),
+    (ds(optimizer={"params": None}), "optimizer.params", "JSON object"),
+    (ds(gradient_accumulation_steps=0), "gradient_accumulation_steps", ">= 1"),
+    (ds(gradient_accumulation_steps=True), "gradient_accumulation_steps", ">= 1"),
+    (ds(gradient_clipping=-1.0), "gradient_clipping", ">= 0"),
+    (ds(gradient_clipping=float("inf")), "gradient_clipping", "finite"),
+    (ds(bf16={"enabled": "true"}), "bf16.enabled", "true or false"),
+    (ds(bf16=True), "bf16", "JSON object"),
+    (ds(fp16={"enabled": 1}), "fp16.enabled", "true or false"),
+    (ds(fp16={"loss_scale": -1}), "fp16.loss_scale", ">= 0"),
+    (ds(fp16={"initial_scale_power": -1}), "fp16.initial_scale_power", ">= 0"),
+    (ds(fp16={"initial_scale_power": 200}), "fp16.initial_scale_power", "<= 127"),
+    (ds(fp16={"loss_scale_window": 0}), "fp16.loss_scale_window", ">= 1"),
+    (ds(fp16={"hysteresis": 0}), "fp16.hysteresis", ">= 1"),
+    (ds(fp16={"min_loss_scale": 0}), "fp16.min_loss_scale", "> 0"),
+    (ds(zero_optimization={"stage": 0}), "zero_optimization.stage", "zerocore starts at stage 1"),
+    (ds(zero_optimization={"stage": 4}), "zero_optimization.stage", "1, 2, 3"),
+    (ds(zero_optimization={"stage": -1}), "zero_optimization.stage", "1, 2, 3"),
+    (ds(zero_optimization={"stage": True}), "zero_optimization.stage", "1, 2, 3"),
+    (ds(zero_optimization={"stage": "2"}), "zero_optimization.stage", "1, 2, 3"),
+    (ds(zero_optimization={"reduce_bucket_size": 0}), "zero_optimization.reduce_bucket_size", ">= 1"),
+    (ds(zero_optimization={"allgather_bucket_size": 0}), "zero_optimization.allgather_bucket_size", ">= 1"),
+    (ds(zero_optimization={"overlap_comm": None}), "zero_optimization.overlap_comm", "true or false"),
+    (ds(zero_optimization={"contiguous_gradients": 1}), "zero_optimization.contiguous_gradients", "true or false"),
+    (ds(zero_optimization={"reduce_scatter": "no"}), "zero_optimization.reduce_scatter", "true or false"),
+    (ds(zero_optimization={"stage3_prefetch_bucket_size": -1}), "zero_optimization.stage3_prefetch_bucket_size",
+     ">= 0"),
+    (ds(zero_optimization={"stage3_max_live_parameters": 0}), "zero_optimization.stage3_max_live_parameters",
+     ">= 1"),
+    (ds(zero_optimization={"stage3_param_persistence_threshold": -5}),
+     "zero_optimization.stage3_param_persistence_threshold", ">= 0"),
+    (ds(zero_optimization=True), "zero_optimization", "JSON object"),
+    (ds(communication_data_type="fp8"), "communication_data_type", "'fp32', 'fp16', 'bf16'"),
+    (ds(communication_data_type=16), "communication_data_type", "'fp32', 'fp16', 'bf16'"),
+    (ds(train_batch_size=0), "train_batch_size", ">= 1"),
+    (ds(train_micro_batch_size_per_gpu=2.5), "train_micro_batch_size_per_gpu", ">= 1"),
+    (ds(steps_per_print=0), "steps_per_print", ">= 1"),
+]
+
+
+@pytest.mark.parametrize("config,path,accepted", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_bad_value_names_key_path(config, path, accepted):
+    with pytest.raises(ValueError) as info:
+        ZeroConfig.from_deepspeed(config, strict=False)
+    message = str(info.value)
+    assert message.startswith(path + ":") or message.startswith(path + " "), message
+    assert accepted in message
+
+
+@pytest.mark.parametrize("make,path", [
+    (lambda: OptimizerConfig(lr=-1.0), "optimizer.params.lr"),
+    (lambda: OptimizerConfig(type="SGD"), "optimizer.type"),
+    (lambda: OptimizerConfig(type="AdamW", adamw_mode=False), "optimizer.params.adam_w_mode"),
+    (lambda: FP16Config(hysteresis=0), "fp16.hysteresis"),
+    (lambda: ZeroOptimizationConfig(stage=0), "zero_optimization.stage"),
+    (lambda: ZeroConfig(gradient_accumulation_steps=0), "gradient_accumulation_steps"),
+    (lambda: ZeroConfig(bf16=1), "bf16.enabled"),
+    (lambda: ZeroConfig(optimizer={"lr": 1.0}), "optimizer"),
+    (lambda: ZeroConfig(zero_optimization={"stage": 2}), "zero_optimization"),
+])
+def test_direct_construction_validates(make, path):
+    with pytest.raises(ValueError, match="^" + re.escape(path)):
+        make()
+
+
+def test_optimizer_types_and_deepspeed_defaults():
+    opt = lambda d: ZeroConfig.from_deepspeed(ds(optimizer=d)).optimizer  # noqa: E731
+    assert opt({"type": "adamw"}).type == "AdamW" and opt({"type": "ADAM"}).type == "Adam"
+    assert OptimizerConfig(type="adamW").type == "AdamW"
+    # A DeepSpeed JSON without weight_decay gets DeepSpeed's 0.0 for both types (its FusedAdam default).
+    assert opt({"type": "Adam"}).weight_decay == 0.0 and opt({"type": "AdamW"}).weight_decay == 0.0
+    assert opt({}).type == "AdamW" and opt({}).weight_decay == 0.0 and OptimizerConfig().weight_decay == 0.0
+    assert opt({"type": "Adam"}).adamw_mode is True  # DeepSpeed's adam_w_mode defaults to True
+    assert opt({"type": "Adam", "params": {"adam_w_mode": False}}).adamw_mode is False
+    assert opt({"type": "AdamW", "params": {"adam_w_mode": False}}).adamw_mode is True  # DeepSpeed forces it
+    assert opt({"params": {"betas": (0.5, 0.6)}}).betas == (0.5, 0.6)
+    assert OptimizerConfig(betas=[0.5, 0.6], lr=1).betas == (0.5, 0.6)
+    assert type(OptimizerConfig(lr=1).lr) is float
+
+
+def test_auto_placeholder_rejected():
+    for config, path in [(ds(gradient_accumulation_steps="auto"), "gradient_accumulation_steps"),
+                         (ds(optimizer={"params": {"lr": "auto"}}), "optimizer.params.lr"),
+                         (ds(optimizer={"params": {"betas": "auto"}}), "optimizer.params.betas"),
+                         (ds(zero_optimization={"stage": "auto"}), "zero_optimization.stage"),
+                         (ds(zero_optimization={"reduce_bucket_size": "auto"}), "zero_optimization.reduce_bucket_size"),
+                         (ds(fp16={"enabled": "auto"}), "fp16.enabled")]:
+        with pytest.raises(ValueError, match=re.escape(path) + r': "auto" is a Hugging Face Trainer placeholder'):
+            ZeroConfig.from_deepspeed(config)
+
+
+@pytest.mark.parametrize("config,path,suggestion", [
+    (ds(zero_optimization={"stagee": 2}), "zero_optimization.stagee", "stage"),
+    (ds(optimzer={}), "optimzer", "optimizer"),
+    (ds(optimizer={"params": {"learning_rate": 1e-3}}), "optimizer.params.learning_rate", None),
+    (ds(optimizer={"params": {"weight_decy": 0.1}}), "optimizer.params.weight_decy", "weight_decay"),
+    (ds(fp16={"loss_scale_windw": 10}), "fp16.loss_scale_windw", "loss_scale_window"),
+    (ds(bf16={"enable": True}), "bf16.enable", "enabled"),
+    (ds(gradient_acumulation_steps=2), "gradient_acumulation_steps", "gradient_accumulation_steps"),
+])
+def test_unknown_key(config, path, suggestion):
+    for strict in (True, False):  # unknown keys are errors either way
+        with pytest.raises(ValueError) as info:
+            ZeroConfig.from_deepspeed(config, strict=strict)
+        message = str(info.value)
+        assert message.startswith(path + ": unknown key")
+        assert "accepted keys here:" in message
+        if suggestion is not None:
+            assert f"did you mean {suggestion!r}" in message
+    if path.startswith("zero_optimization"):
+        assert "stage3_param_persistence_threshold" in message  # lists the accepted keys at that level
+
+
+def test_max_grad_norm_hint():
+    with pytest.raises(ValueError, match=r"optimizer\.params\.max_grad_norm: unknown key.*gradient_clipping"):
+        ZeroConfig.from_deepspeed(ds(optimizer={"params": {"max_grad_norm": 1.0}}))
+
+
+UNSUPPORTED = {
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+    "activation_checkpointing": {"partition_activations": True},
+    "zero_allow_untested_optimizer": True,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+    "fp16": {"enabled": True, "auto_cast": False},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                          "stage3_gather_16bit_weights_on_model_save": True, "sub_group_size": 1e9},
+}
+UNSUPPORTED_PATHS = ["scheduler", "activation_checkpointing", "zero_allow_untested_optimizer",
+                     "optimizer.params.torch_adam", "fp16.auto_cast", "zero_optimization.offload_optimizer",
+                     "zero_optimization.offload_param", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                     "zero_optimization.sub_group_size"]
+
+
+def test_unsupported_keys_strict():
+    with pytest.raises(ValueError, match="not supported yet") as info:
+        ZeroConfig.from_deepspeed(UNSUPPORTED)
+    assert all(path in str(info.value) for path in UNSUPPORTED_PATHS)
+    assert "strict=False" in str(info.value)
+
+
+def test_unsupported_keys_non_strict_warns_once():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = ZeroConfig.from_deepspeed(UNSUPPORTED, strict=False)
+    assert len(caught) == 1 and caught[0].category is UserWarning
+    assert all(path in str(caught[0].message) for path in UNSUPPORTED_PATHS)
+    expected = ZeroConfig(optimizer=OptimizerConfig(type="AdamW", lr=1e-4), fp16=FP16Config(enabled=True),
+                          zero_optimization=ZeroOptimizationConfig(stage=3))
+    assert c == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZeroConfig.from_deepspeed(FULL, strict=False)  # nothing unsupported: no warning
+
+
+def test_aliases_and_ignored_keys():
+    c = ZeroConfig.from_deepspeed(ds(bfloat16={"enabled": True}, wall_clock_breakdown=False,
+                                     zero_optimization={"prefetch_bucket_size": 7, "max_live_parameters": 8,
+                                                        "param_persistence_threshold": 9}))
+    z = c.zero_optimization
+    assert c.bf16 and (z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters,
+                       z.stage3_param_persistence_threshold) == (7, 8, 9)
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage3_prefetch_bucket_size: given twice"):
+        ZeroConfig.from_deepspeed(ds(zero_optimization={"prefetch_bucket_size": 7, "stage3_prefetch_bucket_size": 7}))
+
+
+def test_users_dict_not_mutated():
+    for config, strict in [(FULL, True), (UNSUPPORTED, False),
+                           (ds(bfloat16={"enabled": True}, zero_optimization={"prefetch_bucket_size": 1}), True),
+                           (ds(optimizer={"type": "AdamW", "params": {"adam_w_mode": False}}), True),
+                           (ds(optimizer={"type": "adam"}), True)]:
+        before = copy.deepcopy(config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            c = ZeroConfig.from_deepspeed(config, strict=strict)
+        assert config == before
+        out = c.to_deepspeed()
+        out["optimizer"]["params"]["betas"][0] = 0.0  # to_deepspeed hands out a fresh dict
+        assert c.to_deepspeed() != out
+    bad = ds(zero_optimization={"stage": 3, "reduce_bucket_size": 1.5})
+    before = copy.deepcopy(bad)
+    with pytest.raises(ValueError):
+        ZeroConfig.from_deepspeed(bad)
+    assert bad == before
+
+
+def test_bf16_and_fp16_rejected():
+    with pytest.raises(ValueError, match=r"bf16\.enabled and fp16\.enabled"):
+        ZeroConfig(bf16=True, fp16=FP16Config(enabled=True))
+    with pytest.raises(ValueError, match=r"bf16\.enabled and fp16\.enabled"):
+        ZeroConfig.from_deepspeed(ds(bf16={"enabled": True}, fp16={"enabled": True}))
+    ZeroConfig.from_deepspeed(ds(bf16={"enabled": True}, fp16={"enabled": False}))
+
+
+def test_check_batch_sizes():
+    ZeroConfig().check_batch_sizes(8)  # nothing given: nothing to check
+    ZeroConfig(train_micro_batch_size_per_gpu=4).check_batch_sizes(8)
+    ZeroConfig(train_batch_size=64, train_micro_batch_size_per_gpu=2,
+               gradient_accumulation_steps=4).check_batch_sizes(8)
+    ZeroConfig(train_batch_size=64, gradient_accumulation_steps=4).check_batch_sizes(8)
+    with pytest.raises(ValueError) as info:
+        ZeroConfig(train_batch_size=64, train_micro_batch_size_per_gpu=2).check_batch_sizes(8)
+    message = str(info.value)
+    for name in ("train_batch_size (64)", "train_micro_batch_size_per_gpu (2)", "gradient_accumulation_steps (1)",
+                 "world_size (8)", "gradient_accumulation_steps = 4 would satisfy it"):
+        assert name in message
+    with pytest.raises(ValueError, match=r"train_batch_size \(60\) is not divisible by gradient_accumulation_steps"):
+        ZeroConfig(train_batch_size=60, gradient_accumulation_steps=4).check_batch_sizes(8)
+    with pytest.raises(ValueError, match="world_size"):
+        ZeroConfig().check_batch_sizes(0)
+
+
+def test_frozen():
+    c = ZeroConfig()
+    for obj, name, value in [(c, "bf16", True), (c.optimizer, "lr", 1.0), (c.fp16, "enabled", True),
+                             (c.zero_optimization, "stage", 3)]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, value)
+    assert dataclasses.replace(c, bf16=True).bf16 and not c.bf16
+    with pytest.raises(ValueError, match=r"^zero_optimization\.stage"):
+        dataclasses.replace(c.zero_optimization, stage=7)  # replace() validates too
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(TypeError):
+        ZeroConfig.from_deepspeed(42)
+    with pytest.raises(FileNotFoundError):
+        ZeroConfig.from_deepspeed(tmp_path / "missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"train_batch_size": 8,}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ZeroConfig.from_deepspeed(broken)
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"zero_optimization": {"stage": 2, "stage": 3}}')
+    with pytest.raises(ValueError, match="'stage' appears twice"):
+        ZeroConfig.from_deepspeed(twice)
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="^config: expected a JSON object"):
+        ZeroConfig.from_deepspeed(listed)

@@ -1,0 +1,192 @@
+"""The fused CUDA Adam kernels (cuda/fused_adam.cu) through zerocore.ops.adam_step and zerocore.optim.FusedAdam.
+
+Accuracy is judged against a float64 reference (torch.optim.AdamW/Adam on float64 tensors): after 100 steps
+our fp32 error must be at most twice that of torch's own fp32 single-tensor optimizer on the same inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+import zerocore  # noqa: E402
+from zerocore import ops  # noqa: E402
+
+DEV = "cuda"
+LR, BETAS, EPS = 1e-3, (0.9, 0.999), 1e-8
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda_build():
+    if not zerocore.build_info()["cuda_compiled"]:
+        pytest.skip("zerocore was built without CUDA kernels")
+
+
+def _view(src: torch.Tensor, offset: int) -> torch.Tensor:
+    """A contiguous copy of src whose first element sits `offset` elements into its storage."""
+    buf = torch.empty(src.numel() + offset, dtype=src.dtype, device=src.device)
+    out = buf[offset:]
+    out.copy_(src)
+    return out
+
+
+def _grads(n: int, steps: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return [(torch.randn(n, generator=gen, device=DEV) * (0.1 + k % 3)).to(dtype) for k in range(steps)]
+
+
+def _torch_opt(p: torch.Tensor, adamw: bool, wd: float) -> torch.optim.Optimizer:
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    return cls([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=wd, foreach=False)
+
+
+def _run(n, *, grad_dtype=torch.float32, adamw=True, wd=0.01, offsets=(0, 0, 0, 0), steps=100, seed=0):
+    """Runs zerocore, torch fp32 and torch fp64 side by side; returns (ours, torch32, ref64) state triples."""
+    p0 = torch.randn(n, generator=torch.Generator(device=DEV).manual_seed(seed + 1), device=DEV)
+    p = _view(p0, offsets[0])
+    m = _view(torch.zeros(n, device=DEV), offsets[1])
+    v = _view(torch.zeros(n, device=DEV), offsets[2])
+    tp, rp = p0.clone(), p0.double()
+    topt, ropt = _torch_opt(tp, adamw, wd), _torch_opt(rp, adamw, wd)
+    for k, g in enumerate(_grads(n, steps, grad_dtype, seed)):
+        skipped = ops.adam_step(p, _view(g, offsets[3]), m, v, step=k + 1, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+                                eps=EPS, weight_decay=wd, adamw=adamw)
+        assert skipped is False
+        tp.grad, rp.grad = g.float(), g.double()
+        topt.step()
+        ropt.step()
+    if n == 0:
+        return (p, m, v), None, None
+    ts, rs = topt.state[tp], ropt.state[rp]
+    return (p, m, v), (tp, ts["exp_avg"], ts["exp_avg_sq"]), (rp, rs["exp_avg"], rs["exp_avg_sq"])
+
+
+def _assert_within_2x_of_torch(ours, torch32, ref):
+    for name, a, t, r in zip(("param", "exp_avg", "exp_avg_sq"), ours, torch32, ref):
+        err = (a.double() - r).abs().max().item()
+        err_torch = (t.double() - r).abs().max().item()
+        floor = 8 * EPS32 * r.abs().max().item()  # a few ulps, for lengths too short for statistics
+        assert err <= 2 * err_torch + floor, f"{name}: error {err:.3e} vs torch fp32 {err_torch:.3e}"
+
+
+LENGTHS = [0, 1, 7, 15, 16, 17, 1000003, 2**20 + 3]
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "l2"])
+def test_matches_float64_reference(n, adamw):
+    ours, t32, ref = _run(n, adamw=adamw)
+    if n == 0:
+        return
+    _assert_within_2x_of_torch(ours, t32, ref)
+
+
+# Contiguous views starting inside their storage: all misaligned alike (vector path after a scalar head,
+# also with a bf16 grad), only some misaligned (no common alignment: scalar path), a misaligned grad alone.
+UNALIGNED = [
+    ((1, 1, 1, 1), torch.float32),
+    ((3, 3, 3, 3), torch.bfloat16),
+    ((1, 0, 0, 0), torch.float32),
+    ((0, 0, 0, 1), torch.float16),
+]
+
+
+@pytest.mark.parametrize("n", [17, 1000003])
+@pytest.mark.parametrize("offsets,grad_dtype", UNALIGNED)
+def test_unaligned_views(n, offsets, grad_dtype):
+    ours, t32, ref = _run(n, offsets=offsets, grad_dtype=grad_dtype, steps=20)
+    _assert_within_2x_of_torch(ours, t32, ref)
+    aligned, _, _ = _run(n, grad_dtype=grad_dtype, steps=20)
+    for a, b in zip(ours, aligned):  # the vector and scalar paths compute the same bits
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [17, 1000003])
+def test_16bit_grads(grad_dtype, n):
+    ours, t32, ref = _run(n, grad_dtype=grad_dtype)
+    _assert_within_2x_of_torch(ours, t32, ref)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,offset", [(1, 0), (17, 1), (1000003, 0), (1000003, 1)])
+def test_param_out_is_rounded_param(out_dtype, grad_dtype, n, offset):
+    p = _view(torch.randn(n, device=DEV) * 3, offset)
+    m, v = torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)
+    out = _view(torch.zeros(n, device=DEV, dtype=out_dtype), offset)
+    for k, g in enumerate(_grads(n, 5, grad_dtype)):
+        ops.adam_step(p, g, m, v, step=k + 1, lr=0.1, weight_decay=0.01, param_out=out)
+        assert torch.equal(out, p.to(out_dtype))  # round to nearest even, as torch's .to()
+
+
+def test_grad_scale_applied_before_use():
+    n = 1000003
+    g = torch.randn(n, device=DEV)
+    a = [torch.randn(n, device=DEV), torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)]
+    b = [t.clone() for t in a]
+    for step in (1, 2, 3):
+        ops.adam_step(*a[:1], g, *a[1:], step=step, lr=1e-2)
+        ops.adam_step(*b[:1], g * 8, *b[1:], step=step, lr=1e-2, grad_scale=0.125)  # exact power-of-two scaling
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("where", [0, 12345, -1])
+def test_check_finite_skips_and_leaves_tensors_untouched(grad_dtype, bad, where):
+    n = 100003
+    g = torch.randn(n, device=DEV).to(grad_dtype)
+    g[where] = bad
+    p, m, v = torch.randn(n, device=DEV), torch.rand(n, device=DEV), torch.rand(n, device=DEV)
+    out = torch.zeros(n, device=DEV, dtype=torch.bfloat16)
+    before = [t.clone() for t in (p, m, v, out)]
+    assert ops.adam_step(p, g, m, v, step=3, lr=1e-2, param_out=out, check_finite=True) is True
+    for t, b in zip((p, m, v, out), before):
+        assert torch.equal(t, b)
+    g[where] = 1.0
+    assert ops.adam_step(p, g, m, v, step=3, lr=1e-2, param_out=out, check_finite=True) is False
+    assert not torch.equal(p, before[0]) and torch.equal(out, p.to(torch.bfloat16))
+
+
+def test_nonfinite_grads_propagate_without_check():
+    g = torch.tensor([1.0, float("nan"), float("inf"), 2.0], device=DEV)
+    p, m, v = torch.ones(4, device=DEV), torch.zeros(4, device=DEV), torch.zeros(4, device=DEV)
+    tp = torch.ones(4, device=DEV)
+    topt = _torch_opt(tp, True, 0.0)
+    tp.grad = g.clone()
+    topt.step()
+    assert ops.adam_step(p, g, m, v, step=1, lr=LR) is False
+    assert torch.equal(p.isnan(), tp.isnan()) and torch.equal(p.isinf(), tp.isinf())
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 63), torch.nn.Tanh(), torch.nn.Linear(63, 1)
+    ).to(DEV)
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_fused_adam_matches_torch_fused(adamw_mode):
+    from zerocore.optim import FusedAdam
+
+    ours, ref = _model(), _model()
+    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    opt = FusedAdam(ours.parameters(), adamw_mode=adamw_mode, **kw)
+    ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    ref_opt = ref_cls(ref.parameters(), fused=True, **kw)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    for _ in range(20):
+        x, y = torch.randn(128, 32, device=DEV, generator=gen), torch.randn(128, 1, device=DEV, generator=gen)
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert isinstance(opt, torch.optim.Optimizer)
