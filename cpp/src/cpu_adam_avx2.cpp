@@ -58,7 +58,7 @@ inline __m128i to_param_out(__m256 param) {
 template <ScalarType kGrad, bool kL2>
 struct AdamAvx2 {
   __m256 grad_scale, decay, l2_weight_decay, one_minus_beta1, beta2, one_minus_beta2;
-  __m256 inv_bias_correction2_sqrt, eps, neg_step_size;
+  __m256 bias_correction2_sqrt, eps, neg_step_size;
 
   explicit AdamAvx2(const Coefficients& c)
       : grad_scale(_mm256_set1_ps(c.grad_scale)),
@@ -67,7 +67,7 @@ struct AdamAvx2 {
         one_minus_beta1(_mm256_set1_ps(c.one_minus_beta1)),
         beta2(_mm256_set1_ps(c.beta2)),
         one_minus_beta2(_mm256_set1_ps(c.one_minus_beta2)),
-        inv_bias_correction2_sqrt(_mm256_set1_ps(c.inv_bias_correction2_sqrt)),
+        bias_correction2_sqrt(_mm256_set1_ps(c.bias_correction2_sqrt)),
         eps(_mm256_set1_ps(c.eps)),
         neg_step_size(_mm256_set1_ps(c.neg_step_size)) {}
 
@@ -80,7 +80,8 @@ struct AdamAvx2 {
     m = _mm256_fmadd_ps(one_minus_beta1, _mm256_sub_ps(g, m), m);   // lerp_(grad, w), w < 0.5 form
     __m256 v = _mm256_loadu_ps(exp_avg_sq);
     v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));  // mul_, addcmul_
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), inv_bias_correction2_sqrt), eps);
+    // exp_avg_sq.sqrt() / sqrt(bc2) + eps, divided as torch does
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bias_correction2_sqrt), eps);
     const __m256 step = _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom);  // addcdiv_(m, denom, -lr/bc1)
     // param.mul_(1 - lr * wd) fused into the update: one rounding fewer than torch, and explicit, so the
     // compiler's own contraction cannot make the AVX2 and AVX-512 results differ.
@@ -174,8 +175,8 @@ bool all_finite_bits(const Bits* data, Bits exponent_mask, int64_t begin, int64_
   constexpr int64_t kPerVector = 32 / sizeof(Bits);
   constexpr int64_t kBlock = 4096;
   const __m256i abs_mask = kWide ? _mm256_set1_epi32(0x7FFFFFFF) : _mm256_set1_epi16(0x7FFF);
-  const __m256i threshold =
-      kWide ? _mm256_set1_epi32(static_cast<int32_t>(exponent_mask)) : _mm256_set1_epi16(static_cast<int16_t>(exponent_mask));
+  const __m256i threshold = kWide ? _mm256_set1_epi32(static_cast<int32_t>(exponent_mask))
+                                  : _mm256_set1_epi16(static_cast<int16_t>(exponent_mask));
   const int64_t vector_end = begin + (end - begin) / kPerVector * kPerVector;
   for (int64_t block = begin; block < vector_end; block += kBlock) {
     const int64_t block_end = block + kBlock < vector_end ? block + kBlock : vector_end;

@@ -2,6 +2,7 @@
 // -mfma -mf16c and run only when the CPU has them. No avx512bf16 instructions: not every AVX-512 CPU has
 // them, and the integer rounding below is exactly torch's anyway. The tail is one masked iteration, so
 // any length and alignment work without a scalar loop.
+
 // GCC 12 reports its own _mm512_undefined_*() placeholders as maybe-uninitialized (GCC bug 105593).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -70,7 +71,7 @@ void adam_chunk(const AdamSpans& spans, const Coefficients& coef, int64_t begin,
   const __m512 one_minus_beta1 = _mm512_set1_ps(coef.one_minus_beta1);
   const __m512 beta2 = _mm512_set1_ps(coef.beta2);
   const __m512 one_minus_beta2 = _mm512_set1_ps(coef.one_minus_beta2);
-  const __m512 inv_bias_correction2_sqrt = _mm512_set1_ps(coef.inv_bias_correction2_sqrt);
+  const __m512 bias_correction2_sqrt = _mm512_set1_ps(coef.bias_correction2_sqrt);
   const __m512 eps = _mm512_set1_ps(coef.eps);
   const __m512 neg_step_size = _mm512_set1_ps(coef.neg_step_size);
 
@@ -84,7 +85,8 @@ void adam_chunk(const AdamSpans& spans, const Coefficients& coef, int64_t begin,
     m = _mm512_fmadd_ps(one_minus_beta1, _mm512_sub_ps(g, m), m);   // lerp_(grad, w), w < 0.5 form
     __m512 v = _mm512_maskz_loadu_ps(mask, exp_avg_sq + i);
     v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, _mm512_mul_ps(v, beta2));  // mul_, addcmul_
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), inv_bias_correction2_sqrt), eps);
+    // exp_avg_sq.sqrt() / sqrt(bc2) + eps, divided as torch does
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bias_correction2_sqrt), eps);
     const __m512 step = _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom);  // addcdiv_(m, denom, -lr/bc1)
     // param.mul_(1 - lr * wd) fused into the update: one rounding fewer than torch, and explicit, so the
     // compiler's own contraction cannot make the AVX2 and AVX-512 results differ.
@@ -139,33 +141,37 @@ void adam_chunk_out(const AdamSpans& spans, const Coefficients& coef, int64_t be
 }
 
 // Non-finite means all exponent bits set, i.e. |bits| >= the exponent mask: an unsigned max over each
-// block, compared once per block (the early exit), reads 64 bytes per iteration whatever the type.
+// block, compared once per block (the early exit). 64 bytes per load whatever the type; the last partial
+// vector is a masked load, which never faults on the lanes it skips.
 template <bool kWide>
 bool all_finite_bits(const void* data, uint32_t exponent_mask, int64_t begin, int64_t end) {
-  constexpr int64_t kPerVector = kWide ? 16 : 32;
+  constexpr int64_t kElementBytes = kWide ? 4 : 2;
+  constexpr int64_t kPerVector = 64 / kElementBytes;
   constexpr int64_t kBlock = 4096;
   const char* const base = static_cast<const char*>(data);
-  constexpr int64_t kElementBytes = kWide ? 4 : 2;
   const __m512i abs_mask = kWide ? _mm512_set1_epi32(0x7FFFFFFF) : _mm512_set1_epi16(0x7FFF);
-  auto load = [&](int64_t i, int64_t count) {
+  auto max_magnitude = [&](__m512i largest, __m512i bits) {
+    const __m512i magnitude = _mm512_and_si512(bits, abs_mask);
+    return kWide ? _mm512_max_epu32(largest, magnitude) : _mm512_max_epu16(largest, magnitude);
+  };
+  auto load_partial = [&](int64_t i, int64_t count) {
     const void* at = base + i * kElementBytes;
-    if (count == kPerVector) return _mm512_loadu_si512(at);
     if constexpr (kWide) return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << count) - 1u), at);
     return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << count) - 1u), at);
   };
-  auto at_least_mask = [&](__m512i largest) {
+  auto reaches = [&](__m512i largest) {
     if constexpr (kWide) return _mm512_cmpge_epu32_mask(largest, _mm512_set1_epi32(exponent_mask)) != 0;
     return _mm512_cmpge_epu16_mask(largest, _mm512_set1_epi16(static_cast<int16_t>(exponent_mask))) != 0;
   };
   for (int64_t block = begin; block < end; block += kBlock) {
-    const int64_t block_end = block + kBlock < end ? block + kBlock : end;
+    const int64_t block_end = std::min(end, block + kBlock);
     __m512i largest = _mm512_setzero_si512();
-    for (int64_t i = block; i < block_end; i += kPerVector) {
-      const int64_t count = block_end - i < kPerVector ? block_end - i : kPerVector;
-      const __m512i magnitude = _mm512_and_si512(load(i, count), abs_mask);
-      largest = kWide ? _mm512_max_epu32(largest, magnitude) : _mm512_max_epu16(largest, magnitude);
+    int64_t i = block;
+    for (; i + kPerVector <= block_end; i += kPerVector) {
+      largest = max_magnitude(largest, _mm512_loadu_si512(base + i * kElementBytes));
     }
-    if (at_least_mask(largest)) return false;
+    if (i < block_end) largest = max_magnitude(largest, load_partial(i, block_end - i));
+    if (reaches(largest)) return false;
   }
   return true;
 }

@@ -21,10 +21,10 @@ struct Coefficients {
   float one_minus_beta1 = 0.1f;        // lerp weight of the first moment
   float beta2 = 0.999f;
   float one_minus_beta2 = 0.001f;
-  // 1 / sqrt(1 - beta2^step) (1 without bias correction): denom = fma(sqrt(v), this, eps). torch divides
-  // instead; the multiply frees the divider, the bottleneck of the AVX2 path, for the one division
-  // left, and changes the update by at most about an ulp (far below the error of p's own rounding).
-  float inv_bias_correction2_sqrt = 1.0f;
+  // sqrt(1 - beta2^step), 1 without bias correction (x / 1 is exact). Divided by, as torch does: a
+  // multiply by the reciprocal would free the divider, but in L2 mode, where p feeds back into the
+  // moments, it drifted from torch by up to 1.4x torch's own error; the division matches bit for bit.
+  float bias_correction2_sqrt = 1.0f;
   float eps = 1e-8f;
   float neg_step_size = -1e-3f;        // -lr / (1 - beta1^step); -lr without bias correction
   bool stream_param_out = false;       // write param_out with non-temporal stores (huge spans only)

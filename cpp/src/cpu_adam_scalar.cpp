@@ -1,5 +1,5 @@
 // The portable Adam kernel: plain C++ compiled without ISA flags. Where the SIMD paths use an FMA (torch's
-// lerp, addcmul, the L2 add, the denominator and the decayed update), this path forms the product exactly in double and
+// lerp, addcmul, the L2 add and the decayed update), this path forms the product exactly in double and
 // rounds the sum back to fp32, which equals the FMA result except in rare double-rounding ties. Without
 // that, the extra roundings push its moment errors noticeably above torch's (see Note [Adam arithmetic]).
 #include <algorithm>
@@ -49,7 +49,7 @@ void adam_chunk(const AdamSpans& spans, const Coefficients& coef, int64_t begin,
     m = fused_multiply_add(c.one_minus_beta1, g - m, m);  // exp_avg.lerp_(grad, 1 - beta1)
     float v = exp_avg_sq[i];
     v = fused_multiply_add(c.one_minus_beta2 * g, g, v * c.beta2);  // mul_(beta2).addcmul_(g, g, 1 - beta2)
-    const float denom = std::sqrt(v) / c.inv_bias_correction2_sqrt + c.eps;
+    const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
     const float update = c.neg_step_size * m / denom;      // addcdiv_(exp_avg, denom, -step_size)
     p = fused_multiply_add(p, c.decay, update);           // AdamW's param.mul_(1 - lr * wd), fused
     param[i] = p;

@@ -142,7 +142,9 @@ ThreadPool::ThreadPool(int num_threads) : impl_(nullptr) {
   impl->num_threads = num_threads;
   Impl* raw = impl.get();
   try {
-    for (int index = 1; index < num_threads; ++index) raw->workers.emplace_back([raw, index] { raw->worker_loop(index); });
+    for (int index = 1; index < num_threads; ++index) {
+      raw->workers.emplace_back([raw, index] { raw->worker_loop(index); });
+    }
   } catch (...) {
     // Could not start every thread: stop those that did start before reporting.
     raw->stopping = true;

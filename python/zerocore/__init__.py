@@ -4,12 +4,13 @@ from ._native import _C  # noqa: F401  (checks the torch version before anything
 from ._info import build_info
 from .layout import Bucket, FlatLayout, Piece
 from . import ops
+from . import optim
 from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
 from .engine import Engine, initialize
 
 __version__ = build_info()["version"]
 
 __all__ = [
-    "build_info", "FlatLayout", "Bucket", "Piece", "ops", "ZeroConfig", "OptimizerConfig", "FP16Config",
+    "build_info", "FlatLayout", "Bucket", "Piece", "ops", "optim", "ZeroConfig", "OptimizerConfig", "FP16Config",
     "ZeroOptimizationConfig", "Engine", "initialize", "__version__",
 ]

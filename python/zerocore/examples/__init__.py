@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m zerocore.examples.train_gpt --help``."""

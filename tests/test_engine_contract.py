@@ -1,0 +1,232 @@
+"""Engine contracts beyond parity: collective order, memory formula, comm volume, no_sync, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerocore
+from _dist import run_ranks
+from _models import batch, build, loss_fn
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _config(stage: int, bucket: int = 1000, **extra) -> dict:
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+            **extra}
+
+
+class Branches(nn.Module):
+    """Eight parallel branches whose forward (so backward, so gradient-ready) order is permuted per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Linear(16, 16) for _ in range(8))
+        self.order = list(range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(self.branches[i](x) * (i + 1) for i in self.order)
+
+
+def order_worker(rank: int, world: int, stage: int) -> list[str]:
+    torch.manual_seed(0)
+    model = Branches()
+    engine = zerocore.initialize(model, _config(stage, bucket=300))
+    engine.comm.set_logging(True)
+    rng = random.Random(1234 + rank)  # a different ready order on every rank and every step
+    for step in range(4):
+        model.order = rng.sample(range(8), 8)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    engine.wait_for_params()
+    log = list(engine.comm.log())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, log)
+    assert all(other == log for other in everyone), "ranks issued different collective sequences"
+    return log
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_collective_sequence_is_identical_on_every_rank_under_permuted_ready_orders(stage):
+    logs = run_ranks(order_worker, 3, stage)
+    assert len({tuple(log) for log in logs}) == 1
+    reduce_scatters = [entry for entry in logs[0] if entry.startswith("reduce_scatter")]
+    assert len(reduce_scatters) >= 4 * 3  # several buckets per step
+
+
+def memory_worker(rank: int, world: int, stage: int) -> dict:
+    torch.manual_seed(0)
+    # Every parameter is a multiple of 64 * world elements, so the layout adds no padding and Psi is exact.
+    model = nn.Sequential(nn.Linear(128, 128, bias=False), nn.Linear(128, 256, bias=False))
+    engine = zerocore.initialize(model, _config(stage, bucket=20_000, bf16={"enabled": True}))
+    engine.backward(engine(torch.randn(2, 128)).float().square().mean())
+    engine.step()
+    return engine.memory_report()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_memory_report_matches_the_zero_formula_byte_for_byte(stage):
+    psi = 128 * 128 + 128 * 256
+    for report in run_ranks(memory_worker, 2, stage):
+        n = 2
+        b = report["bytes"]
+        assert report["psi"] == report["psi_padded"] == psi
+        assert b["params"] == 2 * psi  # bf16
+        assert b["grads"] == (2 * psi if stage == 1 else 2 * psi // n)
+        assert b["master_params"] == 4 * psi // n
+        assert b["optimizer_moments"] == 8 * psi // n
+        expected = 2 * psi + 2 * psi + 12 * psi // n if stage == 1 else 2 * psi + (2 + 12) * psi // n
+        assert report["model_state_bytes"] == expected == report["formula"]["total"]
+        assert b["reduce_buckets"] > 0  # itemized beside the model state
+        assert report["model_state_bytes"] < report["ddp_bytes"]
+
+
+def comm_worker(rank: int, world: int, stage: int) -> dict:
+    model = build("mlp")
+    engine = zerocore.initialize(model, _config(stage))
+    engine.reset_comm_stats()
+    x, y = batch("mlp", torch.Generator().manual_seed(rank))
+    engine.backward(loss_fn("mlp", engine(x), y))
+    engine.step()
+    engine.wait_for_params()
+    return engine.comm_report()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_comm_report_shows_psi_reduce_scattered_and_psi_all_gathered_per_step(stage):
+    for report in run_ranks(comm_worker, 2, stage):
+        c = report["collectives"]
+        psi = report["psi_padded"]
+        assert c["reduce_scatter"]["logical_elements"] == psi
+        assert c["all_gather"]["logical_elements"] == psi
+        assert report["algorithms"] == {"reduce_scatter": "all_reduce", "all_gather": "broadcast"}  # Gloo
+        assert c["reduce_scatter"]["algorithm_bytes"] > 0 and c["all_gather"]["backend_calls"] >= 2
+
+
+def no_sync_worker(rank: int, world: int, stage: int) -> float:
+    """no_sync accumulation for 3 micro-batches, then a synced one, equals gradient_accumulation_steps=4."""
+    results = []
+    for use_no_sync in (True, False):
+        model = build("mlp")
+        config = _config(stage, gradient_accumulation_steps=1 if use_no_sync else 4)
+        engine = zerocore.initialize(model, config)
+        for m in range(4):
+            x, y = batch("mlp", torch.Generator().manual_seed(10 * rank + m))
+            loss = loss_fn("mlp", engine(x), y)
+            if use_no_sync:
+                if m < 3:
+                    with engine.no_sync():
+                        engine.backward(loss / 4)
+                else:
+                    engine.backward(loss / 4)
+                    engine.step()
+            else:
+                engine.backward(loss)
+                engine.step()
+        engine.wait_for_params()
+        results.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-7)
+    return float((results[0] - results[1]).abs().max())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_no_sync_works_in_every_stage(stage):
+    run_ranks(no_sync_worker, 2, stage)
+
+
+class RankDependentBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) if self.use_b else self.a(x)
+
+
+def unused_worker(rank: int, world: int, stage: int) -> bool:
+    torch.manual_seed(0)
+    model = RankDependentBranch()
+    engine = zerocore.initialize(model, _config(stage, bucket=64))
+    for step in range(3):
+        model.use_b = (rank + step) % 2 == 0  # some ranks use b, others do not, changing every step
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        engine.step()
+    engine.wait_for_params()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(flat, other) for other in everyone)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_unused_on_some_ranks_never_hang_and_stay_replicated(stage):
+    assert all(run_ranks(unused_worker, 2, stage, timeout=120))
+
+
+def mismatch_worker(rank: int, world: int) -> str:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 if rank == 1 else 4))
+    try:
+        zerocore.initialize(model, _config(1))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_different_models_on_different_ranks_raise_on_every_rank():
+    for message in run_ranks(mismatch_worker, 2, timeout=120):
+        assert "1.weight" in message and "rank 1" in message, message
+
+
+def misuse_worker(rank: int, world: int) -> list[str]:
+    errors = []
+    model = build("mlp")
+    engine = zerocore.initialize(model, _config(2))
+    x, y = batch("mlp", torch.Generator().manual_seed(0))
+    try:
+        engine.step()
+    except RuntimeError as error:
+        errors.append(str(error))
+    engine.backward(loss_fn("mlp", engine(x), y))
+    try:
+        engine.backward(loss_fn("mlp", engine(x), y))
+    except RuntimeError as error:
+        errors.append(str(error))
+    engine.step()
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    try:
+        zerocore.initialize(frozen, _config(1))
+    except ValueError as error:
+        errors.append(str(error))
+    mixed = nn.Linear(2, 2)
+    mixed.bias = nn.Parameter(torch.zeros(2, device="meta"))
+    try:
+        zerocore.initialize(mixed, _config(1))
+    except ValueError as error:
+        errors.append(str(error))
+    return errors
+
+
+def test_misuse_raises_clear_errors():
+    for errors in run_ranks(misuse_worker, 2, timeout=120):
+        assert len(errors) == 4, errors
+        assert "before backward" in errors[0]
+        assert "twice without step" in errors[1]
+        assert "no trainable parameters" in errors[2]
+        assert "several devices" in errors[3]
+
+
+def test_unsupported_stage_and_bad_comm_algorithm():
+    model = build("mlp")
+    with pytest.raises(ValueError, match="stage"):
+        zerocore.initialize(model, _config(3))
+    with pytest.raises(ValueError, match="reduce_scatter"):
+        zerocore.initialize(build("mlp"), _config(1), comm_algorithms={"reduce_scatter": "magic"})
