@@ -31,8 +31,9 @@ from _common import BenchError, format_table, median, print_header, run_header, 
 ALIGN = 64  # elements; keeps every shard aligned as zerocore's layout does
 
 
-def _ops(world: int, rank: int, n: int) -> list[tuple[str, str, Any]]:
-    """(name, algorithm, callable) in run order; callables block until the op is done on this rank."""
+def _ops(world: int, rank: int, n: int) -> tuple[list[tuple[str, str, Any]], Any, dict[str, str]]:
+    """The ops as (name, algorithm, callable) in run order (each blocks until done on this rank), an untimed
+    refill of the buffers, and the algorithms zerocore's "auto" picks on this backend."""
     import torch
     import torch.distributed as dist
 

@@ -104,14 +104,14 @@ PendingCollective Comm::reduce_scatter(const at::Tensor& bucket, int64_t tag) {
   return pending;
 }
 
-PendingCollective Comm::all_gather(const at::Tensor& bucket, int64_t tag) {
+PendingCollective Comm::all_gather(const at::Tensor& bucket, int64_t tag, const std::string& label) {
   check_bucket(bucket, "all_gather");
   PendingCollective pending{{}, bucket, tag};
   const int64_t n = bucket.numel();
   const int64_t shard = n / world_size_;
   const int64_t bytes = n * bucket.element_size();
   if (world_size_ == 1 || n == 0) {  // nothing to exchange; every rank skips alike (same geometry)
-    record("all_gather", tag, n, 0, 0);
+    record(label, tag, n, 0, 0);
     return pending;
   }
   switch (ag_algo_) {
@@ -120,7 +120,7 @@ PendingCollective Comm::all_gather(const at::Tensor& bucket, int64_t tag) {
       at::Tensor output = bucket;
       pending.works.push_back(group_->_allgather_base(output, input, c10d::AllgatherOptions()));
       pending.buffer = input;  // keep the input alive too (bucket is owned by the caller)
-      record("all_gather", tag, n, bytes * (world_size_ - 1) / world_size_, 1);
+      record(label, tag, n, bytes * (world_size_ - 1) / world_size_, 1);
       break;
     }
     case AllGatherAlgo::kBroadcast: {
@@ -130,7 +130,7 @@ PendingCollective Comm::all_gather(const at::Tensor& bucket, int64_t tag) {
         options.rootRank = root;
         pending.works.push_back(group_->broadcast(tensors, options));
       }
-      record("all_gather", tag, n, bytes / world_size_ * (world_size_ - 1), world_size_);
+      record(label, tag, n, bytes / world_size_ * (world_size_ - 1), world_size_);
       break;
     }
     case AllGatherAlgo::kAllReduce: {
@@ -138,7 +138,7 @@ PendingCollective Comm::all_gather(const at::Tensor& bucket, int64_t tag) {
       if (rank_ + 1 < world_size_) bucket.narrow(0, (rank_ + 1) * shard, n - (rank_ + 1) * shard).zero_();
       std::vector<at::Tensor> tensors{bucket};
       pending.works.push_back(group_->allreduce(tensors, c10d::AllreduceOptions()));
-      record("all_gather", tag, n, 2 * bytes * (world_size_ - 1) / world_size_, 1);
+      record(label, tag, n, 2 * bytes * (world_size_ - 1) / world_size_, 1);
       break;
     }
   }

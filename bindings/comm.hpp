@@ -61,7 +61,8 @@ class Comm {
   // bucket[rank * s, (rank + 1) * s) holds the sum. Other regions hold unspecified values afterwards.
   PendingCollective reduce_scatter(const at::Tensor& bucket, int64_t tag);
   // Fills every rank's shard of `bucket` from that rank; this rank's shard must already be in place.
-  PendingCollective all_gather(const at::Tensor& bucket, int64_t tag);
+  // `label` names the collective in stats and log (stage 3 tells forward, backward and tag gathers apart).
+  PendingCollective all_gather(const at::Tensor& bucket, int64_t tag, const std::string& label = "all_gather");
   // A plain all-reduce (sum or max) for small tensors: norms and overflow flags.
   PendingCollective all_reduce(const at::Tensor& tensor, bool max, int64_t tag);
   // Broadcast from `root` (initial parameter sync).

@@ -32,7 +32,7 @@ void bind_distributed(py::module_& m) {
       .def_property_readonly("all_gather_algo", &Comm::all_gather_algo)
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("bucket"), py::arg("tag") = -1,
            py::call_guard<py::gil_scoped_release>())
-      .def("all_gather", &Comm::all_gather, py::arg("bucket"), py::arg("tag") = -1,
+      .def("all_gather", &Comm::all_gather, py::arg("bucket"), py::arg("tag") = -1, py::arg("label") = "all_gather",
            py::call_guard<py::gil_scoped_release>())
       .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("max") = false, py::arg("tag") = -1,
            py::call_guard<py::gil_scoped_release>())

@@ -7,10 +7,11 @@ from . import ops
 from . import optim
 from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
 from .engine import Engine, initialize
+from ._gathered import gathered
 
 __version__ = build_info()["version"]
 
 __all__ = [
     "build_info", "FlatLayout", "Bucket", "Piece", "ops", "optim", "ZeroConfig", "OptimizerConfig", "FP16Config",
-    "ZeroOptimizationConfig", "Engine", "initialize", "__version__",
+    "ZeroOptimizationConfig", "Engine", "initialize", "gathered", "__version__",
 ]

@@ -114,6 +114,12 @@ class FlatParamGroup:
         offset = self.offsets[index]
         return self.grad_buffer[offset : offset + param.numel()].view(param.shape)
 
+    def sync_master_from_params(self) -> None:
+        """After the parameters were overwritten (``zerocore.gathered`` with a modifier rank)."""
+        if not self._fp32_master:
+            for bucket in range(len(self.buckets)):
+                self.master_slice(bucket).copy_(self.param_shard_slice(bucket))
+
     # ---- state transitions ----------------------------------------------------------------------------
     def zero_grad(self) -> None:
         if self.grad_buffer is not None:

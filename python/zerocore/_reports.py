@@ -21,18 +21,20 @@ def memory_report(engine: Engine) -> dict[str, Any]:
     for group in engine.groups:
         for key, value in group.memory().items():
             items[key] += value
+    stage3 = engine._stage3
+    if stage3 is not None:
+        items.update(stage3.memory())
     items["reduce_buckets"] = engine.reducer.peak_buffer_bytes
     items["allgather_buckets"] = 0  # the all-gather fills the parameter buffer in place
     frozen = [p for p in engine.module.parameters() if not p.requires_grad]
     items["frozen_params"] = sum(p.numel() * p.element_size() for p in frozen)
-    psi = sum(p.numel() for group in engine.groups for p in group.params)
-    psi_padded = sum(group.layout.total_size for group in engine.groups)
+    psi, psi_padded = _psi(engine)
     n = engine.world_size
     width = torch.empty((), dtype=engine.compute_dtype).element_size()
     optimizer_k = 8 if engine.compute_dtype == torch.float32 else 12
     grads = width * psi_padded if engine.stage == 1 else width * psi_padded // n
     formula = {
-        "params": width * psi_padded,
+        "params": width * psi_padded if engine.stage < 3 else width * psi_padded // n,
         "grads": grads,
         "optimizer_state": optimizer_k * psi_padded // n,
     }
@@ -48,10 +50,11 @@ def memory_report(engine: Engine) -> dict[str, Any]:
         "model_state_bytes": model_state,
         "total_bytes": sum(items.values()),
         "formula": formula,
-        "formula_text": (
-            f"{width}Psi + {width}Psi + {optimizer_k}Psi/N" if engine.stage == 1
-            else f"{width}Psi + ({width}+{optimizer_k})Psi/N"
-        ),
+        "formula_text": {
+            1: f"{width}Psi + {width}Psi + {optimizer_k}Psi/N",
+            2: f"{width}Psi + ({width}+{optimizer_k})Psi/N",
+            3: f"({width}+{width}+{optimizer_k})Psi/N",
+        }[engine.stage],
         "ddp_bytes": (2 * width + optimizer_k) * psi,
     }
 
@@ -71,6 +74,13 @@ def comm_report(engine: Engine) -> dict[str, Any]:
         "backend": engine.comm.backend,
         "algorithms": {"reduce_scatter": engine.comm.reduce_scatter_algo, "all_gather": engine.comm.all_gather_algo},
         "collectives": stats,
-        "psi_padded": sum(group.layout.total_size for group in engine.groups),
-        "ddp_all_reduce_elements_per_step": sum(p.numel() for group in engine.groups for p in group.params),
+        "psi_padded": _psi(engine)[1],
+        "ddp_all_reduce_elements_per_step": _psi(engine)[0],
     }
+
+
+def _psi(engine: Engine) -> tuple[int, int]:
+    """(trainable elements, elements of the flat buffers that hold them, padding included)."""
+    owners = list(engine.groups) if engine._stage3 is None else list(engine._stage3.units)
+    psi = sum(p.numel() for owner in owners for p in owner.params)
+    return psi, sum(owner.layout.total_size for owner in owners)

@@ -22,7 +22,7 @@ import contextlib
 import math
 import os
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,8 +31,11 @@ from torch import nn
 
 from . import ops
 from ._flat_group import FlatParamGroup
+from ._gathered import register as register_managed
 from ._loss_scaler import LossScaler
 from ._model_checks import check_same_model_on_all_ranks, collect_trainable, model_device
+from ._stage3 import Stage3Runtime
+from ._units import resolve_units
 from ._native import _C
 from .config import ZeroConfig
 from .layout import FlatLayout
@@ -52,6 +55,9 @@ def initialize(
     *,
     param_groups: Iterable[Mapping[str, Any]] | None = None,
     comm_algorithms: Mapping[str, str] | None = None,
+    units: Sequence[nn.Module | type] | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    device: torch.device | str | None = None,
 ) -> Engine:
     """Wraps ``model`` for ZeRO data-parallel training.
 
@@ -65,10 +71,17 @@ def initialize(
             parameters; default: one group of every trainable parameter.
         comm_algorithms: ``{"reduce_scatter": ..., "all_gather": ...}`` overrides of the per-backend choice
             (see Note [Collective algorithms] in bindings/comm.hpp).
+        units: stage 3 units of gathering, module instances and/or classes (Note [Stage 3 units]);
+            default: the model's repeated blocks.
+        init_fn: stage 3 with a model on the meta device: initializes one module's own parameters
+            (default: the module's ``reset_parameters()``).
+        device: where a meta-device model is materialized (default: the current CUDA device if any, else
+            the CPU); ignored for a model that already has real tensors.
     """
     if not isinstance(config, ZeroConfig):
         config = ZeroConfig.from_deepspeed(config)
-    return Engine(model, config, process_group, param_groups=param_groups, comm_algorithms=comm_algorithms)
+    return Engine(model, config, process_group, param_groups=param_groups, comm_algorithms=comm_algorithms,
+                  units=units, init_fn=init_fn, device=device)
 
 
 def _default_process_group(device: torch.device) -> dist.ProcessGroup:
@@ -92,14 +105,22 @@ class Engine:
         *,
         param_groups: Iterable[Mapping[str, Any]] | None = None,
         comm_algorithms: Mapping[str, str] | None = None,
+        units: Sequence[nn.Module | type] | None = None,
+        init_fn: Callable[[nn.Module], None] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         stage = config.zero_optimization.stage
-        if stage not in (1, 2):
-            raise ValueError(f"zero_optimization.stage={stage} is not available yet; stages 1 and 2 are")
         self.module = model
         self.config = config
         self.stage = stage
         self.device = model_device(model)
+        meta = self.device.type == "meta"
+        if meta:
+            if stage != 3:
+                raise ValueError("a model on the meta device can only be materialized by ZeRO stage 3 "
+                                 f"(zero_optimization.stage=3), got stage {stage}")
+            self.device = torch.device(device) if device is not None else (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.process_group = process_group if process_group is not None else _default_process_group(self.device)
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
@@ -112,19 +133,20 @@ class Engine:
                             algorithms.get("all_gather", "auto"))
 
         check_same_model_on_all_ranks(model, self.process_group, self.rank)
-        self._broadcast_module_state()
+        if not meta:
+            self._broadcast_module_state()
         groups = collect_trainable(model, param_groups, config.optimizer)
         self.compute_dtype = config.compute_dtype
-        bucket_cap = min(config.zero_optimization.reduce_bucket_size, config.zero_optimization.allgather_bucket_size)
+        self._stage3: Stage3Runtime | None = None
         self.groups: list[FlatParamGroup] = []
-        for group in groups:
-            params = group["params"]
-            layout = FlatLayout([p.numel() for p in params], self.world_size, _ALIGNMENT, bucket_cap)
-            self.groups.append(FlatParamGroup(params, layout, rank=self.rank, stage=stage,
-                                              compute_dtype=self.compute_dtype, device=self.device))
-        if self.compute_dtype != torch.float32:
-            model.to(self.compute_dtype)  # the rest (frozen params, buffers); trainable ones are already cast
+        if stage == 3:
+            self._group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
+            self._stage3 = Stage3Runtime(self, resolve_units(model, units), init_fn=init_fn, meta=meta)
+            self._cast_untracked_tensors()
+        else:
+            self._build_flat_groups(groups)
         self.optimizer = ZeroOptimizer(self, groups)
+        register_managed(self, [p for group in groups for p in group["params"]])
         self.loss_scaler = LossScaler(config.fp16)
         self._build_reducer()
         self._register_hooks()
@@ -141,6 +163,30 @@ class Engine:
         self._last_grad_norm: float | None = None
         self.zero_grad()
 
+    def _build_flat_groups(self, groups: list[dict[str, Any]]) -> None:
+        config, model = self.config, self.module
+        bucket_cap = min(config.zero_optimization.reduce_bucket_size, config.zero_optimization.allgather_bucket_size)
+        self.groups: list[FlatParamGroup] = []
+        for group in groups:
+            params = group["params"]
+            layout = FlatLayout([p.numel() for p in params], self.world_size, _ALIGNMENT, bucket_cap)
+            self.groups.append(FlatParamGroup(params, layout, rank=self.rank, stage=self.stage,
+                                              compute_dtype=self.compute_dtype, device=self.device))
+        if self.compute_dtype != torch.float32:
+            model.to(self.compute_dtype)  # the rest (frozen params, buffers); trainable ones are already cast
+
+    def _cast_untracked_tensors(self) -> None:
+        """Stage 3: frozen parameters and floating buffers follow the compute dtype (sharded ones already do)."""
+        if self.compute_dtype == torch.float32:
+            return
+        for module in self.module.modules():
+            for param in module.parameters(recurse=False):
+                if not param.requires_grad and param.is_floating_point():
+                    param.data = param.data.to(self.compute_dtype)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(self.compute_dtype)
+
     # ---- construction helpers -----------------------------------------------------------------------
     def _broadcast_module_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers, as DDP does."""
@@ -155,7 +201,16 @@ class Engine:
         param_bucket: list[int] = []
         param_offset: list[int] = []
         param_numel: list[int] = []
-        self._param_slots: list[tuple[FlatParamGroup, int]] = []
+        self._param_slots: list[tuple[Any, int]] = []
+        if self._stage3 is not None:
+            for unit in self._stage3.units:
+                bucket_sizes.append(unit.numel)
+                destinations.append(unit.grad_shard)
+                for local, param in enumerate(unit.params):
+                    param_bucket.append(len(bucket_sizes) - 1)
+                    param_offset.append(unit.offsets[local])
+                    param_numel.append(param.numel())
+                    self._param_slots.append((unit, local))
         for group in self.groups:
             first_bucket = len(bucket_sizes)
             for k, bucket in enumerate(group.buckets):
@@ -178,8 +233,8 @@ class Engine:
     def _register_hooks(self) -> None:
         engine_ref = weakref.ref(self)
         self._hook_handles = []
-        for index, (group, local) in enumerate(self._param_slots):
-            param = group.params[local]
+        for index, (owner, local) in enumerate(self._param_slots):
+            param = owner.params[local]
 
             def hook(p: torch.Tensor, index: int = index) -> None:
                 engine = engine_ref()
@@ -226,11 +281,12 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ValueError("backward() needs a loss tensor that requires grad")
         self.wait_for_params()
-        self._reducing = not self._no_sync and (self.stage == 2 or self.is_gradient_accumulation_boundary())
-        self._finalized = not self._reducing
+        self._reducing = not self._no_sync and (self.stage >= 2 or self.is_gradient_accumulation_boundary())
+        self._finalized = not self._reducing and self._stage3 is None
         if self._reducing:
-            accumulate = self.stage == 2
-            self.reducer.begin_backward(accumulate)
+            self.reducer.begin_backward(self.stage >= 2)
+        if self._stage3 is not None:
+            self._stage3.begin_backward()
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         if not self._finalized:  # no parameter got a gradient in this backward
@@ -240,6 +296,9 @@ class Engine:
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         group, local = self._param_slots[index]
+        if self._stage3 is not None:
+            self._on_grad_ready_stage3(index, param)
+            return
         if not self._reducing:
             if self.stage == 1 and param.grad is not None:
                 view = group.grad_view(local)
@@ -257,10 +316,22 @@ class Engine:
         elif param.grad is not None and param.grad.data_ptr() != group.grad_view(local).data_ptr():
             param.grad = group.grad_view(local)
 
+    def _on_grad_ready_stage3(self, index: int, param: torch.Tensor) -> None:
+        unit, _ = self._param_slots[index]
+        if self._reducing:
+            if not self.reducer.in_backward:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            self.reducer.mark_ready(index, param.grad)
+            param.grad = None  # reduced into the unit's gradient shard; see Note [Stage 3 gather and release]
+        self._stage3.grad_ready(unit)
+
     def _finalize_backward(self) -> None:
         if self._finalized:
             return
-        self.reducer.finalize()
+        if self._reducing:
+            self.reducer.finalize()
+        if self._stage3 is not None:
+            self._stage3.end_backward()
         self._finalized = True
 
     @contextlib.contextmanager
@@ -293,7 +364,7 @@ class Engine:
         """The sharded optimizer step; called by ``optimizer.step()`` (so lr schedulers see it)."""
         overflow = False
         if self.config.fp16.enabled:
-            local = 0.0 if all(group.grads_finite() for group in self.groups) else 1.0
+            local = 0.0 if self._grads_finite() else 1.0
             flag = torch.tensor([local], dtype=torch.float32, device=self.device)
             self.comm.all_reduce(flag, True).wait()
             overflow = bool(flag.item() > 0)
@@ -301,10 +372,17 @@ class Engine:
         if overflow:
             self.skipped_steps += 1
             self._last_grad_norm = float("inf")
+            if self._stage3 is not None:
+                self._stage3.end_forward_backward_step()
             return
         grad_scale = 1.0 / self.loss_scaler.scale if self.config.fp16.enabled else 1.0
         grad_scale = self._apply_overflow_scale_fix(grad_scale, overflow)
         grad_scale *= self._clip_coefficient(grad_scale)
+        if self._stage3 is not None:
+            self.global_steps += 1
+            self._stage3.apply_adam(self._group_of, self.optimizer.param_groups, self.global_steps, grad_scale)
+            self._stage3.end_forward_backward_step()
+            return
         for group, hyper in zip(self.groups, self.optimizer.param_groups):
             group.step_count += 1
             beta1, beta2 = hyper["betas"]
@@ -331,8 +409,10 @@ class Engine:
     def _clip_coefficient(self, grad_scale: float) -> float:
         """Global L2 norm of the (unscaled) gradients across every shard; the clip coefficient."""
         clip = self.config.gradient_clipping
-        sum_sq = sum((group.grad_sum_of_squares() for group in self.groups),
-                     torch.zeros((), dtype=torch.float32, device=self.device)).reshape(1)
+        parts = [group.grad_sum_of_squares() for group in self.groups]
+        if self._stage3 is not None:
+            parts.append(self._stage3.grad_sum_of_squares())
+        sum_sq = sum(parts, torch.zeros((), dtype=torch.float32, device=self.device)).reshape(1)
         self.comm.all_reduce(sum_sq, False).wait()
         norm = math.sqrt(float(sum_sq.item())) * grad_scale
         self._last_grad_norm = norm
@@ -344,9 +424,15 @@ class Engine:
         """The global gradient norm of the last update (inf when fp16 overflow skipped it)."""
         return self._last_grad_norm
 
+    def _grads_finite(self) -> bool:
+        finite = all(group.grads_finite() for group in self.groups)
+        return finite and (self._stage3 is None or self._stage3.grads_finite())
+
     def zero_grad(self) -> None:
         for group in self.groups:
             group.zero_grad()
+        if self._stage3 is not None:
+            self._stage3.zero_grad()
 
     # ---- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
@@ -380,6 +466,67 @@ class Engine:
         return self.module.named_parameters()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's (full, replicated in stages 1-2) state dict, after pending all-gathers land."""
+        """The full state dict on every rank (see :meth:`full_state_dict` to gather to rank 0 only)."""
+        return self.full_state_dict(rank0_only=False)
+
+    def full_state_dict(self, dtype: torch.dtype | None = None, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's full state dict, keyed by the original names and loadable into the plain model
+        with ``load_state_dict(strict=True)``; CPU tensors, in ``dtype`` when given (floating ones).
+
+        Stage 3 gathers one unit at a time, so the peak is the output plus one unit. A collective: call it
+        on every rank. With ``rank0_only`` other ranks get an empty dict.
+        """
         self.wait_for_params()
-        return self.module.state_dict()
+        keep = not rank0_only or self.rank == 0
+        entries = self.module.state_dict(keep_vars=True)
+        out: dict[str, torch.Tensor] = {}
+
+        def take(name: str, tensor: torch.Tensor) -> None:
+            value = tensor.detach()
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            out[name] = value.to("cpu", copy=True)
+
+        names_of: dict[int, list[str]] = {}
+        for name, tensor in entries.items():
+            names_of.setdefault(id(tensor), []).append(name)
+        sharded: set[int] = set()
+        if self._stage3 is not None:
+            for unit in self._stage3.units:
+                self._stage3.ensure_gathered(unit, "all_gather_state_dict")
+                for param in unit.params:
+                    sharded.add(id(param))
+                    for name in names_of.get(id(param), []) if keep else []:
+                        take(name, param)
+                if not unit.persistent:
+                    self._stage3.release(unit)
+        if keep:
+            for name, tensor in entries.items():
+                if id(tensor) not in sharded and tensor is not None:
+                    take(name, tensor)
+        return {name: out[name] for name in entries if name in out}
+
+    # ---- zerocore.gathered --------------------------------------------------------------------------
+    def _gather_for_user(self, params: list[nn.Parameter]) -> None:
+        self.wait_for_params()
+        if self._stage3 is not None:
+            for unit in self._stage3.units_of(params):
+                self._stage3.ensure_gathered(unit, "all_gather_user")
+
+    def _release_for_user(self, params: list[nn.Parameter], modifier_rank: int | None) -> None:
+        if modifier_rank is not None and not 0 <= modifier_rank < self.world_size:
+            raise ValueError(f"modifier_rank must be in [0, {self.world_size}), got {modifier_rank}")
+        if self._stage3 is not None:
+            for unit in self._stage3.units_of(params):
+                if modifier_rank is not None:
+                    self.comm.broadcast(unit.full, modifier_rank).wait()
+                    self._stage3.write_back(unit)
+                if not unit.persistent:
+                    self._stage3.release(unit)
+            return
+        if modifier_rank is not None:
+            wanted = {id(p) for p in params}
+            for group in self.groups:
+                if any(id(p) in wanted for p in group.params):
+                    self.comm.broadcast(group.param_buffer, modifier_rank).wait()
+                    group.sync_master_from_params()

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "CharTokenizer", "make_corpus", "sample_batch"]
+__all__ = ["GPT", "CharTokenizer", "make_corpus", "sample_batch", "generate"]
 
 _DETERMINERS = ["the", "a", "every", "one", "that"]
 _ADJECTIVES = ["small", "old", "quiet", "bright", "happy", "lazy", "clever", "brave", "green", "tired"]
@@ -117,12 +118,19 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:  # GPT-2 init; residual projections scaled down by depth
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
-                nn.init.normal_(p, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
+        self.apply(self.init_weights)  # a no-op on the meta device; the engine then calls init_weights
+
+    def init_weights(self, module: nn.Module) -> None:
+        """GPT-2 init of one module's own parameters: N(0, 0.02), residual projections scaled down by depth,
+        zero biases, unit LayerNorms. Also the ``init_fn`` for materializing a meta-device model."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            residual = any(module is b.proj or module is b.out for b in self.blocks)
+            nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * len(self.blocks)) if residual else 0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(batch, t, vocab)``, or the mean cross-entropy against ``targets`` when given."""
@@ -135,12 +143,15 @@ class GPT(nn.Module):
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.7, seed: int = 0) -> torch.Tensor:
-        """Samples a continuation of ``idx`` (1, t), reproducibly (a seeded CPU generator)."""
-        generator = torch.Generator().manual_seed(seed)
-        for _ in range(new_tokens):
-            logits = self(idx[:, -self.seq_len:])[:, -1].float().cpu()
-            probs = torch.softmax(logits / temperature, dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator).to(idx.device)], dim=1)
-        return idx
+
+@torch.no_grad()
+def generate(forward: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, new_tokens: int, seq_len: int,
+             temperature: float = 0.7, seed: int = 0) -> torch.Tensor:
+    """Samples a continuation of ``idx`` (1, t) through ``forward`` (ids -> logits; the engine's forward, so
+    the parameters are wherever the engine keeps them), reproducibly (a seeded CPU generator)."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(new_tokens):
+        logits = forward(idx[:, -seq_len:])[:, -1].float().cpu()
+        probs = torch.softmax(logits / temperature, dim=-1)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator).to(idx.device)], dim=1)
+    return idx

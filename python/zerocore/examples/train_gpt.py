@@ -3,7 +3,7 @@
     python -m zerocore.examples.train_gpt                       # 2 CPU ranks, stage 2, ~1.8M params
     python -m zerocore.examples.train_gpt --stage 1 --bf16 --steps 40 --json
     python -m zerocore.examples.train_gpt --config ds_config.json --lr 1e-3   # flags override the JSON
-    torchrun --nproc-per-node 8 -m zerocore.examples.train_gpt --device cuda
+    torchrun --nproc-per-node 8 -m zerocore.examples.train_gpt             # NCCL, cuda:LOCAL_RANK if CUDA
 
 Without ``torchrun`` it spawns ``--nproc`` ranks itself (MASTER_ADDR=127.0.0.1, a free port); under
 ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK set) it runs as the launched rank. Rank 0 prints a progress line
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import zerocore
-from zerocore.examples.gpt import GPT, CharTokenizer, make_corpus, sample_batch
+from zerocore.examples.gpt import GPT, CharTokenizer, generate, make_corpus, sample_batch
 
 # Values used when neither a flag nor the --config JSON sets them.
 _DEFAULTS = {"stage": 2, "lr": 3e-3, "clip": 1.0, "grad_accum": 1, "batch_size": 8, "log_every": 10}
@@ -50,8 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     prec.add_argument("--fp16", action="store_true", default=None, help="float16 compute with loss scaling")
     p.add_argument("--steps", type=int, default=80, help="optimizer steps")
     p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (ignored under torchrun) (default: 2)")
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                   help="auto: cuda when available; cuda uses NCCL and one GPU per rank")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"),
+                   help="auto: cuda when available; cuda uses NCCL and one GPU per rank "
+                        "(default: cpu when spawning, auto under torchrun)")
     p.add_argument("--log-every", type=int, help="steps per progress line " + d % _DEFAULTS["log_every"])
     p.add_argument("--batch-size", type=int, help="micro-batch per rank " + d % _DEFAULTS["batch_size"])
     p.add_argument("--seq-len", type=int, default=64)
@@ -133,14 +134,15 @@ def train(args: argparse.Namespace, config: zerocore.ZeroConfig, micro: int, dev
     data = tokenizer.encode(text)
     stage = config.zero_optimization.stage
     kwargs: dict[str, Any] = {}
-    build_ctx: Any = torch.device(device)
     if args.meta_init:  # only reachable with --stage 3 (checked in main)
-        if "meta_init" in inspect.signature(zerocore.initialize).parameters:
-            build_ctx, kwargs = torch.device("meta"), {"meta_init": True}
-        else:
-            say("note: this zerocore's initialize() has no meta_init yet; building the model on", device)
-    with build_ctx:
-        model = GPT(tokenizer.vocab_size, args.seq_len, args.layers, args.dim, args.heads)
+        if "init_fn" not in inspect.signature(zerocore.initialize).parameters:
+            raise ValueError("--meta-init: this zerocore cannot materialize a meta-device model yet "
+                             "(zerocore.initialize has no init_fn)")
+        with torch.device("meta"):
+            model = GPT(tokenizer.vocab_size, args.seq_len, args.layers, args.dim, args.heads)
+        kwargs = {"init_fn": model.init_weights, "device": device}
+    else:
+        model = GPT(tokenizer.vocab_size, args.seq_len, args.layers, args.dim, args.heads).to(device)
     engine = zerocore.initialize(model, config, **kwargs)
     engine.reset_comm_stats()  # count training traffic only, not the initial broadcast
     total, warmup = args.steps, max(1, args.steps // 10)
@@ -152,7 +154,7 @@ def train(args: argparse.Namespace, config: zerocore.ZeroConfig, micro: int, dev
     say(f"zerocore {zerocore.__version__} | stage {stage} | {world} ranks on {device.type} ({dist.get_backend()}) | "
         f"{memory['compute_dtype']} | {memory['psi'] / 1e6:.2f}M params | vocab {tokenizer.vocab_size} | "
         f"{tokens_per_step} tokens/step (micro {micro} x seq {args.seq_len} x accum {gas} x {world} ranks)")
-    say(f"model state per rank {_mib(memory['model_state_bytes'])} ({memory['formula_text']}) vs "
+    say(f"model state per rank {_mib(memory['model_state_bytes'])} ({memory.get('formula_text', 'ZeRO')}) vs "
         f"DDP {_mib(memory['ddp_bytes'])}")
 
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own slice of the batch
@@ -188,10 +190,9 @@ def train(args: argparse.Namespace, config: zerocore.ZeroConfig, micro: int, dev
     window = min(_FINAL_WINDOW, len(losses))
     final = sum(losses[-window:]) / window
     ok = math.isfinite(final) and final < first
+    prompt = tokenizer.encode("the ").view(1, -1).to(device)  # every rank samples (stage 3 gathers collectively)
+    sample = tokenizer.decode(generate(engine, prompt, 60, args.seq_len)[0]).replace("\n", " / ")
     if rank == 0:
-        engine.wait_for_params()
-        prompt = tokenizer.encode("the ").view(1, -1).to(device)
-        sample = tokenizer.decode(engine.module.generate(prompt, 60)[0]).replace("\n", " / ")
         say(f"sample: {sample!r}")
         say(f"first loss {first:.4f} -> final loss {final:.4f} (mean of the last {window} steps) in "
             f"{elapsed:.1f}s, {tokens_per_step * total / elapsed:.0f} tok/s")
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.dim % args.heads:
         parser.error(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
-    device = args.device
+    device = args.device or ("auto" if torchrun else "cpu")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":

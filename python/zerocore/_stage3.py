@@ -1,0 +1,393 @@
+"""Stage 3: parameters sharded at rest, each unit gathered just in time and released after use.
+
+Note [Stage 3 gather and release]
+---------------------------------
+Every unit (Note [Stage 3 units]) has one flat buffer laid out by the layout engine as a single bucket.
+At rest a rank holds only its shard (compute dtype) plus fp32 master and moments of that shard; the
+full buffer's storage is resized to zero, while every parameter keeps its global shape as a view of it.
+Gathering resizes the storage back and all-gathers into it, so the views, and the tensors autograd
+saved from an earlier gather, see the data again (FSDP's storage-resize technique). A unit is gathered
+before its forward and released after it (except the root unit and units under
+``stage3_param_persistence_threshold``, which stay gathered until the step), gathered again before its
+backward (a hook on its outputs' gradients) and released once every parameter in it got its gradient;
+the gradients are reduce-scattered by the GradReducer (one bucket per unit) into the unit's gradient
+shard and the full gradients are freed at once.
+
+Every gather is preceded by a tiny all-gather of (unit, call count, step) from every rank: if ranks run
+different units (a rank-dependent branch), the first divergent gather raises on every rank with the
+rank, the step and both modules, instead of hanging or mixing one unit's shards into another's.
+
+Prefetch: step 1 records the sequence of units gathered in forward; later steps gather the next unit of
+that sequence while the current one computes (and the previous one in backward), never holding more than
+``stage3_max_live_parameters`` gathered elements through prefetching. A step that deviates from the
+recorded sequence warns once, naming the expected and the seen module, and gathers on demand from there.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from . import ops
+from ._units import UnitSpec
+from .layout import FlatLayout
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_ALIGNMENT = 64
+_NO_BUCKET_CAP = 2**62  # one bucket per unit: one all-gather gathers the whole unit
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Unit:
+    """One unit's flat buffer, this rank's shard of it, and its optimizer state."""
+
+    full: torch.Tensor  # 1-D compute dtype, layout.total_size; storage is empty while SHARDED
+    shard: torch.Tensor  # 1-D compute dtype, layout.shard_size: this rank's parameters at rest
+    master: torch.Tensor  # 1-D fp32 shard (is `shard` in fp32 training)
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad_shard: torch.Tensor  # 1-D compute dtype shard: the reducer adds every backward's reduced shard
+
+    def __init__(self, spec: UnitSpec, world: int, rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec = spec
+        self.index = spec.index
+        self.name = spec.name or "<root>"
+        self.params = spec.params
+        self.layout = FlatLayout([p.numel() for p in spec.params], world, _ALIGNMENT, _NO_BUCKET_CAP)
+        self.offsets = self.layout.offsets().tolist()
+        self.rank = rank
+        self.world = world
+        self.dtype = dtype
+        self.device = device
+        self.state = UnitState.SHARDED
+        self.pending: Any = None
+        self.calls = 0  # gathers of this unit in the current step (for the divergence tag)
+        self.grads_left = 0  # parameters of this unit still waiting for their gradient in this backward
+        self.persistent = False
+        self.in_backward = False
+
+    @property
+    def numel(self) -> int:
+        return self.layout.total_size
+
+    @property
+    def shard_size(self) -> int:
+        return self.layout.shard_size
+
+    def shard_range(self) -> tuple[int, int]:
+        return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
+
+    def build_from(self, values: list[torch.Tensor]) -> None:
+        """Takes this rank's shard (and fp32 master) from full-size parameter values."""
+        shard = self.shard_size
+        self.master = torch.zeros(shard, dtype=torch.float32, device=self.device)
+        for piece in self.layout.pieces(self.rank):
+            source = values[piece.tensor].detach().reshape(-1)
+            self.master[piece.shard_offset : piece.shard_offset + piece.length] = source[
+                piece.tensor_offset : piece.tensor_offset + piece.length
+            ]
+        if self.dtype == torch.float32:
+            self.shard = self.master
+        else:
+            self.shard = self.master.to(self.dtype)
+        self.exp_avg = torch.zeros(shard, dtype=torch.float32, device=self.device)
+        self.exp_avg_sq = torch.zeros(shard, dtype=torch.float32, device=self.device)
+        self.grad_shard = torch.zeros(shard, dtype=self.dtype, device=self.device)
+        self.full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for param, offset in zip(self.params, self.offsets):
+            param.data = self.full[offset : offset + param.numel()].view(param.shape)
+        self._free_storage()
+
+    def _free_storage(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def start_gather(self, comm: Any, label: str) -> None:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.numel * self.full.element_size())
+        start, end = self.shard_range()
+        self.full[start:end].copy_(self.shard)
+        self.pending = comm.all_gather(self.full, self.index, label)
+        self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        if self.state is UnitState.GATHERING:
+            self.pending.wait()
+            self.pending = None
+            self.state = UnitState.GATHERED
+
+    def release(self) -> None:
+        self.wait()  # never free memory a collective is still writing
+        self._free_storage()
+        self.state = UnitState.SHARDED
+
+
+class Stage3Runtime:
+    """Schedules gathers, releases, prefetch and divergence checks of the units of one engine."""
+
+    def __init__(self, engine: Engine, specs: list[UnitSpec], *, init_fn: Any = None, meta: bool = False) -> None:
+        self.engine = engine
+        self.comm = engine.comm
+        zo = engine.config.zero_optimization
+        self.max_live = zo.stage3_max_live_parameters
+        self.prefetch_elements = zo.stage3_prefetch_bucket_size
+        world, rank = engine.world_size, engine.rank
+        self.units = [Unit(s, world, rank, engine.compute_dtype, engine.device) for s in specs if s.params]
+        self.by_module = {id(u.spec.module): u for u in self.units}
+        if meta:
+            from ._meta_init import materialize_units
+
+            materialize_units(engine.module, self.units, engine.device, init_fn)
+        else:
+            for unit in self.units:
+                unit.build_from([p.detach() for p in unit.params])
+        for unit in self.units:
+            unit.persistent = unit.spec.parent is None or unit.numel < zo.stage3_param_persistence_threshold
+        self.step = 0
+        self.recorded_order: list[int] | None = None
+        self._order: list[int] = []
+        self._position = 0
+        self._prefetch_enabled = False
+        self._warned = False
+        self.live_elements = 0
+        self.peak_live_elements = 0
+        self.order_changes = 0
+        self._tag = torch.zeros(3 * world, dtype=torch.int64, device=engine.device)
+        self._register_module_hooks()
+
+    # ---- hooks ----------------------------------------------------------------------------------------
+    def _register_module_hooks(self) -> None:
+        for unit in self.units:
+            module = unit.spec.module
+            module.register_forward_pre_hook(lambda m, args, unit=unit: self.pre_forward(unit))
+            module.register_forward_hook(lambda m, args, out, unit=unit: self.post_forward(unit, out))
+
+    def _in_backward(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def pre_forward(self, unit: Unit) -> None:
+        if self._in_backward():  # activation-checkpoint recomputation: the unit is needed, nothing else
+            self.ensure_gathered(unit, "all_gather_backward")
+            return
+        self._follow_order(unit)
+        self.ensure_gathered(unit, "all_gather_forward")
+        self._prefetch_next()
+
+    def post_forward(self, unit: Unit, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads, unit=unit: self.pre_backward(unit), mode="any"
+                )
+        if not self._in_backward() and not unit.persistent:
+            self.release(unit)
+        return None
+
+    def pre_backward(self, unit: Unit) -> None:
+        self.ensure_gathered(unit, "all_gather_backward")
+        unit.in_backward = True
+
+    def grad_ready(self, unit: Unit) -> None:
+        """A parameter of `unit` got its gradient; the last one releases the unit."""
+        unit.grads_left -= 1
+        if unit.grads_left == 0 and not unit.persistent:
+            self.release(unit)
+
+    # ---- gather / release -----------------------------------------------------------------------------
+    def ensure_gathered(self, unit: Unit, label: str) -> None:
+        if unit.state is UnitState.SHARDED:
+            self._gather(unit, label)
+        unit.wait()
+
+    def _gather(self, unit: Unit, label: str) -> None:
+        self._check_same_unit_on_all_ranks(unit)
+        unit.start_gather(self.comm, label)
+        self.live_elements += unit.numel
+        self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+
+    def release(self, unit: Unit) -> None:
+        if unit.state is not UnitState.SHARDED:
+            unit.release()
+            self.live_elements -= unit.numel
+
+    def _check_same_unit_on_all_ranks(self, unit: Unit) -> None:
+        unit.calls += 1
+        tag = self._tag
+        tag.zero_()
+        r = self.engine.rank
+        tag[3 * r : 3 * r + 3] = torch.tensor([unit.index, unit.calls, self.step])
+        self.comm.all_gather(tag, unit.index, "unit_tag").wait()
+        rows = tag.view(-1, 3).tolist()
+        mine = rows[r]
+        for other, row in enumerate(rows):
+            if row != mine:
+                names = {u.index: u.name for u in self.units}
+                raise RuntimeError(
+                    f"ranks diverged at step {self.step}: rank {other} gathered module "
+                    f"{names.get(row[0], row[0])!r} (call {row[1]}) while rank {r} gathered "
+                    f"{names.get(mine[0], mine[0])!r} (call {mine[1]}). Under ZeRO stage 3 every rank must run "
+                    "the same modules in the same order (SPMD); a rank-dependent branch over a module with "
+                    "parameters breaks that."
+                )
+
+    # ---- prefetch -------------------------------------------------------------------------------------
+    def _follow_order(self, unit: Unit) -> None:
+        self._order.append(unit.index)
+        if self.recorded_order is None or not self._prefetch_enabled:
+            return
+        expected = self.recorded_order[self._position] if self._position < len(self.recorded_order) else None
+        if expected == unit.index:
+            self._position += 1
+            return
+        self.order_changes += 1
+        if not self._warned:
+            names = {u.index: u.name for u in self.units}
+            warnings.warn(
+                f"zerocore stage 3: the forward order changed at step {self.step}: expected module "
+                f"{names.get(expected, 'end of forward')!r} but {unit.name!r} ran; prefetching is off and units "
+                "are gathered on demand for the rest of this step",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._warned = True
+        self._prefetch_enabled = False
+        self._drain_prefetched(keep=unit)
+
+    def _prefetch_next(self) -> None:
+        if not self._prefetch_enabled or self.recorded_order is None:
+            return
+        budget = self.prefetch_elements
+        position = self._position
+        while position < len(self.recorded_order) and budget > 0:
+            nxt = self._unit(self.recorded_order[position])
+            position += 1
+            if nxt.state is not UnitState.SHARDED:
+                continue
+            if self.live_elements + nxt.numel > self.max_live:
+                break
+            self._gather(nxt, "all_gather_forward")
+            budget -= nxt.numel
+
+    def _drain_prefetched(self, keep: Unit) -> None:
+        """Lands every gather in flight (never leave one behind) and releases units not in use."""
+        for unit in self.units:
+            if unit.state is UnitState.GATHERING:
+                unit.wait()
+
+    def _unit(self, index: int) -> Unit:
+        for unit in self.units:
+            if unit.index == index:
+                return unit
+        raise KeyError(index)
+
+    # ---- step boundaries ------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        for unit in self.units:
+            unit.grads_left = len(unit.params)
+
+    def end_backward(self) -> None:
+        for unit in self.units:
+            unit.in_backward = False
+            if not unit.persistent:
+                self.release(unit)
+
+    def end_forward_backward_step(self) -> None:
+        """After the optimizer step: shards changed, so every gathered copy is stale."""
+        for unit in self.units:
+            self.release(unit)
+            unit.calls = 0
+        if self.recorded_order is None and self._order:
+            self.recorded_order = list(self._order)
+        self._order = []
+        self._position = 0
+        self._prefetch_enabled = self.recorded_order is not None
+        self._warned = False
+        self.step += 1
+
+    # ---- optimizer ------------------------------------------------------------------------------------
+    def grad_sum_of_squares(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.engine.device)
+        for unit in self.units:
+            if unit.grad_shard.numel():
+                total += torch.linalg.vector_norm(unit.grad_shard, dtype=torch.float32) ** 2
+        return total
+
+    def grads_finite(self) -> bool:
+        return all(ops.all_finite(unit.grad_shard) for unit in self.units)
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.grad_shard.zero_()
+            for p in unit.params:
+                p.grad = None
+
+    def apply_adam(self, group_of: dict[int, int], hypers: list[dict[str, Any]], step: int, grad_scale: float) -> None:
+        """Adam on each unit's shard, in runs of consecutive pieces that share one param group."""
+        for unit in self.units:
+            for start, end, group in self._runs(unit, group_of):
+                hyper = hypers[group]
+                beta1, beta2 = hyper["betas"]
+                ops.adam_step(
+                    unit.master[start:end], unit.grad_shard[start:end], unit.exp_avg[start:end],
+                    unit.exp_avg_sq[start:end], step=step, lr=hyper["lr"], beta1=beta1, beta2=beta2,
+                    eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=hyper["adamw_mode"],
+                    grad_scale=grad_scale, bias_correction=hyper["bias_correction"],
+                    param_out=None if unit.dtype == torch.float32 else unit.shard[start:end],
+                )
+
+    def _runs(self, unit: Unit, group_of: dict[int, int]) -> list[tuple[int, int, int]]:
+        cached = getattr(unit, "_runs", None)
+        if cached is not None:
+            return cached
+        runs: list[tuple[int, int, int]] = []
+        for piece in unit.layout.pieces(unit.rank):
+            group = group_of[id(unit.params[piece.tensor])]
+            start, end = piece.shard_offset, piece.shard_offset + piece.length
+            if runs and runs[-1][2] == group and runs[-1][1] <= start:
+                runs[-1] = (runs[-1][0], end, group)  # padding between pieces is zero and stays zero
+            else:
+                runs.append((start, end, group))
+        unit._runs = runs
+        return runs
+
+    def memory(self) -> dict[str, int]:
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        return {
+            "params": sum(nbytes(u.shard) for u in self.units),
+            "grads": sum(nbytes(u.grad_shard) for u in self.units),
+            "master_params": sum(0 if u.dtype == torch.float32 else nbytes(u.master) for u in self.units),
+            "optimizer_moments": sum(nbytes(u.exp_avg) + nbytes(u.exp_avg_sq) for u in self.units),
+            "gathered_params_live": self.live_elements * torch.empty((), dtype=self.engine.compute_dtype).element_size(),
+            "gathered_params_peak": self.peak_live_elements
+            * torch.empty((), dtype=self.engine.compute_dtype).element_size(),
+        }
+
+    # ---- outside forward ------------------------------------------------------------------------------
+    def units_of(self, params: list[nn.Parameter]) -> list[Unit]:
+        wanted = {id(p) for p in params}
+        return [u for u in self.units if any(id(p) in wanted for p in u.params)]
+
+    def write_back(self, unit: Unit) -> None:
+        """The gathered full buffer was modified: take this rank's shard (and fp32 master) from it."""
+        start, end = unit.shard_range()
+        region = unit.full[start:end]
+        if unit.dtype == torch.float32:
+            unit.shard.copy_(region)
+        else:
+            unit.shard.copy_(region)
+            unit.master.copy_(region.float())

@@ -1,0 +1,120 @@
+"""Stage 3 units of gathering: which modules gather their parameters together, and which unit owns each
+parameter.
+
+Note [Stage 3 units]
+--------------------
+A unit is a module whose parameters (those not owned by a unit nested inside it) are flattened into one
+buffer and gathered by one all-gather. Units come from ``units=`` (module instances and/or classes, every
+instance of a class is a unit) or, by default, from the repeated blocks of the model: the children of each
+``nn.ModuleList``/``nn.Sequential`` whose children all share one class (a transformer's layers). The root
+module is always a unit and owns every parameter no other unit owns. Units nest like FSDP2's bottom-up
+``fully_shard``: a parameter belongs to the innermost unit that contains it. A parameter reachable from
+several units (tied embedding and LM head) belongs to their innermost common ancestor unit, so it is
+gathered whenever any of its users runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class UnitSpec:
+    index: int
+    name: str  # the module's qualified name ("" for the root)
+    module: nn.Module
+    parent: int | None  # index of the enclosing unit
+    params: list[nn.Parameter] = field(default_factory=list)
+    param_names: list[str] = field(default_factory=list)
+
+
+def default_unit_modules(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: children of ModuleList/Sequential containers whose children share one class."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.children())
+            if len(children) >= 2 and len({type(c) for c in children}) == 1 and any(
+                p.requires_grad for c in children for p in c.parameters()
+            ):
+                found.extend(children)
+    return found
+
+
+def resolve_units(model: nn.Module, units: Sequence[nn.Module | type] | None) -> list[UnitSpec]:
+    """Unit specs in module (pre-)order, the root first; every trainable parameter assigned to one unit."""
+    if units is None:
+        chosen = set(map(id, default_unit_modules(model)))
+    else:
+        chosen = set()
+        classes = tuple(u for u in units if isinstance(u, type))
+        instances = [u for u in units if not isinstance(u, type)]
+        known = {id(m) for m in model.modules()}
+        for unit in instances:
+            if not isinstance(unit, nn.Module) or id(unit) not in known:
+                raise ValueError(f"units must be modules of the model or module classes, got {unit!r}")
+            chosen.add(id(unit))
+        for module in model.modules():
+            if classes and isinstance(module, classes):
+                chosen.add(id(module))
+    chosen.discard(id(model))
+    specs = [UnitSpec(0, "", model, None)]
+    _walk(model, "", 0, chosen, specs)
+    _assign_params(model, specs)
+    return specs
+
+
+def _walk(module: nn.Module, prefix: str, current: int, chosen: set[int], specs: list[UnitSpec]) -> None:
+    for name, child in module.named_children():
+        qualified = f"{prefix}.{name}" if prefix else name
+        unit = current
+        if id(child) in chosen:
+            unit = len(specs)
+            specs.append(UnitSpec(unit, qualified, child, current))
+        _walk(child, qualified, unit, chosen, specs)
+
+
+def _ancestors(specs: list[UnitSpec], unit: int) -> list[int]:
+    chain = [unit]
+    while specs[chain[-1]].parent is not None:
+        chain.append(specs[chain[-1]].parent)
+    return chain
+
+
+def _common_ancestor(specs: list[UnitSpec], units: Iterable[int]) -> int:
+    units = list(units)
+    common = _ancestors(specs, units[0])
+    for unit in units[1:]:
+        mine = set(_ancestors(specs, unit))
+        common = [u for u in common if u in mine]
+    return common[0]
+
+
+def _assign_params(model: nn.Module, specs: list[UnitSpec]) -> None:
+    owner_of_module = {id(spec.module): spec.index for spec in specs}
+    users: dict[int, set[int]] = {}
+    first_name: dict[int, str] = {}
+    params: dict[int, nn.Parameter] = {}
+    order: list[int] = []
+
+    def visit(module: nn.Module, prefix: str, unit: int) -> None:
+        unit = owner_of_module.get(id(module), unit)
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            key = id(param)
+            if key not in users:
+                users[key], first_name[key], params[key] = set(), f"{prefix}.{name}" if prefix else name, param
+                order.append(key)
+            users[key].add(unit)
+        for name, child in module.named_children():
+            visit(child, f"{prefix}.{name}" if prefix else name, unit)
+
+    visit(model, "", 0)
+    for key in order:
+        owner = _common_ancestor(specs, users[key])
+        specs[owner].params.append(params[key])
+        specs[owner].param_names.append(first_name[key])
