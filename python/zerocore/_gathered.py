@@ -13,14 +13,23 @@ from torch import nn
 if TYPE_CHECKING:
     from .engine import Engine
 
-# Which engine manages a parameter. Weak on both sides: an engine or a parameter that is gone is forgotten.
-_engine_of: weakref.WeakKeyDictionary[nn.Parameter, weakref.ReferenceType[Engine]] = weakref.WeakKeyDictionary()
+# Which engine manages a parameter, keyed by id() and holding weak references to both, checked on lookup
+# (so a reused id() cannot match). Not a WeakKeyDictionary: its lookups compare tensors with `==`, which
+# touches their data, and a sharded stage-3 parameter has no data to touch.
+_engine_of: dict[int, tuple[weakref.ReferenceType[nn.Parameter], weakref.ReferenceType[Engine]]] = {}
 
 
 def register(engine: Engine, params: Iterable[nn.Parameter]) -> None:
-    ref = weakref.ref(engine)
+    engine_ref = weakref.ref(engine)
     for param in params:
-        _engine_of[param] = ref
+        _engine_of[id(param)] = (weakref.ref(param, lambda _, key=id(param): _engine_of.pop(key, None)), engine_ref)
+
+
+def _engine_for(param: nn.Parameter) -> Engine | None:
+    entry = _engine_of.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
 
 
 @contextlib.contextmanager
@@ -37,8 +46,7 @@ def gathered(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int |
     params = [params] if isinstance(params, nn.Parameter) else list(params)
     engines: dict[int, Engine] = {}
     for param in params:
-        ref = _engine_of.get(param)
-        engine = ref() if ref is not None else None
+        engine = _engine_for(param)
         if engine is None:
             raise ValueError("zerocore.gathered() got a parameter that no zerocore engine manages "
                              f"(shape {list(param.shape)}); pass parameters of a model given to zerocore.initialize()")

@@ -1,7 +1,7 @@
 """Materialize a model built on the meta device, unit by unit, without ever holding it whole.
 
-Modules are initialized in module order (the order their constructors ran, so a seeded RNG draws the
-same numbers as for an unsharded model): each module's tensors are allocated for real, initialized by
+Modules are initialized children first (the order in which torch modules' constructors initialize, so a
+seeded RNG draws the same numbers as for an unsharded model): each module's tensors are allocated for real, initialized by
 ``init_fn(module)`` or the module's own ``reset_parameters()``, and as soon as the last module touching a
 unit is done, the unit is sharded and its full buffer freed. Peak memory: the units still open (the
 root's and the current block's) plus the shards. Nothing in torch or ``nn.Module`` is patched.
@@ -21,7 +21,10 @@ def _materialize_direct(module: nn.Module, device: torch.device) -> None:
     """Allocates the module's own meta parameters and buffers on `device` (values unset)."""
     for name, param in module._parameters.items():
         if param is not None and param.is_meta:
-            param.data = torch.empty_like(param, device=device)
+            # swap_tensors keeps the Parameter object (the units, the optimizer and the user hold it);
+            # `.data =` cannot move a tensor off the meta device.
+            real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+            torch.utils.swap_tensors(param, real)
     for name, buffer in module._buffers.items():
         if buffer is not None and buffer.is_meta:
             module._buffers[name] = torch.empty_like(buffer, device=device)
@@ -32,7 +35,9 @@ def _initialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None, 
     weights): the initializer still runs over them, so the RNG advances exactly as it did when the
     unsharded model was built and the tie came after both initializations."""
     params = [p for p in module.parameters(recurse=False)]
-    if init_fn is None and not hasattr(module, "reset_parameters"):
+    # torch's MultiheadAttention names its initializer _reset_parameters.
+    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    if init_fn is None and reset is None:
         if any(p.requires_grad for p in params):
             raise ValueError(
                 f"module {type(module).__name__} has parameters built on the meta device but no "
@@ -43,17 +48,35 @@ def _initialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None, 
     if init_fn is not None:
         init_fn(module)
     else:
-        module.reset_parameters()
+        reset()
     with torch.no_grad():
         for param, value in saved:
             param.copy_(value)
     initialized.update(id(p) for p in params)
 
 
+def _post_order(model: nn.Module) -> list[nn.Module]:
+    """Children before parents: torch modules run reset_parameters() at the end of __init__, after their
+    children were built (MultiheadAttention initializes out_proj, then its own in_proj_weight)."""
+    order: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for child in module.children():
+            visit(child)
+        order.append(module)
+
+    visit(model)
+    return order
+
+
 def materialize_units(model: nn.Module, units: list[Unit], device: torch.device,
                       init_fn: Callable[[nn.Module], None] | None) -> None:
     owner = {id(p): unit for unit in units for p in unit.params}
-    modules = list(model.modules())
+    modules = _post_order(model)
     last_use: dict[int, int] = {}
     for position, module in enumerate(modules):
         for tensor in module.parameters(recurse=False):

@@ -13,6 +13,15 @@ backward (a hook on its outputs' gradients) and released once every parameter in
 the gradients are reduce-scattered by the GradReducer (one bucket per unit) into the unit's gradient
 shard and the full gradients are freed at once.
 
+Note [Sharded placeholders]
+---------------------------
+While a unit is sharded, each of its parameters' ``.data`` is a NaN scalar expanded to the parameter's
+global shape (one element of memory), never a view of the freed storage: reading freed storage would crash
+the process. So a parameter always reports its global shape, reading it outside a gather gives NaN
+instead of a crash, writing to it raises, and ``zerocore.gathered(...)`` gives the real values. Gathering
+points ``.data`` back at views of the refilled storage; tensors that autograd saved from the parameter
+refer to the parameter (restored by the pre-backward gather) or to views of that same storage.
+
 Every gather is preceded by a tiny all-gather of (unit, call count, step) from every rank: if ranks run
 different units (a rank-dependent branch), the first divergent gather raises on every rank with the
 rank, the step and both modules, instead of hanging or mixing one unit's shards into another's.
@@ -106,12 +115,20 @@ class Unit:
         self.exp_avg_sq = torch.zeros(shard, dtype=torch.float32, device=self.device)
         self.grad_shard = torch.zeros(shard, dtype=self.dtype, device=self.device)
         self.full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        for param, offset in zip(self.params, self.offsets):
-            param.data = self.full[offset : offset + param.numel()].view(param.shape)
+        self.views = [self.full[offset : offset + p.numel()].view(p.shape) for p, offset in zip(self.params, self.offsets)]
+        # See Note [Sharded placeholders].
+        self.placeholders = [torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(p.shape)
+                             for p in self.params]
         self._free_storage()
 
     def _free_storage(self) -> None:
+        for param, placeholder in zip(self.params, self.placeholders):
+            param.data = placeholder
         self.full.untyped_storage().resize_(0)
+
+    def _attach_views(self) -> None:
+        for param, view in zip(self.params, self.views):
+            param.data = view
 
     def start_gather(self, comm: Any, label: str) -> None:
         storage = self.full.untyped_storage()
@@ -127,6 +144,7 @@ class Unit:
             self.pending.wait()
             self.pending = None
             self.state = UnitState.GATHERED
+            self._attach_views()
 
     def release(self) -> None:
         self.wait()  # never free memory a collective is still writing

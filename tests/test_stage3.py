@@ -1,0 +1,243 @@
+"""Stage 3: repeated modules, tied weights, checkpointing, no-param modules, inference, meta-device
+build, divergence detection, memory at rest and during a step, comm volume, gathered()."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zerocore
+from _dist import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+VOCAB, DIM = 24, 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h + torch.tanh(self.linear(h)))
+
+
+class Gelu(nn.Module):  # a module without parameters
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(h)
+
+
+class Zoo(nn.Module):
+    """A block called twice, a checkpointed block, a parameterless module and a tied embedding/head."""
+
+    def __init__(self, checkpoint_mode: str = "none") -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.act = Gelu()
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.checkpoint_mode = checkpoint_mode
+        self.extra_block_on_rank: int | None = None
+        self.start_with_last_block = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        if self.start_with_last_block:  # a different unit order than the one recorded in step 1
+            h = self.blocks[2](h)
+        h = self.blocks[0](self.blocks[0](h))
+        if self.checkpoint_mode == "none":
+            h = self.blocks[1](h)
+        else:
+            h = checkpoint(self.blocks[1], h, use_reentrant=self.checkpoint_mode == "reentrant")
+        if self.extra_block_on_rank is not None and dist.get_rank() == self.extra_block_on_rank:
+            h = self.blocks[1](h)  # a rank-dependent branch: breaks the SPMD contract
+        h = self.blocks[2](self.act(h))
+        return self.head(h)
+
+
+def config(**zero) -> dict:
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+
+
+def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (3, 5), generator=g), torch.randint(0, VOCAB, (3, 5), generator=g)
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), target.reshape(-1))
+
+
+def zoo_worker(rank: int, world: int, mode: str) -> bool:
+    torch.manual_seed(0)
+    model = Zoo(mode)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    engine = zerocore.initialize(model, config())
+    assert [u.name for u in engine._stage3.units] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    for step in range(6):
+        loss = loss_of(engine, *data(step, rank))
+        engine.backward(loss)
+        engine.step()
+        # the reference sees every rank's batch: the mean of per-rank mean losses, as data parallelism averages
+        ref = sum(loss_of(reference, *data(step, r)) for r in range(world)) / world
+        ref.backward()
+        opt.step()
+        opt.zero_grad()
+    final = engine.full_state_dict(rank0_only=False)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} {name}: {m}")
+    # inference: eval + no_grad gathers and releases without backward
+    engine.eval()
+    reference.eval()
+    with torch.no_grad():
+        tokens, _ = data(99, 0)
+        torch.testing.assert_close(engine(tokens), reference(tokens), rtol=1e-4, atol=1e-5)
+    live = engine._stage3.live_elements
+    root = engine._stage3.units[0].numel
+    assert live == root, f"only the persistent root stays gathered after inference, live={live}"
+    return True
+
+
+@pytest.mark.parametrize("mode", ["none", "reentrant", "non_reentrant"])
+def test_repeated_tied_checkpointed_and_parameterless_modules_match_a_replicated_model(mode):
+    assert all(run_ranks(zoo_worker, 2, mode))
+
+
+def meta_worker(rank: int, world: int) -> bool:
+    torch.manual_seed(0)
+    reference = Zoo()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Zoo()
+    engine = zerocore.initialize(model, config())
+    state = engine.full_state_dict(rank0_only=False)
+    expected = reference.state_dict()
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    plain = Zoo()
+    on_rank0 = engine.full_state_dict()  # a collective: every rank calls it, rank 0 gets the tensors
+    if rank == 0:
+        plain.load_state_dict(on_rank0, strict=True)
+    else:
+        assert on_rank0 == {}
+    # at rest every rank holds exactly its padded shard of every unit
+    for unit in engine._stage3.units:
+        assert unit.full.untyped_storage().nbytes() == 0 or unit.persistent
+        assert unit.shard.numel() == unit.layout.shard_size
+    return True
+
+
+def test_meta_device_build_equals_unsharded_init_with_the_same_seed():
+    assert all(run_ranks(meta_worker, 2))
+
+
+def divergence_worker(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config())
+    loss = loss_of(engine, *data(0, rank))
+    engine.backward(loss)
+    engine.step()
+    model.extra_block_on_rank = 1
+    try:
+        engine.backward(loss_of(engine, *data(1, rank)))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_rank_dependent_branch_raises_on_every_rank_naming_rank_step_and_module():
+    for message in run_ranks(divergence_worker, 2, timeout=120):
+        assert "diverged at step 1" in message and "rank 1" in message and "blocks." in message, message
+
+
+def memory_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config(stage3_max_live_parameters=600))
+    engine.reset_comm_stats()
+    for step in range(3):
+        engine.backward(loss_of(engine, *data(step, rank)))
+        engine.step()
+    runtime = engine._stage3
+    largest = max(u.numel for u in runtime.units)
+    report = engine.memory_report()
+    return {"peak": runtime.peak_live_elements, "largest": largest, "report": report,
+            "shards": sum(u.layout.shard_size for u in runtime.units), "comm": engine.comm_report(),
+            "persistent": sum(u.numel for u in runtime.units if u.persistent),
+            "psi": sum(u.numel for u in runtime.units), "block0": runtime.units[1].numel}
+
+
+def test_stage3_memory_and_comm_volume():
+    for result in run_ranks(memory_worker, 2):
+        report = result["report"]
+        b = report["bytes"]
+        psi = result["psi"]
+        # at rest: each rank's parameter bytes are its padded shard, fp32 here
+        assert b["params"] == 4 * result["shards"] == 4 * psi // 2
+        assert report["model_state_bytes"] == report["formula"]["total"] == (4 + 4 + 8) * psi // 2
+        # gathered elements stay within stage3_max_live_parameters plus the unit being gathered on demand
+        assert result["peak"] <= 600 + result["largest"] + result["persistent"]
+        c = result["comm"]["collectives"]
+        steps = 3
+        # Psi reduce-scattered per step; Psi gathered in forward plus once more for blocks.0, which runs twice
+        # and is released in between; in backward every unit but the persistent root is gathered again.
+        assert c["reduce_scatter"]["logical_elements"] == steps * psi
+        assert c["all_gather_forward"]["logical_elements"] == steps * (psi + result["block0"])
+        assert c["all_gather_backward"]["logical_elements"] == steps * (psi - result["persistent"])
+
+
+def order_change_worker(rank: int, world: int) -> int:
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            model.start_with_last_block = step == 2
+            engine.backward(loss_of(engine, *data(step, rank)))
+            engine.step()
+    changed = [w for w in caught if "forward order changed" in str(w.message)]
+    assert len(changed) == 1, [str(w.message) for w in caught]
+    assert "expected module 'blocks.0'" in str(changed[0].message) and "'blocks.2'" in str(changed[0].message)
+    assert all(u.state.value == "sharded" or u.persistent for u in engine._stage3.units)
+    return engine._stage3.order_changes
+
+
+def test_order_change_warns_once_and_falls_back_to_on_demand_gathers():
+    assert all(n >= 1 for n in run_ranks(order_change_worker, 2))
+
+
+def gathered_worker(rank: int, world: int) -> bool:
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config())
+    weight = model.blocks[1].linear.weight
+    with zerocore.gathered([weight], modifier_rank=0):
+        assert weight.shape == (DIM, DIM)
+        if rank == 0:
+            with torch.no_grad():
+                weight.fill_(0.5)
+    state = engine.full_state_dict(rank0_only=False)
+    assert torch.all(state["blocks.1.linear.weight"] == 0.5)
+    with zerocore.gathered(weight):  # read only
+        seen = weight.detach().clone()
+    assert torch.all(seen == 0.5)
+    with pytest.raises(ValueError, match="no zerocore engine"):
+        with zerocore.gathered(nn.Parameter(torch.zeros(2))):
+            pass
+    return True
+
+
+def test_gathered_modifier_rank_writes_back_to_every_shard():
+    assert all(run_ranks(gathered_worker, 2))
