@@ -199,6 +199,8 @@ class Stage3Runtime:
         if self._in_backward():  # activation-checkpoint recomputation: the unit is needed, nothing else
             self.ensure_gathered(unit, "all_gather_backward")
             return
+        if unit.spec.parent is None:
+            self._begin_forward()
         self._follow_order(unit)
         self.ensure_gathered(unit, "all_gather_forward")
         self._prefetch_next()
@@ -217,6 +219,27 @@ class Stage3Runtime:
     def pre_backward(self, unit: Unit) -> None:
         self.ensure_gathered(unit, "all_gather_backward")
         unit.in_backward = True
+        self._prefetch_for_backward(unit)
+
+    def _begin_forward(self) -> None:
+        """The root unit starts a forward: several per step with gradient accumulation or inference."""
+        if self.recorded_order is None and self._order:
+            self.recorded_order = list(self._order)
+        self._order = []
+        self._position = 0
+        self._prefetch_enabled = self.recorded_order is not None and not self._warned
+
+    def _prefetch_for_backward(self, unit: Unit) -> None:
+        """Backward runs the recorded forward order in reverse: gather the unit before this one."""
+        if not self._prefetch_enabled or self.recorded_order is None or unit.index not in self.recorded_order:
+            return
+        position = len(self.recorded_order) - 1 - self.recorded_order[::-1].index(unit.index)
+        for index in reversed(self.recorded_order[:position]):
+            previous = self._unit(index)
+            if previous.state is UnitState.SHARDED and not previous.persistent:
+                if self.live_elements + previous.numel <= self.max_live:
+                    self._gather(previous, "all_gather_backward")
+                return
 
     def grad_ready(self, unit: Unit) -> None:
         """A parameter of `unit` got its gradient; the last one releases the unit."""
@@ -331,8 +354,8 @@ class Stage3Runtime:
             self.recorded_order = list(self._order)
         self._order = []
         self._position = 0
-        self._prefetch_enabled = self.recorded_order is not None
         self._warned = False
+        self._prefetch_enabled = self.recorded_order is not None
         self.step += 1
 
     # ---- optimizer ------------------------------------------------------------------------------------
