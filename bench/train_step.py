@@ -1,7 +1,7 @@
 """Training-step time and peak RSS of one GPT-style model under DDP, torch's ZeRO, FSDP2 and zerocore, on Gloo.
 
     python bench/train_step.py [--world 2] [--steps 12] [--warmup 3] [--layers 6 --dim 512 --seq 128 --batch 2]
-                               [--vocab 8192] [--only ddp,torch_zero,fsdp2,zero1,zero2,ds_zero2] [--rounds 1]
+                               [--vocab 8192] [--only ddp,torch_zero,fsdp2,zero1,zero2,zero3,ds_zero2] [--rounds 1]
                                [--timeout 900] [--json]
 
 The model: token embedding + learned positions, ``--layers`` pre-LN blocks (causal attention through
@@ -16,6 +16,7 @@ Systems (all AdamW, lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01, no
   fsdp2      fully_shard on every block, then on the root (reshard_after_forward=True) + AdamW
   zero1      zerocore stage 1 (DeepSpeed-style dict; reduce/allgather bucket --bucket elements)
   zero2      zerocore stage 2 (same)
+  zero3      zerocore stage 3 (same; the model's blocks are the units of gathering)
   ds_zero2   DeepSpeed ZeRO-2, only when ``import deepspeed`` works (otherwise skipped with a note)
 
 Each system runs alone in a fresh set of ``--world`` spawned rank processes (1 intra-op and 1 inter-op thread
@@ -46,6 +47,7 @@ SYSTEMS = {
     "fsdp2": "FSDP2 fully_shard (per block + root)",
     "zero1": "zerocore stage 1",
     "zero2": "zerocore stage 2",
+    "zero3": "zerocore stage 3 (a unit per block)",
     "ds_zero2": "DeepSpeed ZeRO-2",
 }
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -154,10 +156,10 @@ def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any]) -> dict[
         fully_shard(model, mesh=mesh, reshard_after_forward=True)
         wrapped = model
         opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    elif system in ("zero1", "zero2"):
+    elif system in ("zero1", "zero2", "zero3"):
         import zerocore
 
-        engine = zerocore.initialize(model, _zerocore_config(cfg, 1 if system == "zero1" else 2),
+        engine = zerocore.initialize(model, _zerocore_config(cfg, int(system[-1])),
                                      comm_algorithms=cfg["comm_algorithms"])
     elif system == "ds_zero2":  # only reached when `import deepspeed` works; not exercised on this machine
         import deepspeed

@@ -707,6 +707,30 @@ def test_16bit_params_keep_fp32_master(dtype: torch.dtype, seed: int) -> None:
             assert torch.equal(other.state[p][key], opt.state[p][key]), key
 
 
+def test_16bit_round_trip_through_torch_drops_stale_master(seed: int) -> None:
+    """CPUAdam (bf16) -> torch.optim.AdamW, which trains on and carries our master_param along untouched ->
+    CPUAdam: the stale master must not pull the param back to where CPUAdam left it."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(257, generator=gen).to(torch.bfloat16))
+    opt = CPUAdam([p], lr=0.05)
+    for _ in range(3):
+        p.grad = torch.randn(257, generator=gen).to(torch.bfloat16)
+        opt.step()
+    torch_opt = torch.optim.AdamW([p], lr=0.05, foreach=False)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for _ in range(3):
+        p.grad = torch.randn(257, generator=gen).to(torch.bfloat16)
+        torch_opt.step()
+    trained_by_torch = p.detach().clone()
+    back = CPUAdam([p])
+    back.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    back.param_groups[0].update(lr=0.0, weight_decay=0.0)
+    back.step()
+    assert torch.equal(p.detach(), trained_by_torch), _repro(seed)
+    assert torch.equal(back.state[p]["master_param"], trained_by_torch.float())
+    assert back.state[p]["exp_avg"].dtype == torch.float32 and back.state[p]["step"].item() == 7
+
+
 def test_non_contiguous_params_and_grads(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(40, 30, generator=gen).t()),

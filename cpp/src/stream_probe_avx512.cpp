@@ -23,20 +23,12 @@ inline void store_line(float* dst, __m512 value) {
 // The last partial register: masked loads and stores (never non-temporal, a handful of elements).
 inline __mmask16 tail_mask(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
 
+// One cache line per iteration in every kernel: measured on Zen 5, unrolling by 2 or 4 lines (loads
+// grouped before stores) lost 3-10% of the bandwidth, and the out-of-order core already keeps enough
+// lines in flight. The Adam kernels are not unrolled either, so the comparison stays like for like.
 template <bool kNonTemporal>
 void copy_range(const StreamArrays& x, int64_t begin, int64_t end) {
   int64_t i = begin;
-  // Four lines per iteration keeps several loads in flight per loop branch.
-  for (; i + 4 * kLane <= end; i += 4 * kLane) {
-    const __m512 b0 = _mm512_load_ps(x.a1 + i);
-    const __m512 b1 = _mm512_load_ps(x.a1 + i + kLane);
-    const __m512 b2 = _mm512_load_ps(x.a1 + i + 2 * kLane);
-    const __m512 b3 = _mm512_load_ps(x.a1 + i + 3 * kLane);
-    store_line<kNonTemporal>(x.a0 + i, b0);
-    store_line<kNonTemporal>(x.a0 + i + kLane, b1);
-    store_line<kNonTemporal>(x.a0 + i + 2 * kLane, b2);
-    store_line<kNonTemporal>(x.a0 + i + 3 * kLane, b3);
-  }
   for (; i + kLane <= end; i += kLane) store_line<kNonTemporal>(x.a0 + i, _mm512_load_ps(x.a1 + i));
   if (i < end) {
     const __mmask16 mask = tail_mask(end - i);
@@ -49,16 +41,6 @@ void triad_range(const StreamArrays& x, int64_t begin, int64_t end) {
   const __m512 s = _mm512_set1_ps(kTriadScalar);
   auto triad = [&](int64_t i) { return _mm512_fmadd_ps(s, _mm512_load_ps(x.a2 + i), _mm512_load_ps(x.a1 + i)); };
   int64_t i = begin;
-  for (; i + 4 * kLane <= end; i += 4 * kLane) {
-    const __m512 r0 = triad(i);
-    const __m512 r1 = triad(i + kLane);
-    const __m512 r2 = triad(i + 2 * kLane);
-    const __m512 r3 = triad(i + 3 * kLane);
-    store_line<kNonTemporal>(x.a0 + i, r0);
-    store_line<kNonTemporal>(x.a0 + i + kLane, r1);
-    store_line<kNonTemporal>(x.a0 + i + 2 * kLane, r2);
-    store_line<kNonTemporal>(x.a0 + i + 3 * kLane, r3);
-  }
   for (; i + kLane <= end; i += kLane) store_line<kNonTemporal>(x.a0 + i, triad(i));
   if (i < end) {
     const __mmask16 mask = tail_mask(end - i);
@@ -84,21 +66,18 @@ inline void adam_update(const AdamConstants& c, __m512 g, __m512& p, __m512& m, 
 template <bool kNonTemporal>
 void adam_range(const StreamArrays& x, int64_t begin, int64_t end) {
   const AdamConstants c;
-  auto line = [&](int64_t i) {
+  int64_t i = begin;
+  for (; i + kLane <= end; i += kLane) {
+    // Streams in Adam's order: grad, param, exp_avg, exp_avg_sq.
+    const __m512 g = _mm512_load_ps(x.a1 + i);
     __m512 p = _mm512_load_ps(x.a0 + i);
     __m512 m = _mm512_load_ps(x.a2 + i);
     __m512 v = _mm512_load_ps(x.a3 + i);
-    adam_update(c, _mm512_load_ps(x.a1 + i), p, m, v);
+    adam_update(c, g, p, m, v);
     store_line<kNonTemporal>(x.a0 + i, p);
     store_line<kNonTemporal>(x.a2 + i, m);
     store_line<kNonTemporal>(x.a3 + i, v);
-  };
-  int64_t i = begin;
-  for (; i + 2 * kLane <= end; i += 2 * kLane) {
-    line(i);
-    line(i + kLane);
   }
-  for (; i + kLane <= end; i += kLane) line(i);
   if (i < end) {
     const __mmask16 mask = tail_mask(end - i);
     __m512 p = _mm512_maskz_loadu_ps(mask, x.a0 + i);

@@ -18,6 +18,12 @@ __all__ = ["adam_step", "all_finite", "force_simd_path", "set_num_threads", "get
 
 @torch.library.register_fake("zerocore::adam_step_")
 def _adam_step_fake(param, grad, exp_avg, exp_avg_sq, param_out, **_: object) -> torch.Tensor:
+    # The dispatcher routes here when *any* argument is a meta tensor, so a meta tensor mixed with real
+    # ones must be rejected here, or the real tensors would silently not be updated.
+    named = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
+    for name, tensor in named.items():
+        if tensor is not None and tensor.device != param.device:
+            raise ValueError(f"{name} must be on {param.device} like param, got {tensor.device}")
     return torch.empty((), dtype=torch.bool, device=param.device)
 
 

@@ -164,8 +164,9 @@ class _ZerocoreAdam(torch.optim.Optimizer):
 
         torch casts loaded state to each param's dtype; here ``exp_avg``, ``exp_avg_sq`` and
         ``master_param`` are instead copied as float32 from the given tensors (exact for 16-bit params
-        whose state was saved by this class), and ``step`` becomes a 0-d float32 CPU tensor. A 16-bit param
-        whose state has no ``master_param`` (saved by torch) gets one from the param at its next step.
+        whose state was saved by this class), and ``step`` becomes a 0-d float32 CPU tensor. At its next
+        step a 16-bit param whose loaded ``master_param`` is missing (saved by torch) or does not round to
+        the param (stale, or the model's weights were loaded afterwards) gets one from the param.
         """
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
@@ -187,6 +188,10 @@ class _ZerocoreAdam(torch.optim.Optimizer):
                 state.pop("master_param", None)
             if "step" in state:
                 state["step"] = torch.tensor(_as_float(state["step"], "step"), dtype=torch.float32)
+        # A loaded master may be stale (saved by this class, then trained on by torch, which carries the key
+        # along untouched) and the model's weights may be loaded after the optimizer: check at the next step.
+        self._verify_masters = {id(p) for group in self.param_groups for p in group["params"]
+                                if p.dtype != torch.float32}
 
     # -- the update -------------------------------------------------------------------------------------------
 
@@ -261,8 +266,15 @@ class _ZerocoreAdam(torch.optim.Optimizer):
         for key in ("exp_avg", "exp_avg_sq"):
             if key not in state:
                 state[key] = torch.zeros(param.shape, **fp32)
-        if param.dtype != torch.float32 and "master_param" not in state:
-            state["master_param"] = param.detach().to(memory_format=torch.contiguous_format, copy=True, **fp32)
+        if param.dtype != torch.float32:
+            verify = getattr(self, "_verify_masters", None)
+            if verify and id(param) in verify:
+                verify.discard(id(param))
+                master = state.get("master_param")
+                if master is not None and not torch.equal(master.to(param.dtype), param.detach()):
+                    del state["master_param"]  # does not round to the param: the param is the truth
+            if "master_param" not in state:
+                state["master_param"] = param.detach().to(memory_format=torch.contiguous_format, copy=True, **fp32)
 
         state["step"] += 1.0
         step = state["step"].item()
