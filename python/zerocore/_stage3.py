@@ -180,7 +180,8 @@ class Stage3Runtime:
         self._prefetch_enabled = False
         self._warned = False
         self.live_elements = 0
-        self.peak_live_elements = 0
+        self.peak_live_elements = 0  # since the last optimizer step
+        self.last_step_peak_elements = 0  # the peak of the last completed step
         self.order_changes = 0
         self._tag = torch.zeros(3 * world, dtype=torch.int64, device=engine.device)
         self._register_module_hooks()
@@ -357,6 +358,8 @@ class Stage3Runtime:
         self._warned = False
         self._prefetch_enabled = self.recorded_order is not None
         self.step += 1
+        self.last_step_peak_elements = self.peak_live_elements
+        self.peak_live_elements = self.live_elements
 
     # ---- optimizer ------------------------------------------------------------------------------------
     def grad_sum_of_squares(self) -> torch.Tensor:
@@ -414,7 +417,7 @@ class Stage3Runtime:
             "master_params": sum(0 if u.dtype == torch.float32 else nbytes(u.master) for u in self.units),
             "optimizer_moments": sum(nbytes(u.exp_avg) + nbytes(u.exp_avg_sq) for u in self.units),
             "gathered_params_live": self.live_elements * torch.empty((), dtype=self.engine.compute_dtype).element_size(),
-            "gathered_params_peak": self.peak_live_elements
+            "gathered_params_peak_last_step": self.last_step_peak_elements
             * torch.empty((), dtype=self.engine.compute_dtype).element_size(),
         }
 
