@@ -244,7 +244,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--bucket", type=float, default=5e7, help="zerocore reduce/allgather bucket, elements")
+    parser.add_argument("--bucket", type=float, default=6.5e6,
+                        help="zerocore reduce/allgather bucket, elements (default ~25 MiB of fp32, like DDP's bucket)")
     parser.add_argument("--rs-algo", default="auto", help="zerocore reduce_scatter algorithm")
     parser.add_argument("--ag-algo", default="auto", help="zerocore all_gather algorithm")
     parser.add_argument("--only", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")

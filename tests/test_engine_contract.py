@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocore
+from zerocore._model_checks import _all_gather_json
 from _dist import run_ranks
 from _models import batch, build, loss_fn
 
@@ -47,8 +48,7 @@ def order_worker(rank: int, world: int, stage: int) -> list[str]:
         engine.step()
     engine.wait_for_params()
     log = list(engine.comm.log())
-    everyone = [None] * world
-    dist.all_gather_object(everyone, log)
+    everyone = _all_gather_json(engine.comm, log, torch.device("cpu"))
     assert all(other == log for other in everyone), "ranks issued different collective sequences"
     return log
 

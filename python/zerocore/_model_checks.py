@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .config import OptimizerConfig
@@ -33,11 +33,26 @@ def _fingerprint(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool
     return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
 
 
-def check_same_model_on_all_ranks(model: nn.Module, group: dist.ProcessGroup, rank: int) -> None:
+def _all_gather_json(comm: Any, value: Any, device: torch.device) -> list[Any]:
+    """Every rank's JSON-serialisable ``value``, exchanged through zerocore's Comm (no numpy or pickle,
+    unlike ``all_gather_object``). Tensors live on ``device`` so NCCL can carry them."""
+    world, rank = comm.world_size, comm.rank
+    payload = json.dumps(value).encode()
+    lengths = torch.zeros(world, dtype=torch.int64, device=device)
+    lengths[rank] = len(payload)
+    comm.all_reduce(lengths).wait()  # every other slot is zero, so the sum is the gather
+    longest = int(lengths.max().item())
+    slots = torch.zeros(world * longest, dtype=torch.uint8, device=device)
+    slots[rank * longest : rank * longest + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    comm.all_gather(slots, -1, "model_check").wait()
+    rows = slots.view(world, longest).cpu()
+    return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(world)]
+
+
+def check_same_model_on_all_ranks(model: nn.Module, comm: Any, rank: int, device: torch.device) -> None:
     """Raises on every rank, naming the first differing parameter and rank, when the models differ."""
-    mine = _fingerprint(model)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    mine = [list(entry[:1]) + [list(entry[1])] + list(entry[2:]) for entry in _fingerprint(model)]
+    everyone = [[(e[0], tuple(e[1]), e[2], e[3]) for e in theirs] for theirs in _all_gather_json(comm, mine, device)]
     reference = everyone[0]
     for other_rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == reference:

@@ -132,7 +132,7 @@ class Engine:
         self.comm = _C.Comm(self.process_group, algorithms.get("reduce_scatter", "auto"),
                             algorithms.get("all_gather", "auto"))
 
-        check_same_model_on_all_ranks(model, self.process_group, self.rank)
+        check_same_model_on_all_ranks(model, self.comm, self.rank, self.device)
         if not meta:
             self._broadcast_module_state()
         groups = collect_trainable(model, param_groups, config.optimizer)
