@@ -158,3 +158,26 @@ def test_fp16_overflow_skips_step_on_every_rank_and_lowers_scale(stage):
     for result in run_ranks(fp16_overflow_worker, 2, stage):
         assert result["unchanged"] and result["skipped"] == 1
         assert result["scale"] == (256.0, 128.0)
+
+
+def fp16_window_worker(rank: int, world: int, stage: int) -> list[float]:
+    """A dynamic scale that doubles every step must unscale with the scale the gradients were made with."""
+    results, scales = [], []
+    for fp16 in ({"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1},
+                 {"enabled": True, "loss_scale": 256.0}):
+        model = build("mlp")
+        engine = zerocore.initialize(model, _config(Case("mlp", stage), fp16=fp16))
+        for step in range(3):
+            x, y = batch("mlp", torch.Generator().manual_seed(step + 10 * rank))
+            engine.backward(loss_fn("mlp", engine(x), y))
+            engine.step()
+        scales.append(engine.loss_scale)
+        results.append(torch.cat([v.float().reshape(-1) for v in engine.full_state_dict(rank0_only=False).values()]))
+    assert scales == [2048.0, 256.0], scales
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    return scales
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_dynamic_scale_growth_unscales_with_the_scale_in_effect(stage):
+    run_ranks(fp16_window_worker, 2, stage)

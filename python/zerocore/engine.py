@@ -1,4 +1,5 @@
-"""The ZeRO engine for stages 1 and 2: ``zerocore.initialize(model, config) -> Engine``.
+"""The ZeRO engine: ``zerocore.initialize(model, config) -> Engine`` (stages 1-2 here; stage 3's gathering
+lives in _stage3.py).
 
 Note [Engine lifecycle]
 -----------------------
@@ -95,7 +96,7 @@ def _default_process_group(device: torch.device) -> dist.ProcessGroup:
 
 
 class Engine:
-    """ZeRO stage 1/2 training engine. Build it with :func:`initialize`."""
+    """ZeRO stage 1, 2 or 3 training engine. Build it with :func:`initialize`."""
 
     def __init__(
         self,
@@ -368,15 +369,16 @@ class Engine:
             flag = torch.tensor([local], dtype=torch.float32, device=self.device)
             self.comm.all_reduce(flag, True).wait()
             overflow = bool(flag.item() > 0)
-        self.loss_scaler.update(overflow) if self.config.fp16.enabled else None
+        # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
+        grad_scale = 1.0 / self.loss_scaler.scale if self.config.fp16.enabled else 1.0
+        if self.config.fp16.enabled:
+            self.loss_scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
             self._last_grad_norm = float("inf")
             if self._stage3 is not None:
                 self._stage3.end_forward_backward_step()
             return
-        grad_scale = 1.0 / self.loss_scaler.scale if self.config.fp16.enabled else 1.0
-        grad_scale = self._apply_overflow_scale_fix(grad_scale, overflow)
         grad_scale *= self._clip_coefficient(grad_scale)
         if self._stage3 is not None:
             self.global_steps += 1
@@ -399,12 +401,6 @@ class Engine:
         for group in self.groups:
             for bucket in range(len(group.buckets)):
                 self._pending_gathers.append(self.comm.all_gather(group.param_bucket(bucket), bucket))
-
-    @staticmethod
-    def _apply_overflow_scale_fix(grad_scale: float, overflow: bool) -> float:
-        # The scaler already advanced for this step; the gradients were scaled by the scale in effect at
-        # backward time, which update() only changes after an overflow (and then no step runs).
-        return grad_scale
 
     def _clip_coefficient(self, grad_scale: float) -> float:
         """Global L2 norm of the (unscaled) gradients across every shard; the clip coefficient."""
