@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -231,3 +232,38 @@ def test_bad_comm_algorithm_and_meta_model_outside_stage3():
         zerocore.initialize(model, _config(2))
     with pytest.raises(ValueError, match="reduce_scatter"):
         zerocore.initialize(build("mlp"), _config(1), comm_algorithms={"reduce_scatter": "magic"})
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def batchnorm_worker(rank: int, world: int, stage: int) -> bool:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = WithBatchNorm()
+    reference = DDP(copy.deepcopy(model))
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    engine = zerocore.initialize(model, _config(stage))
+    for step in range(5):
+        x, y = batch("mlp", torch.Generator().manual_seed(10 * step + rank), size=6)
+        engine.backward(loss_fn("mlp", engine(x), y))
+        engine.step()
+        loss_fn("mlp", reference(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    final = engine.full_state_dict(rank0_only=False)
+    for name, value in reference.module.state_dict().items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_buffers_follow_rank0_like_ddp(stage):
+    assert all(run_ranks(batchnorm_worker, 2, stage))

@@ -152,6 +152,7 @@ class Engine:
         self._build_reducer()
         self._register_hooks()
 
+        self.broadcast_buffers = True  # as DDP's default; set False to keep buffers rank-local
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
@@ -255,7 +256,25 @@ class Engine:
         if self.compute_dtype != torch.float32:
             args = tuple(self._cast_input(a) for a in args)
             kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
+        if self.broadcast_buffers and torch.is_grad_enabled():
+            self._sync_buffers()
         return self.module(*args, **kwargs)
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm running statistics, ...) before every training forward, as DDP's
+        default ``broadcast_buffers=True`` does: one broadcast per buffer dtype."""
+        buffers = [b for b in self.module.buffers() if b.numel()]
+        if self.world_size == 1 or not buffers:
+            return
+        with torch.no_grad():
+            for dtype in sorted({b.dtype for b in buffers}, key=str):
+                same = [b for b in buffers if b.dtype == dtype]
+                flat = torch.cat([b.reshape(-1) for b in same])
+                self.comm.broadcast(flat, 0, -1).wait()
+                offset = 0
+                for b in same:
+                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
 
     def _cast_input(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
