@@ -293,3 +293,24 @@ def nested_worker(rank: int, world: int) -> list[str]:
 def test_nested_units_given_by_class():
     for names in run_ranks(nested_worker, 2):
         assert names == ["<root>", "layers.0", "layers.0.inner", "layers.1", "layers.1.inner"]
+
+
+def bf16_memory_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    # Every parameter is a multiple of 64 * world elements, so Psi is exact (no layout padding).
+    model = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(3)])
+    engine = zerocore.initialize(model, {**config(), "bf16": {"enabled": True}})
+    engine.backward(engine(torch.randn(2, 128)).float().square().mean())
+    engine.step()
+    return engine.memory_report()
+
+
+def test_stage3_bf16_model_state_is_16_bytes_per_param_over_n():
+    psi, n = 3 * 128 * 128, 2
+    for report in run_ranks(bf16_memory_worker, n):
+        b = report["bytes"]
+        assert report["psi"] == report["psi_padded"] == psi
+        assert (b["params"], b["grads"], b["master_params"], b["optimizer_moments"]) == (
+            2 * psi // n, 2 * psi // n, 4 * psi // n, 8 * psi // n)
+        assert report["model_state_bytes"] == (2 + 2 + 12) * psi // n == report["formula"]["total"]
+        assert b["gathered_params_live"] == 0  # at rest nothing is gathered (no root parameters here)
