@@ -131,13 +131,13 @@ def no_sync_worker(rank: int, world: int, stage: int) -> float:
             else:
                 engine.backward(loss)
                 engine.step()
-        engine.wait_for_params()
-        results.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        state = engine.full_state_dict(rank0_only=False)
+        results.append(torch.cat([v.reshape(-1) for v in state.values()]))
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-7)
     return float((results[0] - results[1]).abs().max())
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_no_sync_works_in_every_stage(stage):
     run_ranks(no_sync_worker, 2, stage)
 
@@ -161,14 +161,13 @@ def unused_worker(rank: int, world: int, stage: int) -> bool:
         model.use_b = (rank + step) % 2 == 0  # some ranks use b, others do not, changing every step
         engine.backward(engine(torch.randn(2, 8)).sum())
         engine.step()
-    engine.wait_for_params()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([v.reshape(-1) for v in engine.full_state_dict(rank0_only=False).values()])
     everyone = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat)
     return all(torch.equal(flat, other) for other in everyone)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_parameters_unused_on_some_ranks_never_hang_and_stay_replicated(stage):
     assert all(run_ranks(unused_worker, 2, stage, timeout=120))
 
