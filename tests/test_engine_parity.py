@@ -181,3 +181,37 @@ def fp16_window_worker(rank: int, world: int, stage: int) -> list[float]:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_fp16_dynamic_scale_growth_unscales_with_the_scale_in_effect(stage):
     run_ranks(fp16_window_worker, 2, stage)
+
+
+def param_groups_worker(rank: int, world: int, stage: int) -> bool:
+    """Two param groups (no weight decay on biases and norms, another lr) and an lr scheduler."""
+    model = build("transformer")
+    reference = copy.deepcopy(model)
+
+    def groups(m):
+        decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in m.named_parameters() if p.dim() < 2]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3}]
+
+    ddp = DDP(reference)
+    opt = torch.optim.AdamW(groups(reference), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, foreach=False)
+    engine = zerocore.initialize(model, _config(Case("transformer", stage)), param_groups=groups(model))
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt, engine.optimizer)]
+    for step in range(8):
+        x, y = batch("transformer", torch.Generator().manual_seed(10_000 * step + rank))
+        engine.backward(loss_fn("transformer", engine(x), y))
+        engine.step()
+        loss_fn("transformer", ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        for s in schedulers:
+            s.step()
+    final = engine.full_state_dict(rank0_only=False)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_param_groups_and_lr_scheduler_match_torch(stage):
+    assert all(run_ranks(param_groups_worker, 2, stage))
