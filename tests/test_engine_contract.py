@@ -201,6 +201,10 @@ def misuse_worker(rank: int, world: int) -> list[str]:
     except RuntimeError as error:
         errors.append(str(error))
     engine.step()
+    try:
+        loss_fn("mlp", engine(x), y).backward()
+    except RuntimeError as error:
+        errors.append(str(error))
     frozen = nn.Linear(2, 2).requires_grad_(False)
     try:
         zerocore.initialize(frozen, _config(1))
@@ -217,11 +221,12 @@ def misuse_worker(rank: int, world: int) -> list[str]:
 
 def test_misuse_raises_clear_errors():
     for errors in run_ranks(misuse_worker, 2, timeout=120):
-        assert len(errors) == 4, errors
+        assert len(errors) == 5, errors
         assert "before backward" in errors[0]
         assert "twice without step" in errors[1]
-        assert "no trainable parameters" in errors[2]
-        assert "several devices" in errors[3]
+        assert "instead of loss.backward()" in errors[2]
+        assert "no trainable parameters" in errors[3]
+        assert "several devices" in errors[4]
 
 
 def test_bad_comm_algorithm_and_meta_model_outside_stage3():

@@ -153,6 +153,7 @@ class Engine:
         self._register_hooks()
 
         self.broadcast_buffers = True  # as DDP's default; set False to keep buffers rank-local
+        self._in_backward_call = False
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
@@ -308,13 +309,23 @@ class Engine:
         if self._stage3 is not None:
             self._stage3.begin_backward()
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self._in_backward_call = True
+        try:
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        finally:
+            self._in_backward_call = False
         if not self._finalized:  # no parameter got a gradient in this backward
             self._finalize_backward()
         self._backward_ran = True
         self._awaiting_step = not self._no_sync
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        if not self._in_backward_call:
+            raise RuntimeError(
+                "a zerocore-managed parameter got a gradient outside engine.backward(); call "
+                "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and "
+                "sharded"
+            )
         group, local = self._param_slots[index]
         if self._stage3 is not None:
             self._on_grad_ready_stage3(index, param)
