@@ -12,19 +12,52 @@ step() { echo "=== $1"; }
 
 step "environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
-
-step "build (pip install --no-build-isolation .)"
-python3 -m pip install -q scikit-build-core cmake ninja >"$OUT/pip.log" 2>&1 || true
-if ! ZEROCORE_CUDA=ON python3 -m pip install -v --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+python3 -c "import sys, torch
+print('python', sys.version.split()[0], '| torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+# The device machine has no network: nothing may be pip-downloaded. Its image holds scikit-build-core, cmake,
+# ninja, pytest, pytest-timeout and hypothesis; anything missing can be carried as wheels in .whl/ (see the
+# device README), installed here without an index.
+missing=$(python3 -c "
+import importlib.util as u
+mods = {'scikit_build_core': 'scikit-build-core', 'pytest': 'pytest', 'pytest_timeout': 'pytest-timeout',
+        'hypothesis': 'hypothesis'}
+print(' '.join(name for mod, name in mods.items() if u.find_spec(mod) is None))")
+if [ -n "$missing" ]; then
+  echo "missing Python packages: $missing"
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl || echo "installing .whl/ failed"
+  fi
 fi
-python3 -c "import zerocore, json; print(json.dumps(zerocore.build_info()))"
+# nvcc may be installed without being on PATH; CMake's CUDA detection needs it (or CUDACXX).
+if ! command -v nvcc >/dev/null 2>&1; then
+  for dir in /usr/local/cuda/bin /usr/local/cuda-13*/bin /opt/cuda/bin; do
+    if [ -x "$dir/nvcc" ]; then export PATH="$dir:$PATH"; break; fi
+  done
+fi
+if command -v nvcc >/dev/null 2>&1; then
+  export CUDACXX="${CUDACXX:-$(command -v nvcc)}"
+  nvcc --version | tail -2
+else
+  echo "no nvcc found: the CUDA build (ZEROCORE_CUDA=ON) will fail"
+fi
+echo "cmake: $(cmake --version 2>/dev/null | head -1) | ninja: $(ninja --version 2>/dev/null)"
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+# Single-node NCCL: keep its bootstrap on loopback and skip InfiniBand probing.
+export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}" NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"
+
+step "build (pip install --no-index --no-build-isolation .)"
+start=$SECONDS
+if ! ZEROCORE_CUDA=ON python3 -m pip install -v --no-index --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1; then
+  grep -nE "error|Error|FAILED" "$OUT/build.log" | head -30; tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+echo "built in $((SECONDS - start)) s"
+python3 -c "import zerocore, json; print(json.dumps(zerocore.build_info()))" || status=1
 
 step "CUDA tests"
-python3 -m pip install -q pytest pytest-timeout hypothesis >>"$OUT/pip.log" 2>&1 || true
-python3 -m pytest -q tests/test_kernels_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -15
+start=$SECONDS
+python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "tests took $((SECONDS - start)) s"
 
 step "GPU Adam benchmark"
 python3 bench/gpu_adam.py --params 1e9 --json-out "$OUT/gpu_adam.json" 2>&1 | tee "$OUT/gpu_adam.log" | tail -12
@@ -32,7 +65,7 @@ python3 bench/gpu_adam.py --params 1e9 --json-out "$OUT/gpu_adam.json" 2>&1 | te
 
 step "demo on NCCL, world size 1, bf16"
 for stage in 1 2; do
-  timeout 300 python3 -m zerocore.examples.train_gpt --device cuda --nproc 1 --bf16 --stage "$stage" --steps 40 --json \
+  timeout 150 python3 -m zerocore.examples.train_gpt --device cuda --nproc 1 --bf16 --stage "$stage" --steps 40 --json \
     2>&1 | tee "$OUT/demo_stage$stage.log" | tail -3
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done

@@ -325,13 +325,22 @@ constexpr uint32_t kF32ExpMask = 0x7f800000u;
 constexpr uint16_t kBF16ExpMask = 0x7f80u;
 constexpr uint16_t kF16ExpMask = 0x7c00u;
 
+// The flag is read and written by concurrently running blocks (the early-exit read races with another
+// block's write of 1). Plain accesses would be a data race under the PTX memory model (and the read may be
+// served from a stale L1 line); volatile accesses are relaxed system-scope ones, so the race is benign by
+// definition: the read sees 0 or 1, every writer stores the same 1.
+__device__ __forceinline__ bool flag_is_set(const int32_t* flag) {
+  return *static_cast<const volatile int32_t*>(flag) != 0;
+}
+__device__ __forceinline__ void set_flag(int32_t* flag) { *static_cast<volatile int32_t*>(flag) = 1; }
+
 template <typename U>
 __global__ void __launch_bounds__(kThreads) check_finite_kernel(const U* g, int64_t n, U mask, int32_t* flag) {
   // Uniform per block: blocks of a check that already failed (earlier launch or block) do nothing.
-  if (__syncthreads_or(threadIdx.x == 0 && *flag != 0)) return;
+  if (__syncthreads_or(threadIdx.x == 0 && flag_is_set(flag))) return;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool bad = range_has_nonfinite(g, 0, n, tid, static_cast<int64_t>(gridDim.x) * blockDim.x, mask);
-  if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1;
+  if (__syncthreads_or(bad) && threadIdx.x == 0) set_flag(flag);
 }
 
 constexpr int kMtFiniteTensors = 48;
@@ -345,7 +354,7 @@ struct MtFiniteArgs {
 static_assert(sizeof(MtFiniteArgs) <= 4000, "kernel arguments must stay under 4 KB");
 
 __global__ void __launch_bounds__(kThreads) multi_tensor_check_finite_kernel(MtFiniteArgs args, int32_t* flag) {
-  if (__syncthreads_or(threadIdx.x == 0 && *flag != 0)) return;
+  if (__syncthreads_or(threadIdx.x == 0 && flag_is_set(flag))) return;
   const int ti = args.tensor[blockIdx.x];
   const int64_t begin = static_cast<int64_t>(args.chunk[blockIdx.x]) * kChunk;
   const int64_t end = min(begin + kChunk, args.n[ti]);
@@ -364,7 +373,7 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_check_finite_kernel(MtF
                                 kF16ExpMask);
       break;
   }
-  if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1;
+  if (__syncthreads_or(bad) && threadIdx.x == 0) set_flag(flag);
 }
 
 // ---------------------------------------------------------------------------------------------------------

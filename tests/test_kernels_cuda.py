@@ -190,3 +190,78 @@ def test_fused_adam_matches_torch_fused(adamw_mode):
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert isinstance(opt, torch.optim.Optimizer)
+
+
+def test_runs_on_the_current_stream():
+    """The op launches on torch's current stream (pool streams do not synchronise with the default stream):
+    with the gradient written late on a side stream, the update must still see it."""
+    n = 1000003
+    src = torch.randn(n, device=DEV)
+    init = [torch.randn(n, device=DEV), torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)]
+    expected = [t.clone() for t in init]
+    ops.adam_step(expected[0], src, *expected[1:], step=1, lr=1e-2)
+    p, m, v = (t.clone() for t in init)
+    g = torch.zeros(n, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keeps `side` busy so that a launch on another stream would overtake it
+        g.copy_(src)
+        assert ops.adam_step(p, g, m, v, step=1, lr=1e-2, check_finite=True) is False
+    torch.cuda.current_stream().wait_stream(side)
+    for a, b in zip((p, m, v), expected):
+        assert torch.equal(a, b)
+
+
+def test_cuda_graph_capture_and_replay():
+    """cuda_adam.hpp promises graph-capturable launches (no host sync, no allocation in the kernels)."""
+    n = 100003
+    g = torch.randn(n, device=DEV)
+    init = [torch.randn(n, device=DEV), torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)]
+    eager = [t.clone() for t in init]
+    captured = [t.clone() for t in init]
+    kw = dict(step=1, lr=1e-2, weight_decay=0.01)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (module loading, occupancy caches)
+        ops.adam_step(*[t.clone() for t in init[:1]], g, *[t.clone() for t in init[1:]], **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.adam_step(captured[0], g, *captured[1:], **kw)
+    for _ in range(3):
+        graph.replay()
+        ops.adam_step(eager[0], g, *eager[1:], **kw)
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
+
+
+def test_more_than_2_31_elements():
+    """Index math past 2**31 elements (and past 2**32 bytes): windows at the start, across 2**31 and at the
+    end of one long launch match the same windows updated on their own, bit for bit."""
+    n = 2**31 + 13
+    if torch.cuda.mem_get_info()[0] < 48 * 2**30:
+        pytest.skip("needs about 40 GB of free GPU memory")
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    p = torch.randn(n, generator=gen, device=DEV)
+    m = torch.randn(n, generator=gen, device=DEV).mul_(0.1)
+    v = torch.rand(n, generator=gen, device=DEV)
+    g = torch.randn(n, generator=gen, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty(n, device=DEV, dtype=torch.bfloat16)
+    windows = [slice(0, 100), slice(2**31 - 50, 2**31 + 50), slice(n - 100, n)]
+    small = [[t[w].clone() for t in (p, g, m, v)] for w in windows]
+    kw = dict(step=3, lr=1e-2, weight_decay=0.1)
+    assert ops.adam_step(p, g, m, v, param_out=out, check_finite=True, **kw) is False
+    for w, (sp, sg, sm, sv) in zip(windows, small):
+        sout = torch.empty(sp.shape, device=DEV, dtype=torch.bfloat16)
+        ops.adam_step(sp, sg, sm, sv, param_out=sout, **kw)
+        for big, mine in ((p, sp), (m, sm), (v, sv), (out, sout)):
+            assert torch.equal(big[w], mine)
+    g[n - 1] = float("inf")  # the finite check must look at the very last element
+    before = [p[w].clone() for w in windows]
+    assert ops.adam_step(p, g, m, v, check_finite=True, **kw) is True
+    for w, b in zip(windows, before):
+        assert torch.equal(p[w], b)
+    del p, m, v, g, out
+    torch.cuda.empty_cache()

@@ -195,7 +195,12 @@ class Engine:
         """Every rank starts from rank 0's parameters and buffers, as DDP does."""
         with torch.no_grad():
             for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-                self.comm.broadcast(tensor.data if tensor.is_contiguous() else tensor.data.contiguous(), 0).wait()
+                if tensor.is_contiguous():
+                    self.comm.broadcast(tensor.data, 0).wait()
+                else:  # the collective needs dense memory: broadcast a copy, then write it back
+                    dense = tensor.data.contiguous()
+                    self.comm.broadcast(dense, 0).wait()
+                    tensor.data.copy_(dense)
 
     def _build_reducer(self) -> None:
         """One GradReducer over every group's buckets; parameters get stable global indices."""
