@@ -350,3 +350,18 @@ def test_bad_sources(tmp_path):
     listed.write_text("[1, 2]")
     with pytest.raises(ValueError, match="^config: expected a JSON object"):
         ZeroConfig.from_deepspeed(listed)
+
+
+def test_accumulation_steps_derived_from_batch_sizes_as_deepspeed_does():
+    source = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
+    config = ZeroConfig.from_deepspeed(source)
+    assert config.derive_accumulation_steps and config.gradient_accumulation_steps == 1
+    assert config.for_world_size(2).gradient_accumulation_steps == 4
+    assert config.for_world_size(8).gradient_accumulation_steps == 1
+    with pytest.raises(ValueError, match="train_batch_size \\(32\\)"):
+        config.for_world_size(3)
+    assert ZeroConfig.from_deepspeed(config.to_deepspeed()) == config
+    explicit = ZeroConfig.from_deepspeed({**source, "gradient_accumulation_steps": 2})
+    assert not explicit.derive_accumulation_steps
+    with pytest.raises(ValueError, match="gradient_accumulation_steps = 4 would satisfy it"):
+        explicit.for_world_size(2)

@@ -221,6 +221,10 @@ class ZeroConfig:
         train_batch_size: global batch size (>= 1) or None; see :meth:`check_batch_sizes`.
         train_micro_batch_size_per_gpu: per-rank micro-batch size (>= 1) or None.
         steps_per_print: log every this many optimizer steps (>= 1).
+        derive_accumulation_steps: DeepSpeed's rule for a config that gives ``train_batch_size`` and
+            ``train_micro_batch_size_per_gpu`` but not ``gradient_accumulation_steps``: the steps are
+            ``train_batch_size / (micro * world_size)``, worked out by :meth:`for_world_size` once the world
+            size is known (``from_deepspeed`` sets it).
 
     Raises:
         ValueError: naming the key path of the first invalid value, or bf16 and fp16 both enabled.
@@ -236,6 +240,7 @@ class ZeroConfig:
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     steps_per_print: int = 10
+    derive_accumulation_steps: bool = False
 
     def __post_init__(self) -> None:
         for name, cls in (("optimizer", OptimizerConfig), ("fp16", FP16Config),
@@ -256,6 +261,29 @@ class ZeroConfig:
             object.__setattr__(self, "communication_data_type", dtype)
         if self.bf16 and self.fp16.enabled:
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        _bool(self.derive_accumulation_steps, "derive_accumulation_steps")
+        if self.derive_accumulation_steps and (self.train_batch_size is None
+                                               or self.train_micro_batch_size_per_gpu is None):
+            raise ValueError("derive_accumulation_steps needs train_batch_size and train_micro_batch_size_per_gpu")
+
+    def for_world_size(self, world_size: int) -> ZeroConfig:
+        """This config with DeepSpeed's batch-size rule applied for ``world_size`` ranks: the derived
+        ``gradient_accumulation_steps`` filled in (see ``derive_accumulation_steps``), then checked.
+
+        Raises:
+            ValueError: when the batch sizes do not fit ``world_size`` (see :meth:`check_batch_sizes`).
+        """
+        config = self
+        if self.derive_accumulation_steps:
+            batch, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+            world = _int(world_size, "world_size", 1)
+            if batch % (micro * world):
+                raise ValueError(f"train_batch_size ({batch}) is not divisible by train_micro_batch_size_per_gpu "
+                                 f"({micro}) * world_size ({world}); no gradient_accumulation_steps fits")
+            config = dataclasses.replace(self, gradient_accumulation_steps=batch // (micro * world),
+                                         derive_accumulation_steps=False)
+        config.check_batch_sizes(world_size)
+        return config
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -339,6 +367,9 @@ class ZeroConfig:
         if opt_type == "AdamW" and "adamw_mode" in opt_kwargs:  # DeepSpeed: type AdamW forces adam_w_mode on
             _bool(opt_kwargs.pop("adamw_mode"), "optimizer.params.adam_w_mode")
         plain = {k: v for k, v in top.items() if k not in ("optimizer", "fp16", "bf16", "zero_optimization")}
+        if ("gradient_accumulation_steps" not in plain and plain.get("train_batch_size") is not None
+                and plain.get("train_micro_batch_size_per_gpu") is not None):
+            plain["derive_accumulation_steps"] = True  # DeepSpeed derives it once the world size is known
         config = cls(optimizer=OptimizerConfig(type=opt_type, **opt_kwargs), bf16=bf16.get("enabled", False),
                      fp16=FP16Config(**fp16), zero_optimization=ZeroOptimizationConfig(**zero), **plain)
         if unsupported:
@@ -363,6 +394,8 @@ class ZeroConfig:
         for name in ("communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.derive_accumulation_steps:
+            del out["gradient_accumulation_steps"]  # left for DeepSpeed's rule, as in the source config
         return out
 
 

@@ -125,7 +125,8 @@ class Engine:
         self.process_group = process_group if process_group is not None else _default_process_group(self.device)
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
-        config.check_batch_sizes(self.world_size)
+        config = config.for_world_size(self.world_size)
+        self.config = config
         algorithms = dict(comm_algorithms or {})
         unknown = set(algorithms) - {"reduce_scatter", "all_gather"}
         if unknown:

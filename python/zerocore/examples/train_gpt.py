@@ -149,7 +149,7 @@ def train(args: argparse.Namespace, config: zerocore.ZeroConfig, micro: int, dev
     schedule = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: min(
         (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup))))))
     memory = engine.memory_report()
-    gas = config.gradient_accumulation_steps
+    gas = engine.config.gradient_accumulation_steps
     tokens_per_step = micro * args.seq_len * gas * world
     say(f"zerocore {zerocore.__version__} | stage {stage} | {world} ranks on {device.type} ({dist.get_backend()}) | "
         f"{memory['compute_dtype']} | {memory['psi'] / 1e6:.2f}M params | vocab {tokenizer.vocab_size} | "
