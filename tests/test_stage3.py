@@ -314,3 +314,25 @@ def test_stage3_bf16_model_state_is_16_bytes_per_param_over_n():
             2 * psi // n, 2 * psi // n, 4 * psi // n, 8 * psi // n)
         assert report["model_state_bytes"] == (2 + 2 + 12) * psi // n == report["formula"]["total"]
         assert b["gathered_params_live"] == 0  # at rest nothing is gathered (no root parameters here)
+
+
+def close_worker(rank: int, world: int) -> bool:
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config())
+    engine.backward(loss_of(engine, *data(0, rank)))
+    engine.step()
+    with pytest.raises(ValueError, match="already managed"):
+        zerocore.initialize(model, config())
+    expected = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())  # whole again
+    loss_of(model, *data(1, rank)).backward()  # plain use works: no hooks left
+    again = zerocore.initialize(model, {**config(), "zero_optimization": {"stage": 2}})
+    again.backward(loss_of(again, *data(2, rank)))
+    again.step()
+    return True
+
+
+def test_close_hands_the_model_back_whole_and_a_new_engine_can_take_it():
+    assert all(run_ranks(close_worker, 2))

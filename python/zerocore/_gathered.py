@@ -25,6 +25,17 @@ def register(engine: Engine, params: Iterable[nn.Parameter]) -> None:
         _engine_of[id(param)] = (weakref.ref(param, lambda _, key=id(param): _engine_of.pop(key, None)), engine_ref)
 
 
+def unregister(engine: Engine, params: Iterable[nn.Parameter]) -> None:
+    for param in params:
+        if _engine_for(param) is engine:
+            del _engine_of[id(param)]
+
+
+def engine_for(param: nn.Parameter) -> Engine | None:
+    """The live engine that manages ``param``, if any."""
+    return _engine_for(param)
+
+
 def _engine_for(param: nn.Parameter) -> Engine | None:
     entry = _engine_of.get(id(param))
     if entry is None or entry[0]() is not param:

@@ -187,11 +187,25 @@ class Stage3Runtime:
         self._register_module_hooks()
 
     # ---- hooks ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Removes the hooks and makes every parameter a whole, ordinary tensor again."""
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles = []
+        for unit in self.units:
+            self.ensure_gathered(unit, "all_gather_close")
+            whole = [param.detach().clone() for param in unit.params]
+            self.release(unit)
+            for param, value in zip(unit.params, whole):
+                param.data = value
+
     def _register_module_hooks(self) -> None:
+        self.hook_handles: list[Any] = []
         for unit in self.units:
             module = unit.spec.module
-            module.register_forward_pre_hook(lambda m, args, unit=unit: self.pre_forward(unit))
-            module.register_forward_hook(lambda m, args, out, unit=unit: self.post_forward(unit, out))
+            self.hook_handles.append(module.register_forward_pre_hook(lambda m, args, unit=unit: self.pre_forward(unit)))
+            self.hook_handles.append(
+                module.register_forward_hook(lambda m, args, out, unit=unit: self.post_forward(unit, out)))
 
     def _in_backward(self) -> bool:
         return torch._C._current_graph_task_id() != -1

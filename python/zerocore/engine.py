@@ -32,6 +32,7 @@ from torch import nn
 
 from . import ops
 from ._flat_group import FlatParamGroup
+from ._gathered import engine_for, unregister
 from ._gathered import register as register_managed
 from ._loss_scaler import LossScaler
 from ._model_checks import check_same_model_on_all_ranks, collect_trainable, model_device
@@ -134,6 +135,10 @@ class Engine:
         self.comm = _C.Comm(self.process_group, algorithms.get("reduce_scatter", "auto"),
                             algorithms.get("all_gather", "auto"))
 
+        for name, param in model.named_parameters():
+            if engine_for(param) is not None:
+                raise ValueError(f"parameter {name!r} is already managed by another zerocore engine; call "
+                                 "close() on that engine first (it hands the parameters back whole)")
         check_same_model_on_all_ranks(model, self.comm, self.rank, self.device)
         if not meta:
             self._broadcast_module_state()
@@ -479,6 +484,21 @@ class Engine:
 
     def reset_comm_stats(self) -> None:
         self.comm.reset_stats()
+
+    def close(self) -> None:
+        """Detaches the engine from the model: hooks removed, pending gathers landed, and under stage 3
+        every parameter gathered back into an ordinary full tensor. A collective (every rank calls it).
+        The model can then be used plainly or given to a new engine."""
+        self.wait_for_params()
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        if self._stage3 is not None:
+            self._stage3.close()
+        for group in self.groups:  # stage 1's .grad are views of the engine's gradient buffer
+            for param in group.params:
+                param.grad = None
+        unregister(self, [p for owner, local in self._param_slots for p in [owner.params[local]]])
 
     @property
     def loss_scale(self) -> float:
