@@ -109,6 +109,8 @@ def test_comm_report_shows_psi_reduce_scattered_and_psi_all_gathered_per_step(st
         assert c["all_gather"]["logical_elements"] == psi
         assert report["algorithms"] == {"reduce_scatter": "all_reduce", "all_gather": "broadcast"}  # Gloo
         assert c["reduce_scatter"]["algorithm_bytes"] > 0 and c["all_gather"]["backend_calls"] >= 2
+        assert report["optimizer_steps"] == 1
+        assert report["per_step"]["reduce_scatter"]["logical_elements"] == psi
 
 
 def no_sync_worker(rank: int, world: int, stage: int) -> float:
@@ -271,3 +273,34 @@ def batchnorm_worker(rank: int, world: int, stage: int) -> bool:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_buffers_follow_rank0_like_ddp(stage):
     assert all(run_ranks(batchnorm_worker, 2, stage))
+
+
+def subgroup_worker(rank: int, world: int, stage: int) -> bool:
+    """Two data-parallel groups of 2 inside a world of 4 (as under tensor or pipeline parallelism):
+    each group trains its own replica and must match a DDP reference over the same group."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    torch.manual_seed(rank // 2)  # a different model per group
+    model = build("mlp", seed=rank // 2)
+    reference = DDP(copy.deepcopy(model), process_group=group)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    engine = zerocore.initialize(model, _config(stage), process_group=group)
+    assert (engine.rank, engine.world_size) == (rank % 2, 2)
+    for step in range(4):
+        x, y = batch("mlp", torch.Generator().manual_seed(10 * step + rank))
+        engine.backward(loss_fn("mlp", engine(x), y))
+        engine.step()
+        loss_fn("mlp", reference(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    final = engine.full_state_dict(rank0_only=False)
+    for name, value in reference.module.state_dict().items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_data_parallel_subgroups_compose(stage):
+    assert all(run_ranks(subgroup_worker, 4, stage, timeout=240))

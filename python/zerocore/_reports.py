@@ -26,6 +26,8 @@ def memory_report(engine: Engine) -> dict[str, Any]:
         items.update(stage3.memory())
     items["reduce_buckets"] = engine.reducer.peak_buffer_bytes
     items["allgather_buckets"] = 0  # the all-gather fills the parameter buffer in place
+    # Nothing else is held between steps: the step's norm and overflow checks allocate scalars only.
+    items["temporaries"] = 0
     frozen = [p for p in engine.module.parameters() if not p.requires_grad]
     items["frozen_params"] = sum(p.numel() * p.element_size() for p in frozen)
     psi, psi_padded = _psi(engine)
@@ -70,7 +72,11 @@ def comm_report(engine: Engine) -> dict[str, Any]:
              "backend_calls": s.backend_calls}
         for op, s in engine.comm.stats().items()
     }
+    steps = engine.global_steps + engine.skipped_steps - engine._comm_reset_at_step
+    per_step = {op: {key: value / steps for key, value in counts.items()} for op, counts in stats.items()} if steps else {}
     return {
+        "optimizer_steps": steps,
+        "per_step": per_step,
         "backend": engine.comm.backend,
         "algorithms": {"reduce_scatter": engine.comm.reduce_scatter_algo, "all_gather": engine.comm.all_gather_algo},
         "collectives": stats,

@@ -160,6 +160,7 @@ class Engine:
 
         self.broadcast_buffers = True  # as DDP's default; set False to keep buffers rank-local
         self._in_backward_call = False
+        self._comm_reset_at_step = 0
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
@@ -483,7 +484,9 @@ class Engine:
         return comm_report(self)
 
     def reset_comm_stats(self) -> None:
+        """Starts comm_report()'s counts afresh (its per-step figures divide by the steps since then)."""
         self.comm.reset_stats()
+        self._comm_reset_at_step = self.global_steps + self.skipped_steps
 
     def close(self) -> None:
         """Detaches the engine from the model: hooks removed, pending gathers landed, and under stage 3
