@@ -302,6 +302,8 @@ def bf16_memory_worker(rank: int, world: int) -> dict:
     engine = zerocore.initialize(model, {**config(), "bf16": {"enabled": True}})
     engine.backward(engine(torch.randn(2, 128)).float().square().mean())
     engine.step()
+    # no root unit here (the model's own module has no parameters): the schedule is still recorded
+    assert engine._stage3.recorded_order == [u.index for u in engine._stage3.units]
     return engine.memory_report()
 
 
@@ -336,3 +338,22 @@ def close_worker(rank: int, world: int) -> bool:
 
 def test_close_hands_the_model_back_whole_and_a_new_engine_can_take_it():
     assert all(run_ranks(close_worker, 2))
+
+
+def sharded_access_worker(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config())
+    h = torch.randn(2, DIM)
+    out = model.blocks[1](h)  # a unit called directly gathers itself
+    assert out.shape == (2, DIM) and torch.isfinite(out).all()
+    try:
+        model.blocks[1].linear(h)  # a module inside a sharded unit, called on its own
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_module_run_while_sharded_raises_naming_the_parameter():
+    for message in run_ranks(sharded_access_worker, 2):
+        assert "blocks.1.linear.weight" in message and "zerocore.gathered" in message, message

@@ -176,6 +176,7 @@ class Stage3Runtime:
         self.step = 0
         self.recorded_order: list[int] | None = None
         self._order: list[int] = []
+        self._whole_forward = False  # _order was collected since a forward of the whole model began
         self._position = 0
         self._prefetch_enabled = False
         self._warned = False
@@ -201,11 +202,35 @@ class Stage3Runtime:
 
     def _register_module_hooks(self) -> None:
         self.hook_handles: list[Any] = []
+        # A forward of the whole model starts here, whether or not the root module owns parameters.
+        self.hook_handles.append(self.engine.module.register_forward_pre_hook(
+            lambda m, args: None if self._in_backward() else self._begin_forward(), prepend=True))
         for unit in self.units:
             module = unit.spec.module
             self.hook_handles.append(module.register_forward_pre_hook(lambda m, args, unit=unit: self.pre_forward(unit)))
             self.hook_handles.append(
                 module.register_forward_hook(lambda m, args, out, unit=unit: self.post_forward(unit, out)))
+        self._register_sharded_access_checks()
+
+    def _register_sharded_access_checks(self) -> None:
+        """A module run while its parameters are sharded (called directly, outside its unit's forward)
+        would compute on NaN placeholders: raise instead, naming the parameter and the way out."""
+        owner = {id(p): (unit, name) for unit in self.units for p, name in zip(unit.params, unit.spec.param_names)}
+        for module in self.engine.module.modules():
+            mine = [owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner]
+            if mine:
+                # Registered after the units' gather hooks, so a unit module gathers before it is checked.
+                self.hook_handles.append(module.register_forward_pre_hook(
+                    lambda m, args, mine=mine: self._check_gathered(mine)))
+
+    def _check_gathered(self, params: list[tuple[Unit, str]]) -> None:
+        for unit, name in params:
+            if unit.state is UnitState.SHARDED:
+                raise RuntimeError(
+                    f"parameter {name!r} is sharded by ZeRO stage 3 (unit {unit.name!r} is not gathered): run "
+                    f"the model through the engine, call the unit {unit.name!r} itself, or wrap the access in "
+                    "`with zerocore.gathered(params):`"
+                )
 
     def _in_backward(self) -> bool:
         return torch._C._current_graph_task_id() != -1
@@ -214,8 +239,6 @@ class Stage3Runtime:
         if self._in_backward():  # activation-checkpoint recomputation: the unit is needed, nothing else
             self.ensure_gathered(unit, "all_gather_backward")
             return
-        if unit.spec.parent is None:
-            self._begin_forward()
         self._follow_order(unit)
         self.ensure_gathered(unit, "all_gather_forward")
         self._prefetch_next()
@@ -238,8 +261,9 @@ class Stage3Runtime:
 
     def _begin_forward(self) -> None:
         """The root unit starts a forward: several per step with gradient accumulation or inference."""
-        if self.recorded_order is None and self._order:
-            self.recorded_order = list(self._order)
+        if self.recorded_order is None and self._order and self._whole_forward:
+            self.recorded_order = list(self._order)  # only a whole forward (from the root) is a schedule
+        self._whole_forward = True
         self._order = []
         self._position = 0
         self._prefetch_enabled = self.recorded_order is not None and not self._warned
@@ -365,8 +389,9 @@ class Stage3Runtime:
         for unit in self.units:
             self.release(unit)
             unit.calls = 0
-        if self.recorded_order is None and self._order:
+        if self.recorded_order is None and self._order and self._whole_forward:
             self.recorded_order = list(self._order)
+        self._whole_forward = False
         self._order = []
         self._position = 0
         self._warned = False
