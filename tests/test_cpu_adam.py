@@ -614,8 +614,12 @@ def test_cpu_adam_matches_torch_with_groups_and_scheduler(path: str, adamw_mode:
     for p, q in zip(ours.parameters(), ref.parameters()):
         st, rt = opt.state[p], ref_opt.state[q]
         assert st["step"].dtype == torch.float32 and st["step"].item() == 20 == rt["step"].item()
-        torch.testing.assert_close(st["exp_avg"], rt["exp_avg"], rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(st["exp_avg_sq"], rt["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+        # The moments average gradients of models that differ by rounding after 20 steps (checked above at
+        # atol 1e-6); a gradient that is a small difference of large terms (a bias summed over the batch)
+        # inherits that difference amplified, so the moments get the same absolute slack as the params
+        # (and its square for the second moment). Seen: |exp_avg| ~8e-4 off by 1.2e-7 on one seed in 30.
+        torch.testing.assert_close(st["exp_avg"], rt["exp_avg"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(st["exp_avg_sq"], rt["exp_avg_sq"], rtol=1e-5, atol=1e-8)
 
 
 def test_cpu_adam_bias_correction_off_matches_op(seed: int) -> None:
