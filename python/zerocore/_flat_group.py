@@ -24,7 +24,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import ops
 from .layout import Bucket, FlatLayout
+
+
+def sum_of_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of gradient shards, accumulated in fp32 (padding is zero and adds nothing)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for shard in shards:
+        if shard.numel():
+            total += torch.linalg.vector_norm(shard, dtype=torch.float32) ** 2
+    return total
 
 
 class FlatParamGroup:
@@ -132,19 +142,9 @@ class FlatParamGroup:
             for param in self.params:
                 param.grad = None
 
-    def grad_sum_of_squares(self) -> torch.Tensor:
-        """Sum of squares of this rank's reduced gradient shard, in fp32 (padding is zero)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.param_buffer.device)
-        for bucket in range(len(self.buckets)):
-            grad = self.grad_slice(bucket)
-            if grad.numel():
-                total += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
-        return total
-
-    def grads_finite(self) -> bool:
-        from . import ops
-
-        return all(ops.all_finite(self.grad_slice(b)) for b in range(len(self.buckets)))
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient shard of every bucket."""
+        return [self.grad_slice(bucket) for bucket in range(len(self.buckets))]
 
     # ---- memory ---------------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:

@@ -61,6 +61,8 @@ def gathered(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int |
         if engine is None:
             raise ValueError("zerocore.gathered() got a parameter that no zerocore engine manages "
                              f"(shape {list(param.shape)}); pass parameters of a model given to zerocore.initialize()")
+        if modifier_rank is not None and not 0 <= modifier_rank < engine.world_size:
+            raise ValueError(f"modifier_rank must be in [0, {engine.world_size}), got {modifier_rank}")
         engines[id(engine)] = engine
     entered = []
     try:

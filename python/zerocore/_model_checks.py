@@ -92,7 +92,7 @@ def collect_trainable(
         raw = [{"params": list(model.parameters())}]
     else:
         raw = [dict(g) if isinstance(g, Mapping) else {"params": [g]} for g in param_groups]
-    seen: set[int] = set()
+    group_of: dict[int, int] = {}  # parameter id -> the group that lists it
     groups: list[dict[str, Any]] = []
     for index, group in enumerate(raw):
         unknown = set(group) - _GROUP_KEYS
@@ -100,22 +100,19 @@ def collect_trainable(
             raise ValueError(f"param_groups[{index}] has unknown keys {sorted(unknown)}; accepted: {sorted(_GROUP_KEYS)}")
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        unique = []
+        unique: list[nn.Parameter] = []
+        taken: set[int] = set()  # ids, not `in unique`: that would compare tensors elementwise
         for param in params:
             if id(param) not in names:
                 raise ValueError(f"param_groups[{index}] holds a tensor that is not a parameter of the model")
-            if id(param) in seen:
-                if param_groups is not None and any(param is p for p in unique):
-                    continue
-                if param_groups is not None:
-                    raise ValueError(f"parameter {names[id(param)]!r} appears in more than one param group")
-                continue
-            seen.add(id(param))
-            if param.requires_grad:
+            if group_of.setdefault(id(param), index) != index:
+                raise ValueError(f"parameter {names[id(param)]!r} appears in more than one param group")
+            if param.requires_grad and id(param) not in taken:
+                taken.add(id(param))
                 unique.append(param)
         if unique:
             groups.append({**base, **{k: v for k, v in group.items() if k != "params"}, "params": unique})
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
     if missing:
         raise ValueError(
             f"parameter {missing[0]!r} requires grad but is in no param group; add it to one or set "

@@ -86,6 +86,7 @@ class Unit:
         self.grads_left = 0  # parameters of this unit still waiting for their gradient in this backward
         self.persistent = False
         self.in_backward = False
+        self.runs: list[tuple[int, int, int]] | None = None  # (start, end, param group) in the shard; see _runs
 
     @property
     def numel(self) -> int:
@@ -163,7 +164,7 @@ class Stage3Runtime:
         self.prefetch_elements = zo.stage3_prefetch_bucket_size
         world, rank = engine.world_size, engine.rank
         self.units = [Unit(s, world, rank, engine.compute_dtype, engine.device) for s in specs if s.params]
-        self.by_module = {id(u.spec.module): u for u in self.units}
+        self._by_index = {u.index: u for u in self.units}
         if meta:
             from ._meta_init import materialize_units
 
@@ -260,13 +261,18 @@ class Stage3Runtime:
         self._prefetch_for_backward(unit)
 
     def _begin_forward(self) -> None:
-        """The root unit starts a forward: several per step with gradient accumulation or inference."""
-        if self.recorded_order is None and self._order and self._whole_forward:
-            self.recorded_order = list(self._order)  # only a whole forward (from the root) is a schedule
+        """A forward of the whole model starts: several per step with gradient accumulation or inference."""
+        self._end_order_record()
         self._whole_forward = True
+        self._prefetch_enabled = self.recorded_order is not None and not self._warned
+
+    def _end_order_record(self) -> None:
+        """The first whole forward (one that began at the model, not a unit called on its own) becomes the
+        schedule that later steps prefetch by."""
+        if self.recorded_order is None and self._order and self._whole_forward:
+            self.recorded_order = list(self._order)
         self._order = []
         self._position = 0
-        self._prefetch_enabled = self.recorded_order is not None and not self._warned
 
     def _prefetch_for_backward(self, unit: Unit) -> None:
         """Backward runs the recorded forward order in reverse: gather the unit before this one."""
@@ -344,7 +350,7 @@ class Stage3Runtime:
             )
             self._warned = True
         self._prefetch_enabled = False
-        self._drain_prefetched(keep=unit)
+        self._drain_prefetched()
 
     def _prefetch_next(self) -> None:
         if not self._prefetch_enabled or self.recorded_order is None:
@@ -361,17 +367,15 @@ class Stage3Runtime:
             self._gather(nxt, "all_gather_forward")
             budget -= nxt.numel
 
-    def _drain_prefetched(self, keep: Unit) -> None:
-        """Lands every gather in flight (never leave one behind) and releases units not in use."""
+    def _drain_prefetched(self) -> None:
+        """Lands every gather in flight, so none is left behind when prefetching stops mid-step; the
+        landed units are released by the usual post-forward and post-backward rules."""
         for unit in self.units:
             if unit.state is UnitState.GATHERING:
                 unit.wait()
 
     def _unit(self, index: int) -> Unit:
-        for unit in self.units:
-            if unit.index == index:
-                return unit
-        raise KeyError(index)
+        return self._by_index[index]
 
     # ---- step boundaries ------------------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -389,11 +393,8 @@ class Stage3Runtime:
         for unit in self.units:
             self.release(unit)
             unit.calls = 0
-        if self.recorded_order is None and self._order and self._whole_forward:
-            self.recorded_order = list(self._order)
+        self._end_order_record()
         self._whole_forward = False
-        self._order = []
-        self._position = 0
         self._warned = False
         self._prefetch_enabled = self.recorded_order is not None
         self.step += 1
@@ -401,15 +402,8 @@ class Stage3Runtime:
         self.peak_live_elements = self.live_elements
 
     # ---- optimizer ------------------------------------------------------------------------------------
-    def grad_sum_of_squares(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.engine.device)
-        for unit in self.units:
-            if unit.grad_shard.numel():
-                total += torch.linalg.vector_norm(unit.grad_shard, dtype=torch.float32) ** 2
-        return total
-
-    def grads_finite(self) -> bool:
-        return all(ops.all_finite(unit.grad_shard) for unit in self.units)
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [unit.grad_shard for unit in self.units]
 
     def zero_grad(self) -> None:
         for unit in self.units:
@@ -432,9 +426,8 @@ class Stage3Runtime:
                 )
 
     def _runs(self, unit: Unit, group_of: dict[int, int]) -> list[tuple[int, int, int]]:
-        cached = getattr(unit, "_runs", None)
-        if cached is not None:
-            return cached
+        if unit.runs is not None:
+            return unit.runs
         runs: list[tuple[int, int, int]] = []
         for piece in unit.layout.pieces(unit.rank):
             group = group_of[id(unit.params[piece.tensor])]
@@ -443,7 +436,7 @@ class Stage3Runtime:
                 runs[-1] = (runs[-1][0], end, group)  # padding between pieces is zero and stays zero
             else:
                 runs.append((start, end, group))
-        unit._runs = runs
+        unit.runs = runs
         return runs
 
     def memory(self) -> dict[str, int]:

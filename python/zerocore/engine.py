@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops
-from ._flat_group import FlatParamGroup
+from ._flat_group import FlatParamGroup, sum_of_squares
 from ._gathered import engine_for, unregister
 from ._gathered import register as register_managed
 from ._loss_scaler import LossScaler
@@ -113,7 +113,6 @@ class Engine:
     ) -> None:
         stage = config.zero_optimization.stage
         self.module = model
-        self.config = config
         self.stage = stage
         self.device = model_device(model)
         meta = self.device.type == "meta"
@@ -126,8 +125,7 @@ class Engine:
         self.process_group = process_group if process_group is not None else _default_process_group(self.device)
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
-        config = config.for_world_size(self.world_size)
-        self.config = config
+        self.config = config = config.for_world_size(self.world_size)
         algorithms = dict(comm_algorithms or {})
         unknown = set(algorithms) - {"reduce_scatter", "all_gather"}
         if unknown:
@@ -176,7 +174,6 @@ class Engine:
     def _build_flat_groups(self, groups: list[dict[str, Any]]) -> None:
         config, model = self.config, self.module
         bucket_cap = min(config.zero_optimization.reduce_bucket_size, config.zero_optimization.allgather_bucket_size)
-        self.groups: list[FlatParamGroup] = []
         for group in groups:
             params = group["params"]
             layout = FlatLayout([p.numel() for p in params], self.world_size, _ALIGNMENT, bucket_cap)
@@ -338,35 +335,34 @@ class Engine:
                 "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and "
                 "sharded"
             )
-        group, local = self._param_slots[index]
         if self._stage3 is not None:
-            self._on_grad_ready_stage3(index, param)
+            unit, _ = self._param_slots[index]
+            if self._reducing:
+                self._reduce(index, param)
+                param.grad = None  # reduced into the unit's gradient shard; see Note [Stage 3 gather and release]
+            self._stage3.grad_ready(unit)
             return
-        if not self._reducing:
-            if self.stage == 1 and param.grad is not None:
-                view = group.grad_view(local)
-                if param.grad.data_ptr() != view.data_ptr():
-                    view.copy_(param.grad)  # autograd made a fresh tensor: keep accumulating in the buffer
-                    param.grad = view
-            return
+        group, local = self._param_slots[index]
+        if self.stage == 1:
+            # .grad accumulates in place in the gradient buffer across micro-steps; when autograd made a fresh
+            # tensor (the user set .grad to None), its values move into the buffer first.
+            view = group.grad_view(local)
+            if param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)
+                param.grad = view
+        if self._reducing:
+            self._reduce(index, param)
+            if self.stage == 2:
+                param.grad = None  # its values now live in the bucket; see Note [Stage 1-2 storage]
+
+    def _reduce(self, index: int, param: torch.Tensor) -> None:
+        """Hands parameter ``index``'s gradient to the reducer; the first one of a backward also queues the
+        end-of-backward finalize."""
         if self._finalized:
             raise RuntimeError(f"parameter {index} produced a gradient after the backward was finalized")
         if not self.reducer.in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.reducer.mark_ready(index, param.grad)
-        if self.stage == 2:
-            param.grad = None  # its values now live in the bucket; see Note [Stage 1-2 storage]
-        elif param.grad is not None and param.grad.data_ptr() != group.grad_view(local).data_ptr():
-            param.grad = group.grad_view(local)
-
-    def _on_grad_ready_stage3(self, index: int, param: torch.Tensor) -> None:
-        unit, _ = self._param_slots[index]
-        if self._reducing:
-            if not self.reducer.in_backward:
-                torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-            self.reducer.mark_ready(index, param.grad)
-            param.grad = None  # reduced into the unit's gradient shard; see Note [Stage 3 gather and release]
-        self._stage3.grad_ready(unit)
 
     def _finalize_backward(self) -> None:
         if self._finalized:
@@ -447,10 +443,7 @@ class Engine:
     def _clip_coefficient(self, grad_scale: float) -> float:
         """Global L2 norm of the (unscaled) gradients across every shard; the clip coefficient."""
         clip = self.config.gradient_clipping
-        parts = [group.grad_sum_of_squares() for group in self.groups]
-        if self._stage3 is not None:
-            parts.append(self._stage3.grad_sum_of_squares())
-        sum_sq = sum(parts, torch.zeros((), dtype=torch.float32, device=self.device)).reshape(1)
+        sum_sq = sum_of_squares(self._grad_shards(), self.device).reshape(1)
         self.comm.all_reduce(sum_sq, False).wait()
         norm = math.sqrt(float(sum_sq.item())) * grad_scale
         self._last_grad_norm = norm
@@ -462,9 +455,13 @@ class Engine:
         """The global gradient norm of the last update (inf when fp16 overflow skipped it)."""
         return self._last_grad_norm
 
+    def _grad_shards(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient shards, whatever the stage."""
+        shards = [shard for group in self.groups for shard in group.grad_shards()]
+        return shards + (self._stage3.grad_shards() if self._stage3 is not None else [])
+
     def _grads_finite(self) -> bool:
-        finite = all(group.grads_finite() for group in self.groups)
-        return finite and (self._stage3 is None or self._stage3.grads_finite())
+        return all(ops.all_finite(shard) for shard in self._grad_shards())
 
     def zero_grad(self) -> None:
         for group in self.groups:
@@ -501,7 +498,7 @@ class Engine:
         for group in self.groups:  # stage 1's .grad are views of the engine's gradient buffer
             for param in group.params:
                 param.grad = None
-        unregister(self, [p for owner, local in self._param_slots for p in [owner.params[local]]])
+        unregister(self, [owner.params[local] for owner, local in self._param_slots])
 
     @property
     def loss_scale(self) -> float:
@@ -551,13 +548,14 @@ class Engine:
                 self._stage3.ensure_gathered(unit, "all_gather_state_dict")
                 for param in unit.params:
                     sharded.add(id(param))
-                    for name in names_of.get(id(param), []) if keep else []:
-                        take(name, param)
+                    if keep:
+                        for name in names_of.get(id(param), []):
+                            take(name, param)
                 if not unit.persistent:
                     self._stage3.release(unit)
         if keep:
             for name, tensor in entries.items():
-                if id(tensor) not in sharded and tensor is not None:
+                if id(tensor) not in sharded:
                     take(name, tensor)
         return {name: out[name] for name in entries if name in out}
 
@@ -569,8 +567,6 @@ class Engine:
                 self._stage3.ensure_gathered(unit, "all_gather_user")
 
     def _release_for_user(self, params: list[nn.Parameter], modifier_rank: int | None) -> None:
-        if modifier_rank is not None and not 0 <= modifier_rank < self.world_size:
-            raise ValueError(f"modifier_rank must be in [0, {self.world_size}), got {modifier_rank}")
         if self._stage3 is not None:
             for unit in self._stage3.units_of(params):
                 if modifier_rank is not None:
