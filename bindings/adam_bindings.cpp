@@ -120,16 +120,16 @@ at::Tensor adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const 
                          double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                          bool bias_correction, double grad_scale, bool check_finite) {
   return translate_value_errors([&] {
-  ZC_CHECK_ARG(param.device().is_cpu(), "param must be on the CPU for the CPU kernel, got ", param.device());
-  const AdamSpans spans = make_spans({param, grad, exp_avg, exp_avg_sq, param_out});
-  const AdamHyper hyper = make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
-  const SimdPath path = active_simd_path();
-  const bool skipped = CpuKernelPool::instance().run([&](ThreadPool* pool) {
-    if (check_finite && !all_finite(spans.grad, spans.grad_type, spans.n, pool, path)) return true;
-    adam_step(spans, hyper, pool, path);
-    return false;
-  });
-  return at::scalar_tensor(skipped, at::TensorOptions().dtype(at::kBool));
+    ZC_CHECK_ARG(param.device().is_cpu(), "param must be on the CPU for the CPU kernel, got ", param.device());
+    const AdamSpans spans = make_spans({param, grad, exp_avg, exp_avg_sq, param_out});
+    const AdamHyper hyper = make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+    const SimdPath path = active_simd_path();
+    const bool skipped = CpuKernelPool::instance().run([&](ThreadPool* pool) {
+      if (check_finite && !all_finite(spans.grad, spans.grad_type, spans.n, pool, path)) return true;
+      adam_step(spans, hyper, pool, path);
+      return false;
+    });
+    return at::scalar_tensor(skipped, at::TensorOptions().dtype(at::kBool));
   });
 }
 
@@ -139,19 +139,19 @@ at::Tensor adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const
                           double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                           bool bias_correction, double grad_scale, bool check_finite) {
   return translate_value_errors([&] {
-  ZC_CHECK_ARG(param.device().is_cuda(), "param must be a CUDA tensor for the CUDA kernel, got ", param.device());
-  const AdamSpans spans = make_spans({param, grad, exp_avg, exp_avg_sq, param_out});
-  const AdamHyper hyper = make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
-  const c10::DeviceGuard guard(param.device());
-  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(param.device()).native_handle();
-  at::Tensor found = at::zeros({}, param.options().dtype(at::kInt));
-  AdamDeviceScalars device_scalars;
-  if (check_finite) {
-    launch_check_finite(spans.grad, spans.grad_type, spans.n, found.data_ptr<int32_t>(), stream);
-    device_scalars.skip = found.data_ptr<int32_t>();
-  }
-  launch_fused_adam(spans, hyper, device_scalars, stream);
-  return found.to(at::kBool);
+    ZC_CHECK_ARG(param.device().is_cuda(), "param must be a CUDA tensor for the CUDA kernel, got ", param.device());
+    const AdamSpans spans = make_spans({param, grad, exp_avg, exp_avg_sq, param_out});
+    const AdamHyper hyper = make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+    const c10::DeviceGuard guard(param.device());
+    void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(param.device()).native_handle();
+    at::Tensor found = at::zeros({}, param.options().dtype(at::kInt));
+    AdamDeviceScalars device_scalars;
+    if (check_finite) {
+      launch_check_finite(spans.grad, spans.grad_type, spans.n, found.data_ptr<int32_t>(), stream);
+      device_scalars.skip = found.data_ptr<int32_t>();
+    }
+    launch_fused_adam(spans, hyper, device_scalars, stream);
+    return found.to(at::kBool);
   });
 }
 #endif
