@@ -249,16 +249,12 @@ class WithBatchNorm(nn.Module):
         return self.net(x)
 
 
-def batchnorm_worker(rank: int, world: int, stage: int) -> bool:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = WithBatchNorm()
-    reference = DDP(copy.deepcopy(model))
+def train_beside_ddp(engine: zerocore.Engine, reference: nn.Module, rank: int, steps: int, size: int = 4) -> None:
+    """Trains the engine and a DDP-wrapped reference on the same per-rank batches, then compares every
+    final parameter and buffer."""
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
-    engine = zerocore.initialize(model, _config(stage))
-    for step in range(5):
-        x, y = batch("mlp", torch.Generator().manual_seed(10 * step + rank), size=6)
+    for step in range(steps):
+        x, y = batch("mlp", torch.Generator().manual_seed(10 * step + rank), size=size)
         engine.backward(loss_fn("mlp", engine(x), y))
         engine.step()
         loss_fn("mlp", reference(x), y).backward()
@@ -267,6 +263,16 @@ def batchnorm_worker(rank: int, world: int, stage: int) -> bool:
     final = engine.full_state_dict(rank0_only=False)
     for name, value in reference.module.state_dict().items():
         torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def batchnorm_worker(rank: int, world: int, stage: int) -> bool:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = WithBatchNorm()
+    reference = DDP(copy.deepcopy(model))
+    engine = zerocore.initialize(model, _config(stage))
+    train_beside_ddp(engine, reference, rank, steps=5, size=6)
     return True
 
 
@@ -285,19 +291,9 @@ def subgroup_worker(rank: int, world: int, stage: int) -> bool:
     torch.manual_seed(rank // 2)  # a different model per group
     model = build("mlp", seed=rank // 2)
     reference = DDP(copy.deepcopy(model), process_group=group)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
     engine = zerocore.initialize(model, _config(stage), process_group=group)
     assert (engine.rank, engine.world_size) == (rank % 2, 2)
-    for step in range(4):
-        x, y = batch("mlp", torch.Generator().manual_seed(10 * step + rank))
-        engine.backward(loss_fn("mlp", engine(x), y))
-        engine.step()
-        loss_fn("mlp", reference(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    final = engine.full_state_dict(rank0_only=False)
-    for name, value in reference.module.state_dict().items():
-        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    train_beside_ddp(engine, reference, rank, steps=4)
     return True
 
 

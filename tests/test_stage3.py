@@ -77,25 +77,29 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, target: torch.Tensor) -> tor
     return nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), target.reshape(-1))
 
 
-def zoo_worker(rank: int, world: int, mode: str) -> bool:
-    torch.manual_seed(0)
-    model = Zoo(mode)
-    reference = copy.deepcopy(model)
+def train_beside_replica(engine: zerocore.Engine, reference: nn.Module, rank: int, world: int, steps: int,
+                         label: str = "") -> None:
+    """Trains the engine and a replicated reference side by side, then compares every final value.
+    The reference sees every rank's batch: the mean of per-rank mean losses, as data parallelism averages."""
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
-    engine = zerocore.initialize(model, config())
-    assert [u.name for u in engine._stage3.units] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
-    for step in range(6):
-        loss = loss_of(engine, *data(step, rank))
-        engine.backward(loss)
+    for step in range(steps):
+        engine.backward(loss_of(engine, *data(step, rank)))
         engine.step()
-        # the reference sees every rank's batch: the mean of per-rank mean losses, as data parallelism averages
-        ref = sum(loss_of(reference, *data(step, r)) for r in range(world)) / world
-        ref.backward()
+        (sum(loss_of(reference, *data(step, r)) for r in range(world)) / world).backward()
         opt.step()
         opt.zero_grad()
     final = engine.full_state_dict(rank0_only=False)
     for name, value in reference.state_dict().items():
-        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} {name}: {m}")
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")
+
+
+def zoo_worker(rank: int, world: int, mode: str) -> bool:
+    torch.manual_seed(0)
+    model = Zoo(mode)
+    reference = copy.deepcopy(model)
+    engine = zerocore.initialize(model, config())
+    assert [u.name for u in engine._stage3.units] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    train_beside_replica(engine, reference, rank, world, steps=6, label=mode)
     # inference: eval + no_grad gathers and releases without backward
     engine.eval()
     reference.eval()
@@ -272,21 +276,11 @@ def nested_worker(rank: int, world: int) -> list[str]:
     torch.manual_seed(0)
     model = Nested()
     reference = copy.deepcopy(model)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
     engine = zerocore.initialize(model, config(), units=[Outer, Block])
     names = [u.name for u in engine._stage3.units]
     inner = engine._stage3.units[names.index("layers.0.inner")]
     assert {id(p) for p in inner.params} == {id(p) for p in model.layers[0].inner.parameters()}
-    for step in range(4):
-        engine.backward(loss_of(engine, *data(step, rank)))
-        engine.step()
-        ref = sum(loss_of(reference, *data(step, r)) for r in range(world)) / world
-        ref.backward()
-        opt.step()
-        opt.zero_grad()
-    final = engine.full_state_dict(rank0_only=False)
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    train_beside_replica(engine, reference, rank, world, steps=4, label="nested")
     return names
 
 
