@@ -69,6 +69,7 @@ def batch(name: str, generator: torch.Generator, size: int = 4) -> tuple[torch.T
 
 
 def loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    output = output.to(torch.promote_types(output.dtype, torch.float32))  # bf16/fp16 up to fp32; fp64 stays
     if name == "mlp":
-        return nn.functional.mse_loss(output.float(), target)
-    return nn.functional.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
+        return nn.functional.mse_loss(output, target.to(output.dtype))
+    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))

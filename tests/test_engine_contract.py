@@ -14,6 +14,7 @@ import zerocore
 from zerocore._model_checks import _all_gather_json
 from _dist import run_ranks
 from _models import batch, build, loss_fn
+from _parity import ReferencePair, as_dtype
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -113,15 +114,19 @@ def test_comm_report_shows_psi_reduce_scattered_and_psi_all_gathered_per_step(st
         assert report["per_step"]["reduce_scatter"]["logical_elements"] == psi
 
 
-def no_sync_worker(rank: int, world: int, stage: int) -> float:
-    """no_sync accumulation for 3 micro-batches, then a synced one, equals gradient_accumulation_steps=4."""
-    results = []
+def no_sync_worker(rank: int, world: int, stage: int) -> bool:
+    """no_sync accumulation for 3 micro-batches, then a synced one, equals gradient_accumulation_steps=4:
+    both match a replica that sees every rank's four micro-batches at once."""
+    micro = [[batch("mlp", torch.Generator().manual_seed(10 * r + m)) for m in range(4)] for r in range(world)]
+    reference = ReferencePair(build("mlp"), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0,
+                                                                         foreach=False))
+    reference.train_step(lambda module, dtype: sum(loss_fn("mlp", module(as_dtype(x, dtype)), y)
+                                                   for per_rank in micro for x, y in per_rank) / (4 * world))
     for use_no_sync in (True, False):
         model = build("mlp")
         config = _config(stage, gradient_accumulation_steps=1 if use_no_sync else 4)
         engine = zerocore.initialize(model, config)
-        for m in range(4):
-            x, y = batch("mlp", torch.Generator().manual_seed(10 * rank + m))
+        for m, (x, y) in enumerate(micro[rank]):
             loss = loss_fn("mlp", engine(x), y)
             if use_no_sync:
                 if m < 3:
@@ -133,10 +138,10 @@ def no_sync_worker(rank: int, world: int, stage: int) -> float:
             else:
                 engine.backward(loss)
                 engine.step()
-        state = engine.full_state_dict(rank0_only=False)
-        results.append(torch.cat([v.reshape(-1) for v in state.values()]))
-    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-7)
-    return float((results[0] - results[1]).abs().max())
+        assert engine.global_steps == 1
+        reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"no_sync={use_no_sync}")
+        engine.close()
+    return True
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -243,36 +248,38 @@ def test_bad_comm_algorithm_and_meta_model_outside_stage3():
 class WithBatchNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+        # No bias before the BatchNorm: its true gradient is exactly zero (BatchNorm subtracts the batch mean),
+        # so Adam would turn rounding noise into full-size steps there (see tests/_parity.py).
+        self.net = nn.Sequential(nn.Linear(12, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
-def train_beside_ddp(engine: zerocore.Engine, reference: nn.Module, rank: int, steps: int, size: int = 4) -> None:
-    """Trains the engine and a DDP-wrapped reference on the same per-rank batches, then compares every
-    final parameter and buffer."""
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+def train_beside_ddp(engine: zerocore.Engine, model: nn.Module, rank: int, steps: int, size: int = 4,
+                     process_group: dist.ProcessGroup | None = None) -> None:
+    """Trains the engine and a DDP-wrapped reference (fp32 and float64, built from ``model`` before the engine
+    took it) on the same per-rank batches, then applies the parity rule (tests/_parity.py) to every final
+    parameter and buffer."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0,
+                                                                 foreach=False),
+                              wrap=lambda m: DDP(m, process_group=process_group))
     for step in range(steps):
         x, y = batch("mlp", torch.Generator().manual_seed(10 * step + rank), size=size)
         engine.backward(loss_fn("mlp", engine(x), y))
         engine.step()
-        loss_fn("mlp", reference(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    final = engine.full_state_dict(rank0_only=False)
-    for name, value in reference.module.state_dict().items():
-        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        reference.train_step(lambda module, dtype: loss_fn("mlp", module(as_dtype(x, dtype)), y))
+    reference.assert_matches(engine.full_state_dict(rank0_only=False))
 
 
 def batchnorm_worker(rank: int, world: int, stage: int) -> bool:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     torch.manual_seed(0)
     model = WithBatchNorm()
-    reference = DDP(copy.deepcopy(model))
+    replica = copy.deepcopy(model)
     engine = zerocore.initialize(model, _config(stage))
-    train_beside_ddp(engine, reference, rank, steps=5, size=6)
+    train_beside_ddp(engine, replica, rank, steps=5, size=6)
     return True
 
 
@@ -284,16 +291,15 @@ def test_buffers_follow_rank0_like_ddp(stage):
 def subgroup_worker(rank: int, world: int, stage: int) -> bool:
     """Two data-parallel groups of 2 inside a world of 4 (as under tensor or pipeline parallelism):
     each group trains its own replica and must match a DDP reference over the same group."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = groups[rank // 2]
     torch.manual_seed(rank // 2)  # a different model per group
     model = build("mlp", seed=rank // 2)
-    reference = DDP(copy.deepcopy(model), process_group=group)
+    replica = copy.deepcopy(model)
     engine = zerocore.initialize(model, _config(stage), process_group=group)
     assert (engine.rank, engine.world_size) == (rank % 2, 2)
-    train_beside_ddp(engine, reference, rank, steps=4)
+    train_beside_ddp(engine, replica, rank, steps=4, process_group=group)
     return True
 
 

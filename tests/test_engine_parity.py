@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerocore
 from _dist import run_ranks
 from _models import batch, build, loss_fn
+from _parity import ReferencePair, as_dtype
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,7 +26,7 @@ class Case:
     clip: float = 0.0
     weight_decay: float = 0.01
     bucket: int = 2000  # elements: several buckets even for these small models
-    rtol: float = 1e-5
+    rtol: float = 1e-5  # for the losses; parameters follow tests/_parity.py's rule
     atol: float = 1e-6
     extra: dict = field(default_factory=dict)
 
@@ -48,10 +48,11 @@ def parity_worker(rank: int, world: int, cases: list[Case]) -> list[str]:
     done = []
     for case in cases:
         model = build(case.model)
-        reference = copy.deepcopy(model)
-        ddp = DDP(reference, find_unused_parameters=case.model == "odd")
-        opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.99),
-                                eps=1e-8, weight_decay=case.weight_decay, foreach=False)
+        reference = ReferencePair(
+            model,
+            lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.99),
+                                        eps=1e-8, weight_decay=case.weight_decay, foreach=False),
+            wrap=lambda m: DDP(m, find_unused_parameters=case.model == "odd"))
         engine = zerocore.initialize(model, _config(case))
         for step in range(case.steps):
             micro = [batch(case.model, torch.Generator().manual_seed(10_000 * step + 100 * rank + m))
@@ -64,21 +65,13 @@ def parity_worker(rank: int, world: int, cases: list[Case]) -> list[str]:
                 losses.append(loss.detach())
             x = torch.cat([m[0] for m in micro])
             y = torch.cat([m[1] for m in micro])
-            ref_loss = loss_fn(case.model, ddp(x), y)
-            ref_loss.backward()
+            ref_loss, norm = reference.train_step(lambda module, dtype: loss_fn(case.model, module(as_dtype(x, dtype)), y),
+                                                  clip=case.clip)
             if case.clip:
-                norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), case.clip)
                 assert engine.get_global_grad_norm() == pytest.approx(norm.item(), rel=1e-4)
-            opt.step()
-            opt.zero_grad()
-            torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach(), rtol=case.rtol, atol=case.atol,
+            torch.testing.assert_close(torch.stack(losses).mean(), ref_loss, rtol=case.rtol, atol=case.atol,
                                        msg=lambda m: f"{case} step {step} loss: {m}")
-        final = engine.full_state_dict(rank0_only=False)
-        expected = reference.state_dict()
-        assert final.keys() == expected.keys()
-        for name, value in expected.items():
-            torch.testing.assert_close(final[name], value, rtol=case.rtol, atol=case.atol,
-                                       msg=lambda m: f"{case} param {name}: {m}")
+        reference.assert_matches(engine.full_state_dict(rank0_only=False), label=str(case))
         done.append(f"{case.model}/stage{case.stage}")
     return done
 
@@ -186,29 +179,25 @@ def test_fp16_dynamic_scale_growth_unscales_with_the_scale_in_effect(stage):
 def param_groups_worker(rank: int, world: int, stage: int) -> bool:
     """Two param groups (no weight decay on biases and norms, another lr) and an lr scheduler."""
     model = build("transformer")
-    reference = copy.deepcopy(model)
 
     def groups(m):
         decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in m.named_parameters() if p.dim() < 2]
         return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3}]
 
-    ddp = DDP(reference)
-    opt = torch.optim.AdamW(groups(reference), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, foreach=False)
+    reference = ReferencePair(
+        model, lambda m: torch.optim.AdamW(groups(m), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, foreach=False), wrap=DDP)
     engine = zerocore.initialize(model, _config(Case("transformer", stage)), param_groups=groups(model))
-    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt, engine.optimizer)]
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
+                  for o in (*reference.optimizers, engine.optimizer)]
     for step in range(8):
         x, y = batch("transformer", torch.Generator().manual_seed(10_000 * step + rank))
         engine.backward(loss_fn("transformer", engine(x), y))
         engine.step()
-        loss_fn("transformer", ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        reference.train_step(lambda module, dtype: loss_fn("transformer", module(x), y))
         for s in schedulers:
             s.step()
-    final = engine.full_state_dict(rank0_only=False)
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"param groups, stage {stage}")
     return True
 
 

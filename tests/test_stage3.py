@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zerocore
 from _dist import run_ranks
+from _parity import ReferencePair
 
 pytestmark = pytest.mark.timeout(300)
 VOCAB, DIM = 24, 16
@@ -77,29 +78,28 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, target: torch.Tensor) -> tor
     return nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), target.reshape(-1))
 
 
-def train_beside_replica(engine: zerocore.Engine, reference: nn.Module, rank: int, world: int, steps: int,
-                         label: str = "") -> None:
-    """Trains the engine and a replicated reference side by side, then compares every final value.
-    The reference sees every rank's batch: the mean of per-rank mean losses, as data parallelism averages."""
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+def train_beside_replica(engine: zerocore.Engine, model: nn.Module, rank: int, world: int, steps: int,
+                         label: str = "") -> nn.Module:
+    """Trains the engine and a replicated reference (fp32 and float64, built from ``model`` before the engine
+    took it) side by side, then applies the parity rule (tests/_parity.py) to every final value. The
+    reference sees every rank's batch: the mean of per-rank mean losses, as data parallelism averages."""
+    reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01,
+                                                                 foreach=False))
     for step in range(steps):
         engine.backward(loss_of(engine, *data(step, rank)))
         engine.step()
-        (sum(loss_of(reference, *data(step, r)) for r in range(world)) / world).backward()
-        opt.step()
-        opt.zero_grad()
-    final = engine.full_state_dict(rank0_only=False)
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")
+        reference.train_step(lambda module, dtype: sum(loss_of(module, *data(step, r)) for r in range(world)) / world)
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=label)
+    return reference.fp32
 
 
 def zoo_worker(rank: int, world: int, mode: str) -> bool:
     torch.manual_seed(0)
     model = Zoo(mode)
-    reference = copy.deepcopy(model)
+    replica = copy.deepcopy(model)
     engine = zerocore.initialize(model, config())
     assert [u.name for u in engine._stage3.units] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
-    train_beside_replica(engine, reference, rank, world, steps=6, label=mode)
+    reference = train_beside_replica(engine, replica, rank, world, steps=6, label=mode)
     # inference: eval + no_grad gathers and releases without backward
     engine.eval()
     reference.eval()
@@ -275,12 +275,12 @@ class Nested(nn.Module):
 def nested_worker(rank: int, world: int) -> list[str]:
     torch.manual_seed(0)
     model = Nested()
-    reference = copy.deepcopy(model)
+    replica = copy.deepcopy(model)
     engine = zerocore.initialize(model, config(), units=[Outer, Block])
     names = [u.name for u in engine._stage3.units]
     inner = engine._stage3.units[names.index("layers.0.inner")]
     assert {id(p) for p in inner.params} == {id(p) for p in model.layers[0].inner.parameters()}
-    train_beside_replica(engine, reference, rank, world, steps=4, label="nested")
+    train_beside_replica(engine, replica, rank, world, steps=4, label="nested")
     return names
 
 

@@ -1,0 +1,103 @@
+"""The parity rule: judge zerocore against the rounding noise of the fp32 reference itself.
+
+Two correct fp32 implementations of the same training (DDP + torch AdamW and zerocore, or torch's own foreach
+and fused AdamW) do not agree elementwise to any fixed tolerance: Adam divides by sqrt(v) + eps, so for an
+element whose gradient is close to zero a one-ulp difference in the gradient (from a different summation
+order in a matmul or a reduction) becomes a visible difference in the weight, and which elements cross a
+fixed tolerance depends on the machine's kernels. Instead the reference is also trained in float64 on the
+same batches (rounding 2^29 times smaller: "the exact answer"), and per tensor
+
+    ||zerocore - exact|| / ||exact||  <=  FACTOR * ||fp32 reference - exact|| / ||exact||  +  FLOOR
+
+zerocore may be as far from the exact answer as a correct fp32 implementation is, with some slack (FACTOR) for
+its different but equally valid rounding, and a FLOOR for tensors where the reference happens to round almost
+exactly (a relative L2 distance of 1e-6 is a few ulps of fp32 spread over the tensor). A real bug (a gradient
+contribution dropped, weight decay applied twice, a step lost) moves a tensor by orders of magnitude more:
+tests/test_parity_rule.py breaks the engine on purpose in such ways and checks that this rule catches each.
+Losses are well conditioned and stay compared directly. Parameters whose gradient is exactly zero in exact
+arithmetic (e.g. an attention key bias: softmax is shift-invariant) turn rounding noise into full-size Adam
+steps and carry no information; the test models avoid them (see tests/_models.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+FACTOR = 2.0
+FLOOR = 1e-6
+
+
+def relative_distance(value: torch.Tensor, exact: torch.Tensor) -> float:
+    """||value - exact|| / ||exact|| in float64 (the absolute distance where exact is all zeros)."""
+    exact = exact.detach().double()
+    diff = float((value.detach().double() - exact).norm())
+    norm = float(exact.norm())
+    return diff / norm if norm > 0 else diff
+
+
+def assert_within_reference_noise(actual: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
+                                  exact: Mapping[str, torch.Tensor], label: str = "", factor: float = FACTOR,
+                                  floor: float = FLOOR) -> None:
+    """Every floating tensor of ``actual`` is within ``factor`` x the fp32 ``reference``'s own distance from
+    the float64 ``exact`` run (plus ``floor``); integer tensors (e.g. BatchNorm's step count) must be equal."""
+    assert actual.keys() == exact.keys() == reference.keys(), (
+        f"{label}: state keys differ: {sorted(set(actual) ^ set(exact))}")
+    failures = []
+    for name, exact_value in exact.items():
+        value = actual[name]
+        if value.shape != exact_value.shape:
+            failures.append(f"{name}: shape {tuple(value.shape)} != {tuple(exact_value.shape)}")
+        elif not exact_value.is_floating_point():
+            if not torch.equal(value, exact_value):
+                failures.append(f"{name}: {value.tolist()} != {exact_value.tolist()}")
+        else:
+            ours, theirs = relative_distance(value, exact_value), relative_distance(reference[name], exact_value)
+            if not ours <= factor * theirs + floor:  # also catches NaN
+                failures.append(f"{name}: relative distance from the float64 run {ours:.3g} > {factor} x the "
+                                f"fp32 reference's {theirs:.3g} + {floor:g}")
+    assert not failures, f"{label}: outside the fp32 reference's rounding noise:\n  " + "\n  ".join(failures)
+
+
+def as_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Floating inputs follow the model's dtype; integer inputs (tokens, class targets) stay as they are."""
+    return value.to(dtype) if value.is_floating_point() else value
+
+
+class ReferencePair:
+    """A reference model in fp32 (what a user would run instead of zerocore) and its float64 twin, trained
+    side by side on the same batches; ``assert_matches`` applies the parity rule to an engine's state.
+
+    ``wrap`` wraps each (e.g. in DDP); ``make_optimizer`` builds an optimizer for an unwrapped model (it may
+    build param groups from the model). ``train_step(loss_of)`` calls ``loss_of(module, dtype)`` once per twin,
+    backpropagates, optionally clips, steps, and returns the fp32 loss and gradient norm (or None)."""
+
+    def __init__(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                 wrap: Callable[[nn.Module], nn.Module] = lambda m: m) -> None:
+        self.models = [copy.deepcopy(model).float(), copy.deepcopy(model).double()]
+        self.modules = [wrap(m) for m in self.models]
+        self.optimizers = [make_optimizer(m) for m in self.models]
+
+    @property
+    def fp32(self) -> nn.Module:
+        return self.models[0]
+
+    def train_step(self, loss_of: Callable[[nn.Module, torch.dtype], torch.Tensor],
+                   clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        results = []
+        for model, module, optimizer in zip(self.models, self.modules, self.optimizers):
+            dtype = next(model.parameters()).dtype
+            loss = loss_of(module, dtype)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if clip else None
+            optimizer.step()
+            optimizer.zero_grad()
+            results.append((loss.detach().float(), norm))
+        return results[0]
+
+    def assert_matches(self, actual: Mapping[str, torch.Tensor], label: str = "", **rule: float) -> None:
+        assert_within_reference_noise(actual, self.models[0].state_dict(), self.models[1].state_dict(), label,
+                                      **rule)
