@@ -1,4 +1,5 @@
-// The stateless Adam kernels as torch ops (zerocore::adam_step_) plus the CPU thread-pool controls.
+// The stateless Adam kernels as torch ops (zerocore::adam_step_), their multi-tensor forms as plain _C
+// functions (multi_tensor_adam_step, multi_tensor_all_finite), plus the CPU thread-pool controls.
 //
 // Note [Adam op contract]
 // -----------------------
@@ -9,6 +10,10 @@
 // case nothing was written. On CUDA the verdict never leaves the device, so the op needs no host sync.
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include <ATen/Parallel.h>
 
@@ -86,31 +91,48 @@ AdamHyper make_hyper(double step, double lr, double beta1, double beta2, double 
   return hyper;
 }
 
-// Validates the op's tensors and turns them into spans; see Note [Adam op contract].
-AdamSpans make_spans(const AdamOpArgs& args) {
+// The names a tuple's tensors go by in error messages: the op's argument names, or list elements.
+struct SpanNames {
+  std::string param = "param";
+  std::string grad = "grad";
+  std::string exp_avg = "exp_avg";
+  std::string exp_avg_sq = "exp_avg_sq";
+  std::string param_out = "param_out";
+
+  static SpanNames list_elements(size_t i) {
+    const std::string index = "[" + std::to_string(i) + "]";
+    return {"params" + index, "grads" + index, "exp_avgs" + index, "exp_avg_sqs" + index, "param_outs" + index};
+  }
+};
+
+// Validates the op's tensors and turns them into spans; see Note [Adam op contract]. With check_overlap
+// false the caller checks the buffers for overlap itself (across several tuples).
+AdamSpans make_spans(const AdamOpArgs& args, const SpanNames& names = SpanNames{}, bool check_overlap = true) {
   const at::Tensor& param = args.param;
-  check_dtype(param, "param", at::kFloat);
-  check_dtype(args.exp_avg, "exp_avg", at::kFloat);
-  check_dtype(args.exp_avg_sq, "exp_avg_sq", at::kFloat);
-  std::vector<NamedTensor> tensors{
-      {"param", &param}, {"grad", &args.grad}, {"exp_avg", &args.exp_avg}, {"exp_avg_sq", &args.exp_avg_sq}};
-  if (args.param_out) tensors.push_back({"param_out", &*args.param_out});
-  check_flat_args(tensors, param.numel(), param.device());
-  check_no_overlap(tensors);
+  check_dtype(param, names.param.c_str(), at::kFloat);
+  check_dtype(args.exp_avg, names.exp_avg.c_str(), at::kFloat);
+  check_dtype(args.exp_avg_sq, names.exp_avg_sq.c_str(), at::kFloat);
+  std::vector<NamedTensor> tensors{{names.param.c_str(), &param},
+                                   {names.grad.c_str(), &args.grad},
+                                   {names.exp_avg.c_str(), &args.exp_avg},
+                                   {names.exp_avg_sq.c_str(), &args.exp_avg_sq}};
+  if (args.param_out) tensors.push_back({names.param_out.c_str(), &*args.param_out});
+  check_flat_args(tensors, param.numel(), param.device(), names.param.c_str());
+  if (check_overlap) check_no_overlap(tensors);
 
   AdamSpans spans;
   spans.n = param.numel();
   spans.param = param.data_ptr<float>();
   spans.grad = args.grad.data_ptr();
-  spans.grad_type = to_scalar_type(args.grad, "grad");
+  spans.grad_type = to_scalar_type(args.grad, names.grad.c_str());
   spans.exp_avg = args.exp_avg.data_ptr<float>();
   spans.exp_avg_sq = args.exp_avg_sq.data_ptr<float>();
   if (args.param_out) {
     const at::Tensor& out = *args.param_out;
-    ZC_CHECK_ARG(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf,
-                 "param_out must be bfloat16 or float16, got ", out.scalar_type());
+    ZC_CHECK_ARG(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf, names.param_out,
+                 " must be bfloat16 or float16, got ", out.scalar_type());
     spans.param_out = out.data_ptr();
-    spans.param_out_type = to_scalar_type(out, "param_out");
+    spans.param_out_type = to_scalar_type(out, names.param_out.c_str());
   }
   return spans;
 }
@@ -134,6 +156,11 @@ at::Tensor adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const 
 }
 
 #if defined(ZEROCORE_HAVE_CUDA)
+// torch's current stream on `device`, as a cudaStream_t.
+void* current_cuda_stream(const at::Device& device) {
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
+}
+
 at::Tensor adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                           const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, double step,
                           double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
@@ -143,7 +170,7 @@ at::Tensor adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const
     const AdamSpans spans = make_spans({param, grad, exp_avg, exp_avg_sq, param_out});
     const AdamHyper hyper = make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
     const c10::DeviceGuard guard(param.device());
-    void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(param.device()).native_handle();
+    void* stream = current_cuda_stream(param.device());
     at::Tensor found = at::zeros({}, param.options().dtype(at::kInt));
     AdamDeviceScalars device_scalars;
     if (check_finite) {
@@ -155,6 +182,120 @@ at::Tensor adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const
   });
 }
 #endif
+
+// The device every tensor of a multi-tensor call is on: that of the first, which must be the CPU or (in a
+// build with the CUDA kernels) a CUDA device. Each tensor's own device is checked against it later.
+at::Device multi_tensor_device(const at::Tensor& first, const char* name, const char* caller) {
+  const at::Device device = first.device();
+#if defined(ZEROCORE_HAVE_CUDA)
+  ZC_CHECK_ARG(device.is_cpu() || device.is_cuda(), caller, ": ", name,
+               " must be on the CPU or a CUDA device, got ", device);
+#else
+  ZC_CHECK_ARG(device.is_cpu(), caller, ": ", name, " must be on the CPU (this build has no CUDA kernels), got ",
+               device);
+#endif
+  return device;
+}
+
+// _C.multi_tensor_adam_step: adam_step_ (without check_finite) over lists of tensors, all in one call into
+// the core: on the CPU one split over the kernel pool (GIL released), on CUDA launch_multi_tensor_adam on
+// torch's current stream. Every tuple is validated, and no buffer may overlap another anywhere in the
+// lists, before anything is written.
+void multi_tensor_adam_step_py(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                               const std::optional<std::vector<std::optional<at::Tensor>>>& param_outs, double step,
+                               double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                               bool bias_correction, double grad_scale) {
+  translate_value_errors([&] {
+    const size_t num = params.size();
+    ZC_CHECK_ARG(grads.size() == num && exp_avgs.size() == num && exp_avg_sqs.size() == num &&
+                     (!param_outs || param_outs->size() == num),
+                 "params, grads, exp_avgs, exp_avg_sqs and param_outs must have the same length, got ", num, ", ",
+                 grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), " and ",
+                 param_outs ? std::to_string(param_outs->size()) : std::string("None"));
+    const AdamHyper hyper = make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+    if (num == 0) return;
+    const at::Device device = multi_tensor_device(params[0], "params[0]", "multi_tensor_adam_step");
+    static const std::optional<at::Tensor> kNoOut;
+    std::vector<SpanNames> names;
+    names.reserve(num);
+    std::vector<AdamSpans> spans;
+    spans.reserve(num);
+    for (size_t i = 0; i < num; ++i) {
+      names.push_back(SpanNames::list_elements(i));
+      ZC_CHECK_ARG(params[i].device() == device, names[i].param, " must be on ", device, " like params[0], got ",
+                   params[i].device());
+      const std::optional<at::Tensor>& out = param_outs ? (*param_outs)[i] : kNoOut;
+      spans.push_back(make_spans({params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out}, names[i],
+                                 /*check_overlap=*/false));
+    }
+    std::vector<NamedTensor> written, read;
+    for (size_t i = 0; i < num; ++i) {
+      written.push_back({names[i].param.c_str(), &params[i]});
+      written.push_back({names[i].exp_avg.c_str(), &exp_avgs[i]});
+      written.push_back({names[i].exp_avg_sq.c_str(), &exp_avg_sqs[i]});
+      if (param_outs && (*param_outs)[i]) written.push_back({names[i].param_out.c_str(), &*(*param_outs)[i]});
+      read.push_back({names[i].grad.c_str(), &grads[i]});
+    }
+    check_no_overlap_among(written, read);
+
+    if (device.is_cpu()) {
+      const SimdPath path = active_simd_path();
+      py::gil_scoped_release no_gil;
+      CpuKernelPool::instance().run([&](ThreadPool* pool) {
+        multi_tensor_adam_step(spans.data(), static_cast<int64_t>(num), hyper, pool, path);
+      });
+      return;
+    }
+#if defined(ZEROCORE_HAVE_CUDA)
+    const c10::DeviceGuard guard(device);
+    launch_multi_tensor_adam(spans.data(), static_cast<int64_t>(num), hyper, AdamDeviceScalars{},
+                             current_cuda_stream(device));
+#endif
+  });
+}
+
+// _C.multi_tensor_all_finite: whether every element of every gradient is finite. CPU: a Python bool, from
+// one split over the kernel pool (GIL released). CUDA: a 0-d bool tensor on that device, computed on torch's
+// current stream without a host sync. An empty list: True.
+py::object multi_tensor_all_finite_py(const std::vector<at::Tensor>& grads) {
+  return translate_value_errors([&]() -> py::object {
+    const size_t num = grads.size();
+    if (num == 0) return py::bool_(true);
+    const at::Device device = multi_tensor_device(grads[0], "grads[0]", "multi_tensor_all_finite");
+    std::vector<AdamSpans> spans(num);
+    for (size_t i = 0; i < num; ++i) {
+      const at::Tensor& g = grads[i];
+      const std::string name = "grads[" + std::to_string(i) + "]";
+      ZC_CHECK_ARG(g.defined(), name, " is an undefined tensor");
+      ZC_CHECK_ARG(g.device() == device, name, " must be on ", device, " like grads[0], got ", g.device());
+      ZC_CHECK_ARG(g.is_contiguous(), name, " must be contiguous, got strides ", g.strides());
+      spans[i].grad_type = to_scalar_type(g, name.c_str());
+      spans[i].grad = g.data_ptr();
+      spans[i].n = g.numel();
+    }
+    if (device.is_cpu()) {
+      const SimdPath path = active_simd_path();
+      bool finite = false;
+      {
+        py::gil_scoped_release no_gil;
+        finite = CpuKernelPool::instance().run([&](ThreadPool* pool) {
+          return multi_tensor_all_finite(spans.data(), static_cast<int64_t>(num), pool, path);
+        });
+      }
+      return py::bool_(finite);
+    }
+#if defined(ZEROCORE_HAVE_CUDA)
+    const c10::DeviceGuard guard(device);
+    at::Tensor found = at::zeros({}, grads[0].options().dtype(at::kInt));
+    launch_multi_tensor_check_finite(spans.data(), static_cast<int64_t>(num), found.data_ptr<int32_t>(),
+                                     current_cuda_stream(device));
+    return py::cast(found.eq(0));
+#else
+    throw std::logic_error("unreachable: multi_tensor_device accepts only the CPU without CUDA");
+#endif
+  });
+}
 
 }  // namespace
 
@@ -176,6 +317,13 @@ void bind_adam(py::module_& m) {
             [&](ThreadPool* pool) { return all_finite(data, type, n, pool, active_simd_path()); });
       },
       py::arg("grad"), "True when every element of the CPU tensor grad is finite (reads only grad).");
+  m.def("multi_tensor_adam_step", &multi_tensor_adam_step_py, py::arg("params"), py::arg("grads"),
+        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("param_outs") = py::none(), py::kw_only(),
+        py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("adamw"), py::arg("bias_correction"), py::arg("grad_scale"),
+        "adam_step_ over lists of tensors (one tuple per index) in one call into the core; see ops.py.");
+  m.def("multi_tensor_all_finite", &multi_tensor_all_finite_py, py::arg("grads"),
+        "Whether every gradient is finite: a bool on the CPU, a 0-d bool tensor (no host sync) on CUDA.");
 }
 
 }  // namespace zerocore::bindings

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import zerocore
 from zerocore import ops
@@ -546,6 +548,265 @@ def test_torch_compile_fullgraph(backend: str) -> None:
     s, _ = compiled(*compiled_args, 4.0)
     assert bool(s) is True
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(before, compiled_args))
+
+
+# -------------------------------------------------------------------------------------------------------------
+# ops.multi_tensor_adam_step and ops.multi_tensor_all_finite
+# -------------------------------------------------------------------------------------------------------------
+
+_SPAN_KEYS = ("param", "grad", "exp_avg", "exp_avg_sq", "param_out")
+
+# (n, grad dtype, param_out dtype or None, storage offset of every buffer of the tuple): every length class,
+# every grad dtype, both output dtypes and none, empty spans first and in the middle; 2**20 + 3 elements take
+# the non-temporal param_out stores.
+MULTI_SPANS = [
+    (0, torch.float32, None, 0),
+    (1, torch.bfloat16, torch.bfloat16, 0),
+    (17, torch.float16, torch.float16, 1),
+    (100003, torch.float32, torch.bfloat16, 0),
+    (2**20 + 3, torch.bfloat16, torch.float16, 0),
+    (0, torch.float16, torch.bfloat16, 0),
+    (2**20 + 3, torch.float16, None, 1),
+    (17, torch.float32, None, 0),
+    (100003, torch.bfloat16, torch.float16, 3),
+]
+# One set of hyper-parameters per step: both weight-decay modes, a grad scale, other betas, no bias correction.
+MULTI_STEPS = [
+    dict(step=1, lr=1e-2, weight_decay=0.01),
+    dict(step=2, lr=1e-2, weight_decay=0.1, adamw=False, grad_scale=0.5),
+    dict(step=3, lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.02, bias_correction=False),
+]
+
+
+def _make_spans(spec, seed: int) -> list[dict]:
+    """One dict of _SPAN_KEYS per (n, grad dtype, out dtype, offset) of spec; the same seed, the same data."""
+    gen = torch.Generator().manual_seed(seed)
+    spans = []
+    for n, grad_dtype, out_dtype, offset in spec:
+        t = {
+            "param": _view(n, torch.float32, offset).copy_(torch.randn(n, generator=gen) * 3),
+            "grad": _view(n, grad_dtype, offset).copy_(torch.randn(n, generator=gen).to(grad_dtype)),
+            "exp_avg": _view(n, torch.float32, offset).copy_(torch.randn(n, generator=gen) * 0.1),
+            "exp_avg_sq": _view(n, torch.float32, offset).copy_(torch.rand(n, generator=gen) * 0.01),
+            "param_out": None if out_dtype is None else _view(n, out_dtype, offset).zero_(),
+        }
+        if n > 1000:
+            t["grad"][n // 3] = math.nan  # propagated alike (bits compared, payloads included)
+        spans.append(t)
+    return spans
+
+
+def _multi_step(spans: list[dict], **kw) -> None:
+    outs = [t["param_out"] for t in spans]
+    ops.multi_tensor_adam_step(
+        *([t[k] for t in spans] for k in _SPAN_KEYS[:4]),
+        param_outs=None if all(o is None for o in outs) else outs,
+        **kw,
+    )
+
+
+def _check_multi_matches_per_span(spec, path: str, threads: int, seed: int, steps: list[dict]) -> None:
+    """multi_tensor_adam_step on every span == adam_step on each span, bit for bit, after every step."""
+    multi, single = _make_spans(spec, seed), _make_spans(spec, seed)
+    with _torch_on_one_thread(threads), ops.force_simd_path(path):
+        for kw in steps:
+            _multi_step(multi, **kw)
+            for t in single:
+                ops.adam_step(*(t[k] for k in _SPAN_KEYS[:4]), param_out=t["param_out"], **kw)
+            for i, (a, b) in enumerate(zip(multi, single)):
+                for key in _SPAN_KEYS:
+                    if a[key] is not None:
+                        assert torch.equal(_bits(a[key]), _bits(b[key])), (
+                            f"{_repro(seed)} path={path} threads={threads} step={kw['step']}: tensors[{i}] "
+                            f"(n={a['param'].numel()}) {key} differs")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("path", PATHS)
+def test_multi_tensor_adam_matches_per_span_bitwise(path: str, threads: int, seed: int) -> None:
+    _check_multi_matches_per_span(MULTI_SPANS, path, threads, seed, MULTI_STEPS)
+
+
+_multi_spec = st.lists(
+    st.tuples(
+        st.one_of(st.integers(0, 80), st.integers(8000, 40000)),  # tails, and spans the threads split
+        st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+        st.sampled_from([None, torch.bfloat16, torch.float16]),
+        st.integers(0, 3),
+    ),
+    max_size=6,
+)
+
+
+@given(_multi_spec, st.sampled_from(PATHS), st.sampled_from([1, 2, 3]), st.integers(0, 2**48), st.integers(0, 2))
+def test_multi_tensor_adam_matches_per_span_property(spec, path: str, threads: int, seed: int, which: int) -> None:
+    """Any list of spans, any thread count: the split of the concatenated index space over the threads
+    (ranges starting anywhere inside a span, several spans per range) never changes a bit."""
+    _check_multi_matches_per_span(spec, path, threads, seed, [MULTI_STEPS[which]])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("path", PATHS)
+def test_multi_tensor_all_finite(path: str, threads: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [0, 1, 17, 100003, 2**20 + 3]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    grads = [(torch.randn(n, generator=gen) * 1e3).to(dtypes[i % 3]) for i, n in enumerate(lengths)]
+    with _torch_on_one_thread(threads), ops.force_simd_path(path):
+        assert ops.multi_tensor_all_finite(grads) is True
+        assert ops.multi_tensor_all_finite([]) is True
+        assert ops.multi_tensor_all_finite(grads[:1]) is True  # one empty tensor
+        for where, index in [(len(lengths) - 1, lengths[-1] - 1), (2, 8), (3, 0), (3, 77777), (1, 0), (4, 0)]:
+            for bad in (math.inf, -math.inf, math.nan):
+                g = grads[where]
+                kept = g[index].clone()
+                g[index] = bad
+                msg = f"{_repro(seed)} grads[{where}][{index}] = {bad}"
+                assert ops.multi_tensor_all_finite(grads) is False, msg
+                assert ops.multi_tensor_all_finite(grads[where:where + 1]) is False, msg
+                if where > 0:
+                    assert ops.multi_tensor_all_finite(grads[:where]) is True, msg
+                g[index] = kept
+        assert ops.multi_tensor_all_finite(grads) is True
+        grads[2] = grads[2][::2]  # non-contiguous: copied first
+        assert ops.multi_tensor_all_finite(grads) is True
+
+
+def _multi_args(n: int = 64, num: int = 4) -> dict[str, list]:
+    return dict(
+        params=[torch.randn(n) for _ in range(num)],
+        grads=[torch.randn(n) for _ in range(num)],
+        exp_avgs=[torch.zeros(n) for _ in range(num)],
+        exp_avg_sqs=[torch.zeros(n) for _ in range(num)],
+        param_outs=[None, torch.zeros(n, dtype=torch.bfloat16), None, torch.zeros(n, dtype=torch.float16)],
+    )
+
+
+def _multi_bad_inputs() -> Iterator[tuple[str, str, dict, dict]]:
+    """(case id, a regex the message must match, list arguments, keywords)."""
+    a = _multi_args()
+    a["grads"] = a["grads"][:3]
+    yield "length-grads", "same length, got 4, 3, 4, 4 and 4", a, {}
+    a = _multi_args()
+    a["param_outs"] = a["param_outs"][:2]
+    yield "length-param_outs", "same length, got 4, 4, 4, 4 and 2", a, {}
+    for name, dtype in [("params", torch.float64), ("grads", torch.int32), ("exp_avgs", torch.bfloat16),
+                        ("exp_avg_sqs", torch.float16), ("param_outs", torch.float32)]:
+        a = _multi_args()
+        a[name][2] = torch.zeros(64, dtype=dtype)
+        yield f"dtype-{name}[2]", rf"{name}\[2\]", a, {}
+    for name, index in [("grads", 2), ("exp_avgs", 0), ("exp_avg_sqs", 3), ("param_outs", 1)]:
+        a = _multi_args()
+        a[name][index] = torch.zeros(65, dtype=a[name][index].dtype)
+        yield f"size-{name}[{index}]", rf"{name}\[{index}\] must have 64 elements like params\[{index}\]", a, {}
+    for name, index in [("params", 0), ("params", 2), ("grads", 1), ("param_outs", 3)]:
+        a = _multi_args()
+        a[name][index] = torch.zeros(64, dtype=a[name][index].dtype, device="meta")
+        yield f"device-{name}[{index}]", rf"{name}\[{index}\]", a, {}
+    a = _multi_args()
+    a["exp_avgs"][1] = torch.zeros(128)[::2]
+    yield "noncontiguous-exp_avgs[1]", r"exp_avgs\[1\] must be contiguous", a, {}
+    # Overlaps across tuples: every pair of names is reported whatever the order of the addresses.
+    a = _multi_args()
+    buf = torch.zeros(100)
+    a["params"][0], a["params"][1] = buf[:64], buf[36:]
+    yield "overlap-params[0]-params[1]", r"params\[0\] and params\[1\] overlap", a, {}
+    a = _multi_args()
+    a["grads"][2] = a["exp_avgs"][0]
+    yield "overlap-grads[2]-exp_avgs[0]", r"(?=.*grads\[2\])(?=.*exp_avgs\[0\]).*overlap", a, {}
+    a = _multi_args()
+    a["param_outs"][3] = a["params"][1].view(torch.bfloat16)[:64]
+    yield "overlap-param_outs[3]-params[1]", r"(?=.*param_outs\[3\])(?=.*params\[1\]).*overlap", a, {}
+    a = _multi_args()
+    a["exp_avg_sqs"][3] = a["params"][3]
+    yield "overlap-params[3]-exp_avg_sqs[3]", r"params\[3\] and exp_avg_sqs\[3\] overlap", a, {}
+    yield "step-0", "step", _multi_args(), {"step": 0}
+    yield "lr-negative", "lr", _multi_args(), {"lr": -1e-3}
+    yield "beta2-1", "beta2", _multi_args(), {"beta2": 1.0}
+
+
+MULTI_BAD_INPUTS = list(_multi_bad_inputs())
+
+
+@pytest.mark.parametrize("case,pattern,lists,kw", MULTI_BAD_INPUTS, ids=[c[0] for c in MULTI_BAD_INPUTS])
+def test_multi_tensor_bad_input_raises_value_error_naming_index(case: str, pattern: str, lists: dict,
+                                                                 kw: dict) -> None:
+    def cpu_tensors():
+        return [t for ts in lists.values() for t in ts if t is not None and t.device.type == "cpu"]
+
+    before = [_bits(t).clone() for t in cpu_tensors()]
+    kw = dict(dict(step=1, lr=1e-3), **kw)
+    with pytest.raises(ValueError, match=pattern):
+        ops.multi_tensor_adam_step(lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
+                                   param_outs=lists["param_outs"], **kw)
+    for i, (t, b) in enumerate(zip(cpu_tensors(), before)):
+        assert torch.equal(_bits(t), b), f"tensor {i} was written before the error"
+
+
+def test_multi_tensor_all_finite_bad_input_names_index() -> None:
+    grads = [torch.randn(5), torch.randn(6, dtype=torch.bfloat16), torch.randn(7)]
+    with pytest.raises(ValueError, match=r"grads\[2\] must be float32, bfloat16 or float16"):
+        ops.multi_tensor_all_finite(grads[:2] + [torch.zeros(7, dtype=torch.int32)])
+    with pytest.raises(ValueError, match=r"grads\[1\] must be on cpu like grads\[0\]"):
+        ops.multi_tensor_all_finite([grads[0], torch.zeros(6, device="meta"), grads[2]])
+
+
+def test_multi_tensor_grads_may_share_memory(seed: int) -> None:
+    """Gradients are only read, so one gradient may serve several tuples (or overlap another)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(1000, generator=gen)
+    multi = [[torch.randn(600, generator=gen), torch.zeros(600), torch.zeros(600)] for _ in range(3)]
+    single = [[t.clone() for t in ts] for ts in multi]
+    grads = [g[:600], g[400:], g[:600]]
+    ops.multi_tensor_adam_step([t[0] for t in multi], grads, [t[1] for t in multi], [t[2] for t in multi],
+                               step=1, lr=1e-2)
+    for ts, grad in zip(single, grads):
+        ops.adam_step(ts[0], grad, ts[1], ts[2], step=1, lr=1e-2)
+    for a, b in zip(multi, single):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), _repro(seed)
+
+
+def test_multi_tensor_empty_lists_are_a_no_op() -> None:
+    ops.multi_tensor_adam_step([], [], [], [], step=1, lr=1e-3)
+    ops.multi_tensor_adam_step([], [], [], [], step=1, lr=1e-3, param_outs=[])
+    with pytest.raises(ValueError, match="step"):  # hyper-parameters are still checked
+        ops.multi_tensor_adam_step([], [], [], [], step=0, lr=1e-3)
+
+
+@pytest.mark.timeout(120)
+def test_multi_tensor_releases_the_gil() -> None:
+    """As test_releases_the_gil, for multi_tensor_adam_step over four spans."""
+    lengths = [2**21, 2**22 - 7, 0, 2**21 + 7]
+    tensors = [_args(n) for n in lengths]
+    lists = [[t[k] for t in tensors] for k in ("param", "grad", "exp_avg", "exp_avg_sq")]
+    count, stop = [0], [False]
+
+    def counter() -> None:
+        while not stop[0]:
+            count[0] += 1
+
+    thread = threading.Thread(target=counter, daemon=True)
+    ops.set_num_threads(1)
+    thread.start()
+    try:
+        with ops.force_simd_path("scalar"):
+            ops.multi_tensor_adam_step(*lists, step=1, lr=1e-3)  # warm-up: page in the buffers
+            time.sleep(0.05)
+            c0, t0 = count[0], time.perf_counter()
+            time.sleep(0.2)
+            baseline_rate = (count[0] - c0) / (time.perf_counter() - t0)
+            c0, t0 = count[0], time.perf_counter()
+            for k in range(2, 7):
+                ops.multi_tensor_adam_step(*lists, step=k, lr=1e-3)
+            elapsed = time.perf_counter() - t0
+            during_rate = (count[0] - c0) / elapsed
+    finally:
+        stop[0] = True
+        thread.join()
+        ops.set_num_threads(0)  # back to following torch.get_num_threads()
+    assert during_rate >= 0.3 * baseline_rate, (
+        f"counter ran at {during_rate:.0f}/s during {elapsed * 1e3:.0f} ms of multi_tensor_adam_step vs "
+        f"{baseline_rate:.0f}/s idle")
 
 
 # -------------------------------------------------------------------------------------------------------------

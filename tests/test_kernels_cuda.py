@@ -265,3 +265,164 @@ def test_more_than_2_31_elements():
         assert torch.equal(p[w], b)
     del p, m, v, g, out
     torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------------------------------
+# ops.multi_tensor_adam_step and ops.multi_tensor_all_finite on CUDA
+# -------------------------------------------------------------------------------------------------------------
+
+# (n, grad dtype, param_out dtype or None, storage offset of every buffer of the tuple)
+MULTI_SPANS = [
+    (0, torch.float32, None, 0),
+    (1, torch.bfloat16, torch.bfloat16, 0),
+    (17, torch.float16, torch.float16, 1),
+    (100003, torch.float32, torch.bfloat16, 0),
+    (1000003, torch.bfloat16, torch.float16, 0),
+    (0, torch.float16, torch.bfloat16, 0),
+    (1000003, torch.float16, None, 1),
+    (17, torch.float32, None, 0),
+    (100003, torch.bfloat16, torch.float16, 3),
+]
+# One set of hyper-parameters per step: both weight-decay modes, a grad scale, other betas, no bias correction.
+MULTI_STEPS = [
+    dict(step=1, lr=1e-2, weight_decay=0.01),
+    dict(step=2, lr=1e-2, weight_decay=0.1, adamw=False, grad_scale=0.5),
+    dict(step=3, lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.02, bias_correction=False),
+]
+_SPAN_KEYS = ("param", "grad", "exp_avg", "exp_avg_sq", "param_out")
+
+
+def _multi_spans(seed: int, spec=MULTI_SPANS, device=DEV) -> list[dict]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    spans = []
+    for n, grad_dtype, out_dtype, offset in spec:
+        spans.append({
+            "param": _view(torch.randn(n, generator=gen, device=device) * 3, offset),
+            "grad": _view(torch.randn(n, generator=gen, device=device).to(grad_dtype), offset),
+            "exp_avg": _view(torch.randn(n, generator=gen, device=device) * 0.1, offset),
+            "exp_avg_sq": _view(torch.rand(n, generator=gen, device=device) * 0.01, offset),
+            "param_out": None if out_dtype is None else _view(torch.zeros(n, device=device, dtype=out_dtype), offset),
+        })
+    return spans
+
+
+def _multi_step(spans: list[dict], **kw) -> None:
+    ops.multi_tensor_adam_step(*([t[k] for t in spans] for k in _SPAN_KEYS[:4]),
+                               param_outs=[t["param_out"] for t in spans], **kw)
+
+
+def _single_steps(spans: list[dict], **kw) -> None:
+    for t in spans:
+        assert ops.adam_step(*(t[k] for k in _SPAN_KEYS[:4]), param_out=t["param_out"], **kw) is False
+
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """fp32 bits as integers in the order of the values (-0 and +0 both 0), so ulps are differences."""
+    bits = t.view(torch.int32).long()
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _assert_within_1_ulp(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert torch.equal(a.isnan(), b.isnan()), f"{what}: NaNs differ"
+    keep = ~a.isnan()
+    if keep.any():
+        ulps = (_ordered(a[keep]) - _ordered(b[keep])).abs().max().item()
+        assert ulps <= 1, f"{what}: {ulps} ulps apart"
+
+
+def _assert_multi_matches_single(multi: list[dict], single: list[dict], when: str) -> None:
+    for i, (a, b) in enumerate(zip(multi, single)):
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            _assert_within_1_ulp(a[key], b[key], f"{when}: tensors[{i}] (n={a['param'].numel()}) {key}")
+        if a["param_out"] is not None:  # the multi-tensor output is its own params, rounded
+            assert torch.equal(a["param_out"], a["param"].to(a["param_out"].dtype)), f"{when}: param_outs[{i}]"
+
+
+def test_multi_tensor_adam_matches_per_span():
+    """Mixed lengths (empty ones too), grad dtypes, outputs and alignments in one list: the same bits as
+    ops.adam_step on every span (the kernels share adam_update, so at most 1 ulp is tolerated)."""
+    multi, single = _multi_spans(7), _multi_spans(7)
+    for kw in MULTI_STEPS:
+        _multi_step(multi, **kw)
+        _single_steps(single, **kw)
+        _assert_multi_matches_single(multi, single, f"step {kw['step']}")
+
+
+def test_multi_tensor_adam_without_param_outs():
+    spec = [(n, torch.float32, None, 0) for n in (5, 0, 100003)]
+    multi, single = _multi_spans(3, spec), _multi_spans(3, spec)
+    ops.multi_tensor_adam_step(*([t[k] for t in multi] for k in _SPAN_KEYS[:4]), step=1, lr=1e-2)  # param_outs=None
+    _single_steps(single, step=1, lr=1e-2)
+    _assert_multi_matches_single(multi, single, "param_outs=None")
+
+
+def test_multi_tensor_runs_on_the_current_stream():
+    """As test_runs_on_the_current_stream: with the gradients written late on a side stream, both the finite
+    check and the update launched on that (current) stream must see them."""
+    lengths = [1000003, 17, 500001]
+    src = [torch.randn(n, device=DEV) for n in lengths]
+    init = [[torch.randn(n, device=DEV), torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)] for n in lengths]
+    expected = [[t.clone() for t in ts] for ts in init]
+    ops.multi_tensor_adam_step([t[0] for t in expected], src, [t[1] for t in expected], [t[2] for t in expected],
+                               step=1, lr=1e-2)  # on the default stream, with the gradients already there
+    state = [[t.clone() for t in ts] for ts in init]
+    grads = [torch.zeros(n, device=DEV) for n in lengths]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keeps `side` busy so that a launch on another stream would overtake it
+        for g, s in zip(grads, src):
+            g.copy_(s)
+        finite = ops.multi_tensor_all_finite(grads)
+        ops.multi_tensor_adam_step([t[0] for t in state], grads, [t[1] for t in state], [t[2] for t in state],
+                                   step=1, lr=1e-2)
+        torch.cuda._sleep(50_000_000)
+        grads[2][-1] = float("inf")
+        late_inf = ops.multi_tensor_all_finite(grads)
+    torch.cuda.current_stream().wait_stream(side)
+    assert isinstance(finite, torch.Tensor) and finite.dtype == torch.bool and finite.shape == ()
+    assert finite.device.type == "cuda"
+    assert bool(finite) is True and bool(late_inf) is False
+    for ts, es in zip(state, expected):
+        for a, b in zip(ts, es):
+            assert torch.equal(a, b)
+
+
+def test_multi_tensor_all_finite_cuda():
+    lengths = [0, 1, 17, 100003, 1000003]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    grads = [(torch.randn(n, device=DEV) * 1e3).to(dtypes[i % 3]) for i, n in enumerate(lengths)]
+    assert ops.multi_tensor_all_finite([]) is True
+    assert bool(ops.multi_tensor_all_finite(grads)) is True
+    for where, index in [(4, lengths[4] - 1), (2, 8), (3, 0), (1, 0)]:
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            kept = grads[where][index].clone()
+            grads[where][index] = bad
+            assert bool(ops.multi_tensor_all_finite(grads)) is False, f"grads[{where}][{index}] = {bad}"
+            grads[where][index] = kept
+    assert bool(ops.multi_tensor_all_finite(grads)) is True
+
+
+def test_multi_tensor_mixed_devices_raise_value_error_naming_index():
+    spans = _multi_spans(1, [(64, torch.float32, torch.bfloat16, 0)] * 3)
+    lists = {k: [t[k] for t in spans] for k in _SPAN_KEYS}
+    for key, pattern in (("param", r"params\[2\]"), ("grad", r"grads\[2\]"), ("param_out", r"param_outs\[2\]")):
+        bad = {k: list(v) for k, v in lists.items()}
+        bad[key][2] = bad[key][2].cpu()
+        with pytest.raises(ValueError, match=pattern):
+            ops.multi_tensor_adam_step(*(bad[k] for k in _SPAN_KEYS[:4]), param_outs=bad["param_out"], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match=r"grads\[1\]"):
+        ops.multi_tensor_all_finite([lists["grad"][0], lists["grad"][1].cpu()])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_multi_tensor_on_a_device_other_than_the_current_one():
+    """The bindings switch to the tensors' device (and its current stream) for the launches."""
+    other = torch.device("cuda", 1)
+    multi, single = _multi_spans(5, device=other), _multi_spans(5, device=other)
+    with torch.cuda.device(0):
+        _multi_step(multi, **MULTI_STEPS[0])
+        finite = ops.multi_tensor_all_finite([t["grad"] for t in multi])
+    assert finite.device == other and bool(finite) is True
+    _single_steps(single, **MULTI_STEPS[0])
+    _assert_multi_matches_single(multi, single, "cuda:1")

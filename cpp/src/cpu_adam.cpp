@@ -1,11 +1,15 @@
-// adam_step / all_finite: argument validation, the per-call coefficients (in double, rounded to fp32 once
-// as torch does), the split over the pool, and the dispatch to the chosen ISA's chunk kernel.
+// adam_step / all_finite and their multi-tensor forms: argument validation, the per-call coefficients (in
+// double, rounded to fp32 once as torch does), the split over the pool, and the dispatch to the chosen ISA's
+// chunk kernel.
 #include "zerocore/cpu_adam.hpp"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
 
 #include "cpu_adam_kernels.hpp"
 #include "zerocore/error.hpp"
@@ -85,29 +89,69 @@ void split_over_pool(int64_t n, ThreadPool* pool, const Fn& fn) {
   pool->parallel_for(n, grain, fn);
 }
 
-void validate(const AdamSpans& spans, const AdamHyper& hyper) {
+// `where` prefixes every message: "adam_step: " or "multi_tensor_adam_step: tensors[3]: ".
+void validate_spans(const AdamSpans& spans, const std::string& where) {
   const int64_t n = spans.n;
-  ZC_CHECK_ARG(n >= 0, "adam_step: n must be >= 0, got ", n);
+  ZC_CHECK_ARG(n >= 0, where, "n must be >= 0, got ", n);
   if (n > 0) {
-    ZC_CHECK_ARG(spans.param != nullptr, "adam_step: param must not be null when n > 0 (n = ", n, ")");
-    ZC_CHECK_ARG(spans.grad != nullptr, "adam_step: grad must not be null when n > 0 (n = ", n, ")");
-    ZC_CHECK_ARG(spans.exp_avg != nullptr, "adam_step: exp_avg must not be null when n > 0 (n = ", n, ")");
-    ZC_CHECK_ARG(spans.exp_avg_sq != nullptr, "adam_step: exp_avg_sq must not be null when n > 0 (n = ", n, ")");
+    ZC_CHECK_ARG(spans.param != nullptr, where, "param must not be null when n > 0 (n = ", n, ")");
+    ZC_CHECK_ARG(spans.grad != nullptr, where, "grad must not be null when n > 0 (n = ", n, ")");
+    ZC_CHECK_ARG(spans.exp_avg != nullptr, where, "exp_avg must not be null when n > 0 (n = ", n, ")");
+    ZC_CHECK_ARG(spans.exp_avg_sq != nullptr, where, "exp_avg_sq must not be null when n > 0 (n = ", n, ")");
   }
-  ZC_CHECK_ARG(is_grad_type(spans.grad_type), "adam_step: grad_type must be float32, bfloat16 or float16, got ",
+  ZC_CHECK_ARG(is_grad_type(spans.grad_type), where, "grad_type must be float32, bfloat16 or float16, got ",
                static_cast<int>(spans.grad_type));
   // The output type only matters when there is an output (the bindings leave the default otherwise).
   ZC_CHECK_ARG(spans.param_out == nullptr || spans.param_out_type == ScalarType::kBFloat16 ||
                    spans.param_out_type == ScalarType::kFloat16,
-               "adam_step: param_out_type must be bfloat16 or float16, got ",
-               static_cast<int>(spans.param_out_type));
-  ZC_CHECK_ARG(hyper.step >= 1, "adam_step: step must be >= 1, got ", hyper.step);
+               where, "param_out_type must be bfloat16 or float16, got ", static_cast<int>(spans.param_out_type));
+}
+
+void validate_hyper(const AdamHyper& hyper, const char* caller) {
+  ZC_CHECK_ARG(hyper.step >= 1, caller, ": step must be >= 1, got ", hyper.step);
   // Comparisons with NaN are false, so a NaN fails these checks too.
-  ZC_CHECK_ARG(hyper.lr >= 0, "adam_step: lr must be >= 0, got ", hyper.lr);
-  ZC_CHECK_ARG(hyper.beta1 >= 0 && hyper.beta1 < 1, "adam_step: beta1 must be in [0, 1), got ", hyper.beta1);
-  ZC_CHECK_ARG(hyper.beta2 >= 0 && hyper.beta2 < 1, "adam_step: beta2 must be in [0, 1), got ", hyper.beta2);
-  ZC_CHECK_ARG(hyper.eps >= 0, "adam_step: eps must be >= 0, got ", hyper.eps);
-  ZC_CHECK_ARG(hyper.weight_decay >= 0, "adam_step: weight_decay must be >= 0, got ", hyper.weight_decay);
+  ZC_CHECK_ARG(hyper.lr >= 0, caller, ": lr must be >= 0, got ", hyper.lr);
+  ZC_CHECK_ARG(hyper.beta1 >= 0 && hyper.beta1 < 1, caller, ": beta1 must be in [0, 1), got ", hyper.beta1);
+  ZC_CHECK_ARG(hyper.beta2 >= 0 && hyper.beta2 < 1, caller, ": beta2 must be in [0, 1), got ", hyper.beta2);
+  ZC_CHECK_ARG(hyper.eps >= 0, caller, ": eps must be >= 0, got ", hyper.eps);
+  ZC_CHECK_ARG(hyper.weight_decay >= 0, caller, ": weight_decay must be >= 0, got ", hyper.weight_decay);
+}
+
+std::string tensor_prefix(const char* caller, int64_t index) {
+  return detail::concat(caller, ": tensors[", index, "]: ");
+}
+
+void check_tensor_list(const AdamSpans* tensors, int64_t num_tensors, const char* caller) {
+  ZC_CHECK_ARG(num_tensors >= 0, caller, ": num_tensors must be >= 0, got ", num_tensors);
+  ZC_CHECK_ARG(num_tensors == 0 || tensors != nullptr, caller, ": tensors must not be null when num_tensors > 0 (",
+               num_tensors, ")");
+}
+
+// Where each span starts when the spans are laid end to end: offsets[i] for span i, offsets[num] the total.
+// Call after validating every n >= 0.
+std::vector<int64_t> span_offsets(const AdamSpans* tensors, int64_t num_tensors, const char* caller) {
+  std::vector<int64_t> offsets(static_cast<size_t>(num_tensors) + 1, 0);
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    ZC_CHECK_ARG(tensors[i].n <= std::numeric_limits<int64_t>::max() - offsets[i], caller,
+                 ": the spans hold more than 2^63 - 1 elements together (at tensors[", i, "])");
+    offsets[i + 1] = offsets[i] + tensors[i].n;
+  }
+  return offsets;
+}
+
+// Calls fn(i, local_begin, local_end) for every non-empty piece of span i that [begin, end) of the
+// concatenated index space covers, in order, until fn returns false; returns false when fn did.
+template <typename Fn>
+bool for_each_piece(const std::vector<int64_t>& offsets, int64_t begin, int64_t end, const Fn& fn) {
+  const auto num_tensors = static_cast<int64_t>(offsets.size()) - 1;
+  // The last span starting at or before `begin`: offsets[i] <= begin < offsets[i + 1], so it is not empty.
+  int64_t i = (std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin()) - 1;
+  for (; i < num_tensors && offsets[i] < end; ++i) {
+    const int64_t local_begin = std::max(begin, offsets[i]) - offsets[i];
+    const int64_t local_end = std::min(end, offsets[i + 1]) - offsets[i];
+    if (local_begin < local_end && !fn(i, local_begin, local_end)) return false;
+  }
+  return true;
 }
 
 // The scalars torch's AdamW computes as Python floats, each rounded to fp32 once like its CPU kernels do.
@@ -138,7 +182,8 @@ kernels::Coefficients make_coefficients(const AdamHyper& hyper) {
 }  // namespace
 
 void adam_step(const AdamSpans& spans, const AdamHyper& hyper, ThreadPool* pool, SimdPath path) {
-  validate(spans, hyper);
+  validate_spans(spans, "adam_step: ");
+  validate_hyper(hyper, "adam_step");
   check_path(path, "adam_step");
   const AdamChunkFn kernel = adam_kernel(path);
   if (spans.n == 0) return;
@@ -164,6 +209,62 @@ bool all_finite(const void* grad, ScalarType grad_type, int64_t n, ThreadPool* p
         return;
       }
     }
+  });
+  return !found_non_finite.load(std::memory_order_relaxed);
+}
+
+void multi_tensor_adam_step(const AdamSpans* tensors, int64_t num_tensors, const AdamHyper& hyper,
+                            ThreadPool* pool, SimdPath path) {
+  constexpr const char* kCaller = "multi_tensor_adam_step";
+  check_tensor_list(tensors, num_tensors, kCaller);
+  for (int64_t i = 0; i < num_tensors; ++i) validate_spans(tensors[i], tensor_prefix(kCaller, i));
+  validate_hyper(hyper, kCaller);
+  check_path(path, kCaller);
+  const AdamChunkFn kernel = adam_kernel(path);
+  const std::vector<int64_t> offsets = span_offsets(tensors, num_tensors, kCaller);
+  if (offsets.back() == 0) return;
+  // Non-temporal param_out stores are decided per span, by its own size, exactly as adam_step decides.
+  kernels::Coefficients cached = make_coefficients(hyper);
+  cached.stream_param_out = false;
+  kernels::Coefficients streamed = cached;
+  streamed.stream_param_out = true;
+  split_over_pool(offsets.back(), pool, [&](int64_t begin, int64_t end) {
+    for_each_piece(offsets, begin, end, [&](int64_t i, int64_t local_begin, int64_t local_end) {
+      const AdamSpans& spans = tensors[i];
+      kernel(spans, spans.n >= kStreamParamOutMinElements ? streamed : cached, local_begin, local_end);
+      return true;
+    });
+  });
+}
+
+bool multi_tensor_all_finite(const AdamSpans* tensors, int64_t num_tensors, ThreadPool* pool, SimdPath path) {
+  constexpr const char* kCaller = "multi_tensor_all_finite";
+  check_tensor_list(tensors, num_tensors, kCaller);
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    const AdamSpans& spans = tensors[i];
+    ZC_CHECK_ARG(spans.n >= 0, kCaller, ": tensors[", i, "]: n must be >= 0, got ", spans.n);
+    ZC_CHECK_ARG(spans.n == 0 || spans.grad != nullptr, kCaller, ": tensors[", i,
+                 "]: grad must not be null when n > 0 (n = ", spans.n, ")");
+    ZC_CHECK_ARG(is_grad_type(spans.grad_type), kCaller, ": tensors[", i,
+                 "]: grad_type must be float32, bfloat16 or float16, got ", static_cast<int>(spans.grad_type));
+  }
+  check_path(path, kCaller);
+  const FiniteChunkFn kernel = finite_kernel(path);
+  const std::vector<int64_t> offsets = span_offsets(tensors, num_tensors, kCaller);
+  if (offsets.back() == 0) return true;
+  std::atomic<bool> found_non_finite{false};
+  split_over_pool(offsets.back(), pool, [&](int64_t begin, int64_t end) {
+    for_each_piece(offsets, begin, end, [&](int64_t i, int64_t local_begin, int64_t local_end) {
+      const AdamSpans& spans = tensors[i];
+      for (int64_t block = local_begin; block < local_end; block += kFiniteBlock) {
+        if (found_non_finite.load(std::memory_order_relaxed)) return false;
+        if (!kernel(spans.grad, spans.grad_type, block, std::min(local_end, block + kFiniteBlock))) {
+          found_non_finite.store(true, std::memory_order_relaxed);
+          return false;
+        }
+      }
+      return true;
+    });
   });
   return !found_non_finite.load(std::memory_order_relaxed);
 }

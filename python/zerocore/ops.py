@@ -7,13 +7,21 @@ The kernels are torch ops (``torch.ops.zerocore.adam_step_``) with fake kernels,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from ._native import _C
 
-__all__ = ["adam_step", "all_finite", "force_simd_path", "set_num_threads", "get_num_threads"]
+__all__ = [
+    "adam_step",
+    "all_finite",
+    "multi_tensor_adam_step",
+    "multi_tensor_all_finite",
+    "force_simd_path",
+    "set_num_threads",
+    "get_num_threads",
+]
 
 
 @torch.library.register_fake("zerocore::adam_step_")
@@ -89,6 +97,76 @@ def all_finite(grad: torch.Tensor) -> bool:
     if grad.device.type == "cpu":
         return _C.all_finite(grad.contiguous())
     return bool(torch.isfinite(grad).all().item())
+
+
+def multi_tensor_adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    param_outs: Sequence[torch.Tensor | None] | None = None,
+    bias_correction: bool = True,
+) -> None:
+    """``adam_step`` on every ``(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], param_outs[i])``, in one call.
+
+    The results are bit for bit those of calling :func:`adam_step` on each tuple with the same keywords, but
+    the work goes into C++ once: on the CPU all tensors are split over the kernel threads together (with the
+    GIL released), on CUDA they are updated in a few multi-tensor launches on the current stream. Each tuple
+    follows ``adam_step``'s rules (fp32 contiguous params and moments, fp32/bf16/fp16 grads, optional
+    bf16/fp16 param_out, matching sizes); tuples may differ in size (empty ones are fine), grad dtype and
+    param_out. Every tensor must be on one device, and no buffer may overlap any other in the lists (grads
+    may overlap one another). This is not a torch op: it does not trace under ``torch.compile``, and it has
+    no ``check_finite`` (call :func:`multi_tensor_all_finite` first).
+
+    Args:
+        params, grads, exp_avgs, exp_avg_sqs: lists of the same length.
+        param_outs: None, or a list of the same length of bf16/fp16 tensors or None.
+        step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, bias_correction: as in :func:`adam_step`,
+            shared by every tuple.
+
+    Raises:
+        ValueError: before anything is written, for lists of different lengths, or naming the offending
+            element (e.g. ``grads[3]``) for a wrong dtype, device, size, layout or overlapping buffers.
+    """
+    _C.multi_tensor_adam_step(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        None if param_outs is None else list(param_outs),
+        step=float(step),
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        adamw=bool(adamw),
+        bias_correction=bool(bias_correction),
+        grad_scale=float(grad_scale),
+    )
+
+
+def multi_tensor_all_finite(grads: Sequence[torch.Tensor]) -> bool | torch.Tensor:
+    """Whether every element of every tensor in ``grads`` (fp32/bf16/fp16, one device) is finite.
+
+    On the CPU this is a Python bool, from one pass split over the kernel threads (GIL released) that stops
+    early once any thread finds an inf/NaN. On CUDA it is a 0-d bool tensor on that device, computed on the
+    current stream without synchronising with the host (``bool()`` it to wait for the answer). An empty list
+    gives True. Non-contiguous tensors are copied first.
+
+    Raises:
+        ValueError: naming the offending element (e.g. ``grads[2]``) for a wrong dtype or device.
+    """
+    return _C.multi_tensor_all_finite([g.contiguous() for g in grads])
 
 
 @contextlib.contextmanager
