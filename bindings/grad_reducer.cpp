@@ -7,12 +7,14 @@
 namespace zerocore::bindings {
 
 GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
-                         std::vector<at::Tensor> shard_destinations, at::ScalarType reduce_dtype, double prescale)
+                         std::vector<at::Tensor> shard_destinations, at::ScalarType reduce_dtype, double prescale,
+                         bool overlap)
     : comm_(std::move(comm)),
       geometry_(std::move(geometry)),
       destinations_(std::move(shard_destinations)),
       reduce_dtype_(reduce_dtype),
       prescale_(prescale),
+      overlap_(overlap),
       tracker_(geometry_.param_bucket, static_cast<int64_t>(geometry_.bucket_padded_size.size()),
                geometry_.launch_order) {
   const size_t buckets = geometry_.bucket_padded_size.size();
@@ -87,6 +89,7 @@ void GradReducer::launch(int64_t bucket) {
   at::Tensor& view = ensure_buffer(bucket);
   if (prescale_ != 1.0) view.mul_(prescale_);
   in_flight_.push_back(comm_->reduce_scatter(view, bucket));
+  if (!overlap_) complete_oldest();
 }
 
 void GradReducer::complete_oldest() {

@@ -31,9 +31,10 @@ struct ReducerGeometry {
 class GradReducer {
  public:
   // shard_destinations[b]: a tensor of bucket b's shard size that receives this rank's reduced shard.
-  // prescale multiplies each bucket before the reduction (1 / world_size averages as DDP does).
+  // prescale multiplies each bucket before the reduction (1 / world_size averages as DDP does). Without
+  // overlap (DeepSpeed's overlap_comm=false) each bucket's reduction is waited for as soon as it is launched.
   GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry, std::vector<at::Tensor> shard_destinations,
-              at::ScalarType reduce_dtype, double prescale);
+              at::ScalarType reduce_dtype, double prescale, bool overlap = true);
 
   // Starts a backward pass whose shards are added to (accumulate) or copied over the destinations.
   void begin_backward(bool accumulate);
@@ -60,6 +61,7 @@ class GradReducer {
   std::vector<at::Tensor> destinations_;
   at::ScalarType reduce_dtype_;
   double prescale_;
+  bool overlap_;
   at::TensorOptions buffer_options_;
   int64_t max_bucket_ = 0;
   ReadyTracker tracker_;

@@ -23,7 +23,7 @@ FULL = {
     "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
              "hysteresis": 3, "min_loss_scale": 0.5},
     "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e8,
-                          "overlap_comm": False, "contiguous_gradients": False, "reduce_scatter": False,
+                          "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": False,
                           "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 1e8,
                           "stage3_param_persistence_threshold": 1e4},
     "communication_data_type": "FP16",
@@ -46,7 +46,7 @@ def test_defaults():
     assert c.fp16 == FP16Config(enabled=False, loss_scale=0.0, initial_scale_power=16, loss_scale_window=1000,
                                 hysteresis=2, min_loss_scale=1.0)
     z = c.zero_optimization
-    assert (z.stage, z.reduce_bucket_size, z.allgather_bucket_size) == (1, 500_000_000, 500_000_000)
+    assert (z.stage, z.reduce_bucket_size, z.allgather_bucket_size) == (1, None, None)  # the engine chooses
     assert (z.overlap_comm, z.contiguous_gradients, z.reduce_scatter) == (True, True, True)
     assert (z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters,
             z.stage3_param_persistence_threshold) == (50_000_000, 1_000_000_000, 100_000)
@@ -72,7 +72,7 @@ def test_full_round_trip(tmp_path):
     assert ZeroConfig.from_deepspeed(path) == ZeroConfig.from_deepspeed(str(path)) == c
     assert c.optimizer == OptimizerConfig("Adam", 3e-4, (0.8, 0.95), 1e-6, 0.1, False, False)
     assert c.fp16 == FP16Config(True, 0.0, 12, 500, 3, 0.5)
-    assert c.zero_optimization == ZeroOptimizationConfig(3, 50_000_000, 200_000_000, False, False, False,
+    assert c.zero_optimization == ZeroOptimizationConfig(3, 50_000_000, 200_000_000, False, True, False,
                                                          0, 100_000_000, 10_000)
     assert (c.gradient_accumulation_steps, c.gradient_clipping, c.communication_data_type) == (4, 1.0, "fp16")
     assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.steps_per_print) == (64, 2, 100)
@@ -135,6 +135,8 @@ BAD = [  # (DeepSpeed dict, key path named in the error, a fragment of the accep
     (ds(zero_optimization={"allgather_bucket_size": 0}), "zero_optimization.allgather_bucket_size", ">= 1"),
     (ds(zero_optimization={"overlap_comm": None}), "zero_optimization.overlap_comm", "true or false"),
     (ds(zero_optimization={"contiguous_gradients": 1}), "zero_optimization.contiguous_gradients", "true or false"),
+    (ds(zero_optimization={"contiguous_gradients": False}), "zero_optimization.contiguous_gradients",
+     "only true is accepted"),
     (ds(zero_optimization={"reduce_scatter": "no"}), "zero_optimization.reduce_scatter", "true or false"),
     (ds(zero_optimization={"stage3_prefetch_bucket_size": -1}), "zero_optimization.stage3_prefetch_bucket_size",
      ">= 0"),

@@ -98,7 +98,7 @@ def zoo_worker(rank: int, world: int, mode: str) -> bool:
     model = Zoo(mode)
     replica = copy.deepcopy(model)
     engine = zerocore.initialize(model, config())
-    assert [u.name for u in engine._stage3.units] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    assert [u.name for u in engine.stage3.units] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
     reference = train_beside_replica(engine, replica, rank, world, steps=6, label=mode)
     # inference: eval + no_grad gathers and releases without backward
     engine.eval()
@@ -106,8 +106,8 @@ def zoo_worker(rank: int, world: int, mode: str) -> bool:
     with torch.no_grad():
         tokens, _ = data(99, 0)
         torch.testing.assert_close(engine(tokens), reference(tokens), rtol=1e-4, atol=1e-5)
-    live = engine._stage3.live_elements
-    root = engine._stage3.units[0].numel
+    live = engine.stage3.live_elements
+    root = engine.stage3.units[0].numel
     assert live == root, f"only the persistent root stays gathered after inference, live={live}"
     return True
 
@@ -135,7 +135,7 @@ def meta_worker(rank: int, world: int) -> bool:
     else:
         assert on_rank0 == {}
     # at rest every rank holds exactly its padded shard of every unit
-    for unit in engine._stage3.units:
+    for unit in engine.stage3.units:
         assert unit.full.untyped_storage().nbytes() == 0 or unit.persistent
         assert unit.shard.numel() == unit.layout.shard_size
     return True
@@ -173,7 +173,7 @@ def memory_worker(rank: int, world: int) -> dict:
     for step in range(3):
         engine.backward(loss_of(engine, *data(step, rank)))
         engine.step()
-    runtime = engine._stage3
+    runtime = engine.stage3
     largest = max(u.numel for u in runtime.units)
     report = engine.memory_report()
     return {"peak": runtime.last_step_peak_elements, "largest": largest, "report": report,
@@ -215,8 +215,8 @@ def order_change_worker(rank: int, world: int) -> int:
     changed = [w for w in caught if "forward order changed" in str(w.message)]
     assert len(changed) == 1, [str(w.message) for w in caught]
     assert "expected module 'blocks.0'" in str(changed[0].message) and "'blocks.2'" in str(changed[0].message)
-    assert all(u.state.value == "sharded" or u.persistent for u in engine._stage3.units)
-    return engine._stage3.order_changes
+    assert all(u.state.value == "sharded" or u.persistent for u in engine.stage3.units)
+    return engine.stage3.order_changes
 
 
 def test_order_change_warns_once_and_falls_back_to_on_demand_gathers():
@@ -277,8 +277,8 @@ def nested_worker(rank: int, world: int) -> list[str]:
     model = Nested()
     replica = copy.deepcopy(model)
     engine = zerocore.initialize(model, config(), units=[Outer, Block])
-    names = [u.name for u in engine._stage3.units]
-    inner = engine._stage3.units[names.index("layers.0.inner")]
+    names = [u.name for u in engine.stage3.units]
+    inner = engine.stage3.units[names.index("layers.0.inner")]
     assert {id(p) for p in inner.params} == {id(p) for p in model.layers[0].inner.parameters()}
     train_beside_replica(engine, replica, rank, world, steps=4, label="nested")
     return names
@@ -297,7 +297,7 @@ def bf16_memory_worker(rank: int, world: int) -> dict:
     engine.backward(engine(torch.randn(2, 128)).float().square().mean())
     engine.step()
     # no root unit here (the model's own module has no parameters): the schedule is still recorded
-    assert engine._stage3.recorded_order == [u.index for u in engine._stage3.units]
+    assert engine.stage3.recorded_order == [u.index for u in engine.stage3.units]
     return engine.memory_report()
 
 

@@ -67,9 +67,9 @@ def gathered(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int |
     entered = []
     try:
         for engine in engines.values():
-            engine._gather_for_user(params)
+            engine.gather_for_user(params)
             entered.append(engine)
         yield
     finally:
         for engine in entered:
-            engine._release_for_user(params, modifier_rank)
+            engine.release_for_user(params, modifier_rank)

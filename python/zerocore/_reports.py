@@ -21,9 +21,9 @@ def memory_report(engine: Engine) -> dict[str, Any]:
     for group in engine.groups:
         for key, value in group.memory().items():
             items[key] += value
-    stage3 = engine._stage3
-    if stage3 is not None:
-        items.update(stage3.memory())
+    items.update(engine.optimizer_state.memory())
+    if engine.stage3 is not None:
+        items.update(engine.stage3.memory())
     items["reduce_buckets"] = engine.reducer.peak_buffer_bytes
     items["allgather_buckets"] = 0  # the all-gather fills the parameter buffer in place
     # Nothing else is held between steps: the step's norm and overflow checks allocate scalars only.
@@ -72,7 +72,7 @@ def comm_report(engine: Engine) -> dict[str, Any]:
              "backend_calls": s.backend_calls}
         for op, s in engine.comm.stats().items()
     }
-    steps = engine.global_steps + engine.skipped_steps - engine._comm_reset_at_step
+    steps = engine.steps_since_comm_reset
     per_step = {op: {key: value / steps for key, value in counts.items()} for op, counts in stats.items()} if steps else {}
     return {
         "optimizer_steps": steps,
@@ -81,12 +81,16 @@ def comm_report(engine: Engine) -> dict[str, Any]:
         "algorithms": {"reduce_scatter": engine.comm.reduce_scatter_algo, "all_gather": engine.comm.all_gather_algo},
         "collectives": stats,
         "psi_padded": _psi(engine)[1],
+        "buckets": engine.buckets.report() if engine.stage3 is None else {
+            "reduce_bucket_elements": None, "reduce_bucket_source": "stage 3: one bucket per unit"},
+        "host_syncs": engine.host_syncs,
+        "host_syncs_per_step": engine.host_syncs / steps if steps else None,
         "ddp_all_reduce_elements_per_step": _psi(engine)[0],
     }
 
 
 def _psi(engine: Engine) -> tuple[int, int]:
     """(trainable elements, elements of the flat buffers that hold them, padding included)."""
-    owners = list(engine.groups) if engine._stage3 is None else list(engine._stage3.units)
+    owners = list(engine.groups) if engine.stage3 is None else list(engine.stage3.units)
     psi = sum(p.numel() for owner in owners for p in owner.params)
     return psi, sum(owner.layout.total_size for owner in owners)

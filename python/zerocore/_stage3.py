@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import ops
+from ._optimizer_state import OptimizerState, Shard, shard_geometry
 from ._units import UnitSpec
 from .layout import FlatLayout
 
@@ -60,16 +60,16 @@ class UnitState(enum.Enum):
 
 
 class Unit:
-    """One unit's flat buffer, this rank's shard of it, and its optimizer state."""
+    """One unit's flat buffer and this rank's shard of it; the shard's optimizer state is registered with the
+    engine's OptimizerState (Note [Optimizer state ownership])."""
 
     full: torch.Tensor  # 1-D compute dtype, layout.total_size; storage is empty while SHARDED
     shard: torch.Tensor  # 1-D compute dtype, layout.shard_size: this rank's parameters at rest
-    master: torch.Tensor  # 1-D fp32 shard (is `shard` in fp32 training)
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
     grad_shard: torch.Tensor  # 1-D compute dtype shard: the reducer adds every backward's reduced shard
+    optimizer_shard: Shard  # this shard's master and moments
 
-    def __init__(self, spec: UnitSpec, world: int, rank: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: UnitSpec, world: int, rank: int, dtype: torch.dtype, device: torch.device,
+                 optimizer_state: OptimizerState, groups: list[int]) -> None:
         self.spec = spec
         self.index = spec.index
         self.name = spec.name or "<root>"
@@ -86,7 +86,8 @@ class Unit:
         self.grads_left = 0  # parameters of this unit still waiting for their gradient in this backward
         self.persistent = False
         self.in_backward = False
-        self.runs: list[tuple[int, int, int]] | None = None  # (start, end, param group) in the shard; see _runs
+        self._optimizer_state = optimizer_state
+        self._groups = groups  # param group of each parameter
 
     @property
     def numel(self) -> int:
@@ -101,20 +102,19 @@ class Unit:
 
     def build_from(self, values: list[torch.Tensor]) -> None:
         """Takes this rank's shard (and fp32 master) from full-size parameter values."""
-        shard = self.shard_size
-        self.master = torch.zeros(shard, dtype=torch.float32, device=self.device)
+        master = torch.zeros(self.shard_size, dtype=torch.float32, device=self.device)
         for piece in self.layout.pieces(self.rank):
             source = values[piece.tensor].detach().reshape(-1)
-            self.master[piece.shard_offset : piece.shard_offset + piece.length] = source[
+            master[piece.shard_offset : piece.shard_offset + piece.length] = source[
                 piece.tensor_offset : piece.tensor_offset + piece.length
             ]
-        if self.dtype == torch.float32:
-            self.shard = self.master
-        else:
-            self.shard = self.master.to(self.dtype)
-        self.exp_avg = torch.zeros(shard, dtype=torch.float32, device=self.device)
-        self.exp_avg_sq = torch.zeros(shard, dtype=torch.float32, device=self.device)
-        self.grad_shard = torch.zeros(shard, dtype=self.dtype, device=self.device)
+        self.shard = master if self.dtype == torch.float32 else master.to(self.dtype)
+        self.grad_shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
+        runs, pieces = shard_geometry(self.layout, self.rank, 0, self.spec.param_names,
+                                      [tuple(p.shape) for p in self.params], self._groups)
+        self.optimizer_shard = self._optimizer_state.add_shard(
+            f"unit {self.name}", self.shard, self.grad_shard, runs, pieces,
+            master_values=None if self.dtype == torch.float32 else master)
         self.full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.views = [self.full[offset : offset + p.numel()].view(p.shape) for p, offset in zip(self.params, self.offsets)]
         # See Note [Sharded placeholders].
@@ -156,14 +156,17 @@ class Unit:
 class Stage3Runtime:
     """Schedules gathers, releases, prefetch and divergence checks of the units of one engine."""
 
-    def __init__(self, engine: Engine, specs: list[UnitSpec], *, init_fn: Any = None, meta: bool = False) -> None:
+    def __init__(self, engine: Engine, specs: list[UnitSpec], group_of: dict[int, int], *, init_fn: Any = None,
+                 meta: bool = False) -> None:
         self.engine = engine
         self.comm = engine.comm
         zo = engine.config.zero_optimization
         self.max_live = zo.stage3_max_live_parameters
         self.prefetch_elements = zo.stage3_prefetch_bucket_size
         world, rank = engine.world_size, engine.rank
-        self.units = [Unit(s, world, rank, engine.compute_dtype, engine.device) for s in specs if s.params]
+        state = engine.optimizer_state
+        self.units = [Unit(s, world, rank, engine.compute_dtype, engine.device, state, [group_of[id(p)] for p in s.params])
+                      for s in specs if s.params]
         self._by_index = {u.index: u for u in self.units}
         if meta:
             from ._meta_init import materialize_units
@@ -317,6 +320,7 @@ class Stage3Runtime:
         tag[3 * r : 3 * r + 3] = torch.tensor([unit.index, unit.calls, self.step])
         self.comm.all_gather(tag, unit.index, "unit_tag").wait()
         rows = tag.view(-1, 3).tolist()
+        self.engine.host_syncs += 1
         mine = rows[r]
         for other, row in enumerate(rows):
             if row != mine:
@@ -411,46 +415,16 @@ class Stage3Runtime:
             for p in unit.params:
                 p.grad = None
 
-    def apply_adam(self, group_of: dict[int, int], hypers: list[dict[str, Any]], step: int, grad_scale: float) -> None:
-        """Adam on each unit's shard, in runs of consecutive pieces that share one param group."""
-        for unit in self.units:
-            for start, end, group in self._runs(unit, group_of):
-                hyper = hypers[group]
-                beta1, beta2 = hyper["betas"]
-                ops.adam_step(
-                    unit.master[start:end], unit.grad_shard[start:end], unit.exp_avg[start:end],
-                    unit.exp_avg_sq[start:end], step=step, lr=hyper["lr"], beta1=beta1, beta2=beta2,
-                    eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=hyper["adamw_mode"],
-                    grad_scale=grad_scale, bias_correction=hyper["bias_correction"],
-                    param_out=None if unit.dtype == torch.float32 else unit.shard[start:end],
-                )
-
-    def _runs(self, unit: Unit, group_of: dict[int, int]) -> list[tuple[int, int, int]]:
-        if unit.runs is not None:
-            return unit.runs
-        runs: list[tuple[int, int, int]] = []
-        for piece in unit.layout.pieces(unit.rank):
-            group = group_of[id(unit.params[piece.tensor])]
-            start, end = piece.shard_offset, piece.shard_offset + piece.length
-            if runs and runs[-1][2] == group and runs[-1][1] <= start:
-                runs[-1] = (runs[-1][0], end, group)  # padding between pieces is zero and stays zero
-            else:
-                runs.append((start, end, group))
-        unit.runs = runs
-        return runs
-
     def memory(self) -> dict[str, int]:
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
+        width = torch.empty((), dtype=self.engine.compute_dtype).element_size()
         return {
             "params": sum(nbytes(u.shard) for u in self.units),
             "grads": sum(nbytes(u.grad_shard) for u in self.units),
-            "master_params": sum(0 if u.dtype == torch.float32 else nbytes(u.master) for u in self.units),
-            "optimizer_moments": sum(nbytes(u.exp_avg) + nbytes(u.exp_avg_sq) for u in self.units),
-            "gathered_params_live": self.live_elements * torch.empty((), dtype=self.engine.compute_dtype).element_size(),
-            "gathered_params_peak_last_step": self.last_step_peak_elements
-            * torch.empty((), dtype=self.engine.compute_dtype).element_size(),
+            "gathered_params_live": self.live_elements * width,
+            "gathered_params_peak_last_step": self.last_step_peak_elements * width,
         }
 
     # ---- outside forward ------------------------------------------------------------------------------
@@ -461,9 +435,5 @@ class Stage3Runtime:
     def write_back(self, unit: Unit) -> None:
         """The gathered full buffer was modified: take this rank's shard (and fp32 master) from it."""
         start, end = unit.shard_range()
-        region = unit.full[start:end]
-        if unit.dtype == torch.float32:
-            unit.shard.copy_(region)
-        else:
-            unit.shard.copy_(region)
-            unit.master.copy_(region.float())
+        unit.shard.copy_(unit.full[start:end])
+        self.engine.optimizer_state.reload_master(unit.optimizer_shard)

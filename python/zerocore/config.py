@@ -166,11 +166,17 @@ class ZeroOptimizationConfig:
     Attributes:
         stage: 1 (optimizer states partitioned), 2 (+ gradients) or 3 (+ parameters). DeepSpeed's stage 0
             (plain data parallelism) is rejected.
-        reduce_bucket_size: elements per gradient reduction (>= 1). Integral floats such as 5e8 are accepted.
-        allgather_bucket_size: elements per parameter all-gather (>= 1).
-        overlap_comm: overlap gradient reduction with the backward pass.
-        contiguous_gradients: copy gradients into a contiguous buffer as they are produced.
-        reduce_scatter: reduce-scatter (rather than all-reduce) gradients.
+        reduce_bucket_size: elements per gradient reduce-scatter bucket (>= 1; integral floats such as 5e8
+            are accepted). None (unset): ~25 MiB of gradients per bucket, DDP's default, so reduction overlaps
+            with backward; ``comm_report()["buckets"]`` says which size was used and why.
+        allgather_bucket_size: stages 1-2: elements of the post-step parameter all-gathers in flight at once
+            (>= 1; the gathers follow the gradient buckets). None (unset): no cap.
+        overlap_comm: overlap gradient reduction with the backward pass; False waits for each bucket's
+            reduction as soon as it is launched.
+        contiguous_gradients: gradients are copied into contiguous buckets as they are produced; zerocore
+            always does this, so only True is accepted.
+        reduce_scatter: reduce-scatter gradients; False reduces them with all-reduce (each rank then keeps
+            its shard), the ``"all_reduce"`` algorithm of Note [Collective algorithms].
         stage3_prefetch_bucket_size: stage 3: parameter elements fetched ahead of use (>= 0; 0 = no prefetch).
         stage3_max_live_parameters: stage 3: gathered parameter elements kept per GPU (>= 1).
         stage3_param_persistence_threshold: stage 3: parameters with fewer elements stay unpartitioned (>= 0).
@@ -180,8 +186,8 @@ class ZeroOptimizationConfig:
     """
 
     stage: int = 1
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
+    reduce_bucket_size: int | None = None
+    allgather_bucket_size: int | None = None
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
@@ -200,9 +206,13 @@ class ZeroOptimizationConfig:
         minimums = {"reduce_bucket_size": 1, "allgather_bucket_size": 1, "stage3_prefetch_bucket_size": 0,
                     "stage3_max_live_parameters": 1, "stage3_param_persistence_threshold": 0}
         for name, minimum in minimums.items():
-            object.__setattr__(self, name, _int(getattr(self, name), p + name, minimum))
+            if getattr(self, name) is not None or name not in ("reduce_bucket_size", "allgather_bucket_size"):
+                object.__setattr__(self, name, _int(getattr(self, name), p + name, minimum))
         for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter"):
             object.__setattr__(self, name, _bool(getattr(self, name), p + name))
+        if not self.contiguous_gradients:
+            _fail(p + "contiguous_gradients", "zerocore always copies gradients into contiguous buckets as they "
+                  "are produced; only true is accepted (remove the key or set it to true)")
 
 
 @dataclass(frozen=True)
@@ -388,7 +398,8 @@ class ZeroConfig:
             "gradient_clipping": self.gradient_clipping,
             "bf16": {"enabled": self.bf16},
             "fp16": dataclasses.asdict(self.fp16),
-            "zero_optimization": dataclasses.asdict(self.zero_optimization),
+            "zero_optimization": {k: v for k, v in dataclasses.asdict(self.zero_optimization).items()
+                                  if v is not None},
             "steps_per_print": self.steps_per_print,
         }
         for name in ("communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu"):

@@ -1,25 +1,27 @@
-"""The ZeRO engine: ``zerocore.initialize(model, config) -> Engine`` (stages 1-2 here; stage 3's gathering
-lives in _stage3.py).
+"""The ZeRO engine's lifecycle: ``zerocore.initialize(model, config) -> Engine``.
 
 Note [Engine lifecycle]
 -----------------------
 A training iteration is DeepSpeed's: ``loss = engine(batch)``, ``engine.backward(loss)``,
 ``engine.step()``, repeated ``gradient_accumulation_steps`` times per optimizer update. ``step()`` counts
 micro-steps and updates only at the accumulation boundary. Every backward outside ``no_sync()`` must be
-followed by ``step()`` before the next one; backwards inside ``no_sync()`` only accumulate locally.
+followed by ``step()`` before the next one; backwards inside ``no_sync()`` only accumulate locally. The
+states and their legal transitions: Note [Engine states] in _lifecycle.py.
 
-Which backwards communicate (see Note [Stage 1-2 storage] in _flat_group.py):
-  stage 1: the boundary backward reduce-scatters every bucket (earlier micro-steps accumulate in place);
-  stage 2: every backward outside ``no_sync()`` reduce-scatters and adds this rank's shard.
-The boundary ``step()`` then, on every rank in the same order: agrees on fp16 overflow (one all-reduce),
-computes the global gradient norm for clipping (one all-reduce), runs the fused Adam kernel on this
-rank's shard of every bucket (writing the compute-dtype params in the same pass) and all-gathers each
-bucket's params asynchronously; the next forward waits for them.
+What the stage changes is a policy (Note [Stage policy]); the storage is per param group for stages 1-2
+(_flat_group.py) and per unit for stage 3 (_stage3.py); both register their shards with the one optimizer
+state (Note [Optimizer state ownership]). Which backwards reduce gradients: the policy's
+``reduce_every_sync`` (stages 2-3), else only the accumulation boundary's (stage 1). The boundary
+``step()`` then, on every rank in the same order: all-reduces the gradients' sum of squares (the global
+norm for clipping, and the fp16 overflow verdict: one collective, one host sync), runs the fused Adam
+kernel on every shard (writing the compute-dtype params in the same pass) and, in stages 1-2, all-gathers
+each bucket's params asynchronously; the next forward waits for them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import weakref
@@ -30,20 +32,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import ops
+from ._buckets import BucketSizes
+from ._construction import broadcast_module_state, build_reducer, cast_untracked_tensors, sync_buffers
 from ._flat_group import FlatParamGroup, sum_of_squares
+from ._full_state import full_state_dict, gather_for_user, release_for_user
 from ._gathered import engine_for, unregister
 from ._gathered import register as register_managed
+from ._lifecycle import EngineState, Lifecycle
 from ._loss_scaler import LossScaler
 from ._model_checks import check_same_model_on_all_ranks, collect_trainable, model_device
+from ._native import _C
+from ._optimizer_state import OptimizerState
+from ._policy import StagePolicy
 from ._stage3 import Stage3Runtime
 from ._units import resolve_units
-from ._native import _C
 from .config import ZeroConfig
 from .layout import FlatLayout
 from .optimizer import ZeroOptimizer
 
-__all__ = ["Engine", "initialize"]
+__all__ = ["Engine", "EngineState", "initialize"]
+_log = logging.getLogger("zerocore")
+# States in which the model's parameters may be read or written from outside training.
+_USABLE = (EngineState.IDLE, EngineState.FORWARD, EngineState.AWAITING_STEP, EngineState.NO_SYNC)
 
 # Alignment of every tensor and shard boundary, in elements: 128 bytes for fp16/bf16 (vector loads and
 # cache lines on CPU, coalesced access on GPU).
@@ -111,27 +121,23 @@ class Engine:
         init_fn: Callable[[nn.Module], None] | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        stage = config.zero_optimization.stage
+        self.policy = policy = StagePolicy.for_stage(config.zero_optimization.stage)
+        self.stage = policy.stage
         self.module = model
-        self.stage = stage
         self.device = model_device(model)
         meta = self.device.type == "meta"
         if meta:
-            if stage != 3:
+            if not policy.params_sharded:
                 raise ValueError("a model on the meta device can only be materialized by ZeRO stage 3 "
-                                 f"(zero_optimization.stage=3), got stage {stage}")
+                                 f"(zero_optimization.stage=3), got stage {policy.stage}")
             self.device = torch.device(device) if device is not None else (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.process_group = process_group if process_group is not None else _default_process_group(self.device)
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self.config = config = config.for_world_size(self.world_size)
-        algorithms = dict(comm_algorithms or {})
-        unknown = set(algorithms) - {"reduce_scatter", "all_gather"}
-        if unknown:
-            raise ValueError(f"comm_algorithms keys must be 'reduce_scatter' or 'all_gather', got {sorted(unknown)}")
-        self.comm = _C.Comm(self.process_group, algorithms.get("reduce_scatter", "auto"),
-                            algorithms.get("all_gather", "auto"))
+        self.comm = _C.Comm(self.process_group, *_algorithms(comm_algorithms, config))
+        self.buckets = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype)
 
         for name, param in model.named_parameters():
             if engine_for(param) is not None:
@@ -139,109 +145,60 @@ class Engine:
                                  "close() on that engine first (it hands the parameters back whole)")
         check_same_model_on_all_ranks(model, self.comm, self.rank, self.device)
         if not meta:
-            self._broadcast_module_state()
+            broadcast_module_state(self.comm, model)
         groups = collect_trainable(model, param_groups, config.optimizer)
         self.compute_dtype = config.compute_dtype
-        self._stage3: Stage3Runtime | None = None
+        self.optimizer_state = OptimizerState(self.device)
+        self.stage3: Stage3Runtime | None = None
         self.groups: list[FlatParamGroup] = []
-        if stage == 3:
-            self._group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
-            self._stage3 = Stage3Runtime(self, resolve_units(model, units), init_fn=init_fn, meta=meta)
-            self._cast_untracked_tensors()
+        if policy.params_sharded:
+            group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
+            self.stage3 = Stage3Runtime(self, resolve_units(model, units), group_of, init_fn=init_fn, meta=meta)
+            cast_untracked_tensors(model, self.compute_dtype)
         else:
             self._build_flat_groups(groups)
+        self.optimizer_state.build()
         self.optimizer = ZeroOptimizer(self, groups)
         register_managed(self, [p for group in groups for p in group["params"]])
         self.loss_scaler = LossScaler(config.fp16)
-        self._build_reducer()
+        self.reducer, self._param_slots = build_reducer(self)
         self._register_hooks()
 
         self.broadcast_buffers = True  # as DDP's default; set False to keep buffers rank-local
-        self._in_backward_call = False
+        self.lifecycle = Lifecycle()
         self._comm_reset_at_step = 0
         self.micro_steps = 0
-        self.global_steps = 0
         self.skipped_steps = 0
-        self._no_sync = False
-        self._awaiting_step = False  # a synced backward ran and step() has not followed yet
-        self._backward_ran = False  # any backward since the last step()
+        self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
         self._reducing = False
         self._finalized = True
         self._pending_gathers: list[Any] = []
         self._last_grad_norm: float | None = None
         self.zero_grad()
 
-    def _build_flat_groups(self, groups: list[dict[str, Any]]) -> None:
-        config, model = self.config, self.module
-        bucket_cap = min(config.zero_optimization.reduce_bucket_size, config.zero_optimization.allgather_bucket_size)
-        for group in groups:
-            params = group["params"]
-            layout = FlatLayout([p.numel() for p in params], self.world_size, _ALIGNMENT, bucket_cap)
-            self.groups.append(FlatParamGroup(params, layout, rank=self.rank, stage=self.stage,
-                                              compute_dtype=self.compute_dtype, device=self.device))
-        if self.compute_dtype != torch.float32:
-            model.to(self.compute_dtype)  # the rest (frozen params, buffers); trainable ones are already cast
+    @property
+    def state(self) -> EngineState:
+        """Where the engine is in its training cycle (Note [Engine states])."""
+        return self.lifecycle.state
 
-    def _cast_untracked_tensors(self) -> None:
-        """Stage 3: frozen parameters and floating buffers follow the compute dtype (sharded ones already do)."""
-        if self.compute_dtype == torch.float32:
-            return
-        for module in self.module.modules():
-            for param in module.parameters(recurse=False):
-                if not param.requires_grad and param.is_floating_point():
-                    param.data = param.data.to(self.compute_dtype)
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.is_floating_point():
-                    module._buffers[name] = buffer.to(self.compute_dtype)
+    @property
+    def global_steps(self) -> int:
+        """Optimizer updates applied (fp16 steps skipped for overflow are not counted)."""
+        return self.optimizer_state.step_count
+
+    def _build_flat_groups(self, groups: list[dict[str, Any]]) -> None:
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        for index, group in enumerate(groups):
+            params = group["params"]
+            layout = FlatLayout([p.numel() for p in params], self.world_size, _ALIGNMENT, self.buckets.reduce)
+            self.groups.append(FlatParamGroup(
+                params, [names[id(p)] for p in params], layout, index=index, rank=self.rank,
+                grads_sharded=self.policy.grads_sharded, compute_dtype=self.compute_dtype, device=self.device,
+                optimizer_state=self.optimizer_state))
+        if self.compute_dtype != torch.float32:
+            self.module.to(self.compute_dtype)  # the rest (frozen params, buffers); trainable ones are already cast
 
     # ---- construction helpers -----------------------------------------------------------------------
-    def _broadcast_module_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers, as DDP does."""
-        with torch.no_grad():
-            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-                if tensor.is_contiguous():
-                    self.comm.broadcast(tensor.data, 0).wait()
-                else:  # the collective needs dense memory: broadcast a copy, then write it back
-                    dense = tensor.data.contiguous()
-                    self.comm.broadcast(dense, 0).wait()
-                    tensor.data.copy_(dense)
-
-    def _build_reducer(self) -> None:
-        """One GradReducer over every group's buckets; parameters get stable global indices."""
-        bucket_sizes: list[int] = []
-        destinations: list[torch.Tensor] = []
-        param_bucket: list[int] = []
-        param_offset: list[int] = []
-        param_numel: list[int] = []
-        self._param_slots: list[tuple[Any, int]] = []
-        if self._stage3 is not None:
-            for unit in self._stage3.units:
-                bucket_sizes.append(unit.numel)
-                destinations.append(unit.grad_shard)
-                for local, param in enumerate(unit.params):
-                    param_bucket.append(len(bucket_sizes) - 1)
-                    param_offset.append(unit.offsets[local])
-                    param_numel.append(param.numel())
-                    self._param_slots.append((unit, local))
-        for group in self.groups:
-            first_bucket = len(bucket_sizes)
-            for k, bucket in enumerate(group.buckets):
-                bucket_sizes.append(bucket.padded_size)
-                destinations.append(group.grad_slice(k))
-            bucket_of = group.layout.tensor_buckets().tolist()
-            for index, param in enumerate(group.params):
-                bucket = group.buckets[bucket_of[index]]
-                param_bucket.append(first_bucket + bucket_of[index])
-                param_offset.append(group.offsets[index] - bucket.flat_start)
-                param_numel.append(param.numel())
-                self._param_slots.append((group, index))
-        launch_order = list(reversed(range(len(bucket_sizes))))  # see Note [Bucket launch order]
-        self.reducer = _C.GradReducer(
-            self.comm, bucket_sizes, param_bucket, param_offset, param_numel, launch_order, destinations,
-            self.config.reduce_dtype, 1.0 / self.world_size,
-        )
-        self.num_buckets = len(bucket_sizes)
-
     def _register_hooks(self) -> None:
         engine_ref = weakref.ref(self)
         self._hook_handles = []
@@ -262,29 +219,22 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the module after the last step's all-gathers landed. In bf16/fp16 training, floating-point
         tensor arguments are cast to the compute dtype (integer inputs such as token ids are left alone)."""
+        life = self.lifecycle
+        life.require("forward()", EngineState.IDLE, EngineState.FORWARD, EngineState.NO_SYNC,
+                     EngineState.AWAITING_STEP)
         self.wait_for_params()
         if self.compute_dtype != torch.float32:
             args = tuple(self._cast_input(a) for a in args)
             kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
-        if self.broadcast_buffers and torch.is_grad_enabled():
-            self._sync_buffers()
-        return self.module(*args, **kwargs)
-
-    def _sync_buffers(self) -> None:
-        """Rank 0's buffers (BatchNorm running statistics, ...) before every training forward, as DDP's
-        default ``broadcast_buffers=True`` does: one broadcast per buffer dtype."""
-        buffers = [b for b in self.module.buffers() if b.numel()]
-        if self.world_size == 1 or not buffers:
-            return
-        with torch.no_grad():
-            for dtype in sorted({b.dtype for b in buffers}, key=str):
-                same = [b for b in buffers if b.dtype == dtype]
-                flat = torch.cat([b.reshape(-1) for b in same])
-                self.comm.broadcast(flat, 0, -1).wait()
-                offset = 0
-                for b in same:
-                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
+        training = torch.is_grad_enabled()
+        if self.broadcast_buffers and training:
+            sync_buffers(self.comm, self.module, self.world_size)
+        out = self.module(*args, **kwargs)
+        if training:
+            life.forward_pending = True
+            if life.state is EngineState.IDLE:
+                life.to(EngineState.FORWARD)
+        return out
 
     def _cast_input(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -302,57 +252,59 @@ class Engine:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Back-propagates ``loss`` (scaled for fp16 and averaged over accumulation micro-steps)."""
-        if self._awaiting_step:
+        life = self.lifecycle
+        if life.state is EngineState.AWAITING_STEP:
             raise RuntimeError(
                 "backward() was called twice without step() in between. Call engine.step() after every "
                 "engine.backward() (it only updates at the accumulation boundary), or wrap accumulation "
                 "backwards in engine.no_sync()."
             )
+        life.require("backward()", EngineState.IDLE, EngineState.FORWARD, EngineState.NO_SYNC)
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ValueError("backward() needs a loss tensor that requires grad")
         self.wait_for_params()
-        self._reducing = not self._no_sync and (self.stage >= 2 or self.is_gradient_accumulation_boundary())
-        self._finalized = not self._reducing and self._stage3 is None
+        no_sync = life.state is EngineState.NO_SYNC
+        self._reducing = not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary())
+        self._finalized = not self._reducing and self.stage3 is None
         if self._reducing:
-            self.reducer.begin_backward(self.stage >= 2)
-        if self._stage3 is not None:
-            self._stage3.begin_backward()
+            self.reducer.begin_backward(self.policy.grads_sharded)
+        if self.stage3 is not None:
+            self.stage3.begin_backward()
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
-        self._in_backward_call = True
+        life.to(EngineState.BACKWARD)
         try:
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         finally:
-            self._in_backward_call = False
+            life.to(EngineState.NO_SYNC if no_sync else EngineState.AWAITING_STEP)
         if not self._finalized:  # no parameter got a gradient in this backward
             self._finalize_backward()
-        self._backward_ran = True
-        self._awaiting_step = not self._no_sync
+        life.forward_pending = False
+        life.local_grads = no_sync or (life.local_grads and not self.policy.reduce_every_sync)
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        if not self._in_backward_call:
+        if self.lifecycle.state is not EngineState.BACKWARD:
             raise RuntimeError(
                 "a zerocore-managed parameter got a gradient outside engine.backward(); call "
                 "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and "
                 "sharded"
             )
-        if self._stage3 is not None:
-            unit, _ = self._param_slots[index]
+        owner, local = self._param_slots[index]
+        if self.stage3 is not None:
             if self._reducing:
                 self._reduce(index, param)
                 param.grad = None  # reduced into the unit's gradient shard; see Note [Stage 3 gather and release]
-            self._stage3.grad_ready(unit)
+            self.stage3.grad_ready(owner)
             return
-        group, local = self._param_slots[index]
-        if self.stage == 1:
+        if owner.grad_buffer is not None:
             # .grad accumulates in place in the gradient buffer across micro-steps; when autograd made a fresh
             # tensor (the user set .grad to None), its values move into the buffer first.
-            view = group.grad_view(local)
+            view = owner.grad_view(local)
             if param.grad.data_ptr() != view.data_ptr():
                 view.copy_(param.grad)
                 param.grad = view
         if self._reducing:
             self._reduce(index, param)
-            if self.stage == 2:
+            if self.policy.grads_sharded:
                 param.grad = None  # its values now live in the bucket; see Note [Stage 1-2 storage]
 
     def _reduce(self, index: int, param: torch.Tensor) -> None:
@@ -369,8 +321,8 @@ class Engine:
             return
         if self._reducing:
             self.reducer.finalize()
-        if self._stage3 is not None:
-            self._stage3.end_backward()
+        if self.stage3 is not None:
+            self.stage3.end_backward()
         self._finalized = True
 
     @contextlib.contextmanager
@@ -379,95 +331,94 @@ class Engine:
 
         Stage 2 then holds full gradients until the next synced backward, like FSDP's ``no_sync``.
         """
-        previous = self._no_sync
-        self._no_sync = True
+        entered = self.lifecycle.enter_no_sync()
         try:
             yield
         finally:
-            self._no_sync = previous
+            if entered:
+                self.lifecycle.exit_no_sync()
 
     # ---- step ---------------------------------------------------------------------------------------
     def step(self) -> None:
         """Ends a micro-step; at the accumulation boundary, updates the parameters on every rank."""
-        if not self._backward_ran:
+        life = self.lifecycle
+        if life.state in (EngineState.IDLE, EngineState.FORWARD):
+            if life.local_grads:
+                raise RuntimeError(
+                    "step() after backwards that all ran inside engine.no_sync(): their gradients were never "
+                    "reduced across ranks, so this update would use one rank's gradients (DeepSpeed raises "
+                    "too). Run the last backward of the accumulation window outside no_sync(), then step().")
             raise RuntimeError("step() was called before backward(); call engine.backward(loss) first")
+        life.require("step()", EngineState.AWAITING_STEP)
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
-        self._backward_ran = False
-        self._awaiting_step = False
+        life.to(EngineState.IDLE)
         if boundary:
             self.optimizer.step()
             self.zero_grad()
+            life.local_grads = False
 
-    def _apply_update(self) -> None:
-        """The sharded optimizer step; called by ``optimizer.step()`` (so lr schedulers see it)."""
-        overflow = False
-        if self.config.fp16.enabled:
-            local = 0.0 if self._grads_finite() else 1.0
-            flag = torch.tensor([local], dtype=torch.float32, device=self.device)
-            self.comm.all_reduce(flag, True).wait()
-            overflow = bool(flag.item() > 0)
+    def apply_update(self) -> None:
+        """The sharded optimizer step; called by ``optimizer.step()`` (so lr schedulers see it).
+
+        One all-reduce of the gradients' sum of squares gives the global norm and, being inf or NaN when
+        any gradient is, the fp16 overflow verdict: one collective and one host sync per step."""
+        fp16 = self.config.fp16.enabled
         # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
-        grad_scale = 1.0 / self.loss_scaler.scale if self.config.fp16.enabled else 1.0
-        if self.config.fp16.enabled:
+        grad_scale = 1.0 / self.loss_scaler.scale if fp16 else 1.0
+        sum_sq = sum_of_squares(self.optimizer_state.grad_shards(), self.device).reshape(1)
+        self.comm.all_reduce(sum_sq, False).wait()
+        total = float(sum_sq.item())
+        self.host_syncs += 1
+        overflow = fp16 and not math.isfinite(total)
+        if fp16:
             self.loss_scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
             self._last_grad_norm = float("inf")
-            if self._stage3 is not None:
-                self._stage3.end_forward_backward_step()
-            return
-        grad_scale *= self._clip_coefficient(grad_scale)
-        if self._stage3 is not None:
-            self.global_steps += 1
-            self._stage3.apply_adam(self._group_of, self.optimizer.param_groups, self.global_steps, grad_scale)
-            self._stage3.end_forward_backward_step()
-            return
-        for group, hyper in zip(self.groups, self.optimizer.param_groups):
-            group.step_count += 1
-            beta1, beta2 = hyper["betas"]
-            for bucket in range(len(group.buckets)):
-                exp_avg, exp_avg_sq = group.moment_slices(bucket)
-                ops.adam_step(
-                    group.master_slice(bucket), group.grad_slice(bucket), exp_avg, exp_avg_sq,
-                    step=group.step_count, lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
-                    weight_decay=hyper["weight_decay"], adamw=hyper["adamw_mode"], grad_scale=grad_scale,
-                    bias_correction=hyper["bias_correction"],
-                    param_out=None if self.compute_dtype == torch.float32 else group.param_shard_slice(bucket),
-                )
-        self.global_steps += 1
+        else:
+            norm = math.sqrt(total) * grad_scale
+            self._last_grad_norm = norm
+            clip = self.config.gradient_clipping
+            if clip > 0:
+                grad_scale *= min(1.0, clip / (norm + 1e-6))
+            self.optimizer_state.step(self.optimizer.param_groups, grad_scale)
+            self._gather_updated_params()
+        if self.stage3 is not None:
+            self.stage3.end_forward_backward_step()
+        self._log_progress()
+
+    def _gather_updated_params(self) -> None:
+        """Stages 1-2: every rank's updated shard to every rank, per bucket, asynchronously (the next
+        forward waits); at most ``allgather_bucket_size`` elements in flight when it is set."""
+        cap = self.buckets.allgather_in_flight
+        in_flight: list[tuple[Any, int]] = []
         for group in self.groups:
             for bucket in range(len(group.buckets)):
-                self._pending_gathers.append(self.comm.all_gather(group.param_bucket(bucket), bucket))
+                size = group.buckets[bucket].padded_size
+                while cap is not None and in_flight and sum(n for _, n in in_flight) + size > cap:
+                    in_flight.pop(0)[0].wait()
+                work = self.comm.all_gather(group.param_bucket(bucket), bucket)
+                in_flight.append((work, size))
+                self._pending_gathers.append(work)
 
-    def _clip_coefficient(self, grad_scale: float) -> float:
-        """Global L2 norm of the (unscaled) gradients across every shard; the clip coefficient."""
-        clip = self.config.gradient_clipping
-        sum_sq = sum_of_squares(self._grad_shards(), self.device).reshape(1)
-        self.comm.all_reduce(sum_sq, False).wait()
-        norm = math.sqrt(float(sum_sq.item())) * grad_scale
-        self._last_grad_norm = norm
-        if clip <= 0:
-            return 1.0
-        return min(1.0, clip / (norm + 1e-6))
+    def _log_progress(self) -> None:
+        every = self.config.steps_per_print
+        done = self.global_steps + self.skipped_steps
+        if self.rank == 0 and done % every == 0 and _log.isEnabledFor(logging.INFO):
+            lrs = [group["lr"] for group in self.optimizer.param_groups]
+            _log.info("step %d: skipped %d, lr %s, loss scale %g, grad norm %s", done, self.skipped_steps, lrs,
+                      self.loss_scaler.scale, self._last_grad_norm)
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last update (inf when fp16 overflow skipped it)."""
         return self._last_grad_norm
 
-    def _grad_shards(self) -> list[torch.Tensor]:
-        """This rank's reduced gradient shards, whatever the stage."""
-        shards = [shard for group in self.groups for shard in group.grad_shards()]
-        return shards + (self._stage3.grad_shards() if self._stage3 is not None else [])
-
-    def _grads_finite(self) -> bool:
-        return all(ops.all_finite(shard) for shard in self._grad_shards())
-
     def zero_grad(self) -> None:
         for group in self.groups:
             group.zero_grad()
-        if self._stage3 is not None:
-            self._stage3.zero_grad()
+        if self.stage3 is not None:
+            self.stage3.zero_grad()
 
     # ---- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
@@ -483,22 +434,32 @@ class Engine:
     def reset_comm_stats(self) -> None:
         """Starts comm_report()'s counts afresh (its per-step figures divide by the steps since then)."""
         self.comm.reset_stats()
+        self.host_syncs = 0
         self._comm_reset_at_step = self.global_steps + self.skipped_steps
+
+    @property
+    def steps_since_comm_reset(self) -> int:
+        """Optimizer steps (skipped ones included) since the last ``reset_comm_stats()``."""
+        return self.global_steps + self.skipped_steps - self._comm_reset_at_step
 
     def close(self) -> None:
         """Detaches the engine from the model: hooks removed, pending gathers landed, and under stage 3
         every parameter gathered back into an ordinary full tensor. A collective (every rank calls it).
-        The model can then be used plainly or given to a new engine."""
+        The model can then be used plainly or given to a new engine. Closing twice does nothing."""
+        if self.lifecycle.state is EngineState.CLOSED:
+            return
+        self.lifecycle.require("close()", *_USABLE)
         self.wait_for_params()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
-        if self._stage3 is not None:
-            self._stage3.close()
+        if self.stage3 is not None:
+            self.stage3.close()
         for group in self.groups:  # stage 1's .grad are views of the engine's gradient buffer
             for param in group.params:
                 param.grad = None
         unregister(self, [owner.params[local] for owner, local in self._param_slots])
+        self.lifecycle.to(EngineState.CLOSED)
 
     @property
     def loss_scale(self) -> float:
@@ -528,56 +489,34 @@ class Engine:
         Stage 3 gathers one unit at a time, so the peak is the output plus one unit. A collective: call it
         on every rank. With ``rank0_only`` other ranks get an empty dict.
         """
+        self.lifecycle.require("full_state_dict()", *_USABLE)
         self.wait_for_params()
-        keep = not rank0_only or self.rank == 0
-        entries = self.module.state_dict(keep_vars=True)
-        out: dict[str, torch.Tensor] = {}
-
-        def take(name: str, tensor: torch.Tensor) -> None:
-            value = tensor.detach()
-            if dtype is not None and value.is_floating_point():
-                value = value.to(dtype)
-            out[name] = value.to("cpu", copy=True)
-
-        names_of: dict[int, list[str]] = {}
-        for name, tensor in entries.items():
-            names_of.setdefault(id(tensor), []).append(name)
-        sharded: set[int] = set()
-        if self._stage3 is not None:
-            for unit in self._stage3.units:
-                self._stage3.ensure_gathered(unit, "all_gather_state_dict")
-                for param in unit.params:
-                    sharded.add(id(param))
-                    if keep:
-                        for name in names_of.get(id(param), []):
-                            take(name, param)
-                if not unit.persistent:
-                    self._stage3.release(unit)
-        if keep:
-            for name, tensor in entries.items():
-                if id(tensor) not in sharded:
-                    take(name, tensor)
-        return {name: out[name] for name in entries if name in out}
+        return full_state_dict(self, dtype, rank0_only)
 
     # ---- zerocore.gathered --------------------------------------------------------------------------
-    def _gather_for_user(self, params: list[nn.Parameter]) -> None:
+    def gather_for_user(self, params: list[nn.Parameter]) -> None:
+        """Entering ``zerocore.gathered(params)``: the parameters hold their full values."""
+        self.lifecycle.require("gathered()", *_USABLE)
         self.wait_for_params()
-        if self._stage3 is not None:
-            for unit in self._stage3.units_of(params):
-                self._stage3.ensure_gathered(unit, "all_gather_user")
+        gather_for_user(self, params)
 
-    def _release_for_user(self, params: list[nn.Parameter], modifier_rank: int | None) -> None:
-        if self._stage3 is not None:
-            for unit in self._stage3.units_of(params):
-                if modifier_rank is not None:
-                    self.comm.broadcast(unit.full, modifier_rank).wait()
-                    self._stage3.write_back(unit)
-                if not unit.persistent:
-                    self._stage3.release(unit)
-            return
-        if modifier_rank is not None:
-            wanted = {id(p) for p in params}
-            for group in self.groups:
-                if any(id(p) in wanted for p in group.params):
-                    self.comm.broadcast(group.param_buffer, modifier_rank).wait()
-                    group.sync_master_from_params()
+    def release_for_user(self, params: list[nn.Parameter], modifier_rank: int | None) -> None:
+        """Leaving ``zerocore.gathered(params)``: ``modifier_rank``'s values reach every rank's shard and
+        the fp32 master."""
+        release_for_user(self, params, modifier_rank)
+
+
+def _algorithms(explicit: Mapping[str, str] | None, config: ZeroConfig) -> tuple[str, str]:
+    """(reduce_scatter, all_gather) algorithm names: the caller's, else the config's ``reduce_scatter``
+    (False means all-reduce), else the per-backend choice ("auto")."""
+    algorithms = dict(explicit or {})
+    unknown = set(algorithms) - {"reduce_scatter", "all_gather"}
+    if unknown:
+        raise ValueError(f"comm_algorithms keys must be 'reduce_scatter' or 'all_gather', got {sorted(unknown)}")
+    reduce_scatter = algorithms.get("reduce_scatter", "auto")
+    if not config.zero_optimization.reduce_scatter:
+        if reduce_scatter not in ("auto", "all_reduce"):
+            raise ValueError(f"zero_optimization.reduce_scatter=false asks for all-reduce, but comm_algorithms "
+                             f"asks for reduce_scatter={reduce_scatter!r}; drop one of them")
+        reduce_scatter = "all_reduce"
+    return reduce_scatter, algorithms.get("all_gather", "auto")

@@ -27,7 +27,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Applies the sharded update. Called by ``engine.step()`` at the accumulation boundary."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step() takes no closure; use engine.backward() then engine.step()")
-        self._engine._apply_update()
+        self._engine.apply_update()
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,94 @@
+"""What the engine does once to a model it takes over (rank 0's state everywhere, dtypes, the reducer's
+geometry), and DDP's buffer broadcast before each training forward."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ._native import _C
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def broadcast_module_state(comm: Any, module: nn.Module) -> None:
+    """Every rank starts from rank 0's parameters and buffers, as DDP does."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if tensor.is_contiguous():
+                comm.broadcast(tensor.data, 0).wait()
+            else:  # the collective needs dense memory: broadcast a copy, then write it back
+                dense = tensor.data.contiguous()
+                comm.broadcast(dense, 0).wait()
+                tensor.data.copy_(dense)
+
+
+def sync_buffers(comm: Any, module: nn.Module, world_size: int) -> None:
+    """Rank 0's buffers (BatchNorm running statistics, ...) before every training forward, as DDP's
+    default ``broadcast_buffers=True`` does: one broadcast per buffer dtype."""
+    buffers = [b for b in module.buffers() if b.numel()]
+    if world_size == 1 or not buffers:
+        return
+    with torch.no_grad():
+        for dtype in sorted({b.dtype for b in buffers}, key=str):
+            same = [b for b in buffers if b.dtype == dtype]
+            flat = torch.cat([b.reshape(-1) for b in same])
+            comm.broadcast(flat, 0, -1).wait()
+            offset = 0
+            for b in same:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+
+def cast_untracked_tensors(module: nn.Module, dtype: torch.dtype) -> None:
+    """Stage 3: frozen parameters and floating buffers follow the compute dtype (sharded ones already do)."""
+    if dtype == torch.float32:
+        return
+    for child in module.modules():
+        for param in child.parameters(recurse=False):
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(dtype)
+        for name, buffer in child._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                child._buffers[name] = buffer.to(dtype)
+
+
+def build_reducer(engine: Engine) -> tuple[Any, list[tuple[Any, int]]]:
+    """One GradReducer over every unit's or group's buckets, and each parameter's (owner, index in owner)
+    by the stable global index the reducer knows it by."""
+    bucket_sizes: list[int] = []
+    destinations: list[torch.Tensor] = []
+    param_bucket: list[int] = []
+    param_offset: list[int] = []
+    param_numel: list[int] = []
+    slots: list[tuple[Any, int]] = []
+    if engine.stage3 is not None:
+        for unit in engine.stage3.units:
+            bucket_sizes.append(unit.numel)
+            destinations.append(unit.grad_shard)
+            for local, param in enumerate(unit.params):
+                param_bucket.append(len(bucket_sizes) - 1)
+                param_offset.append(unit.offsets[local])
+                param_numel.append(param.numel())
+                slots.append((unit, local))
+    for group in engine.groups:
+        first_bucket = len(bucket_sizes)
+        for k, bucket in enumerate(group.buckets):
+            bucket_sizes.append(bucket.padded_size)
+            destinations.append(group.grad_slice(k))
+        bucket_of = group.layout.tensor_buckets().tolist()
+        for index, param in enumerate(group.params):
+            bucket = group.buckets[bucket_of[index]]
+            param_bucket.append(first_bucket + bucket_of[index])
+            param_offset.append(group.offsets[index] - bucket.flat_start)
+            param_numel.append(param.numel())
+            slots.append((group, index))
+    launch_order = list(reversed(range(len(bucket_sizes))))  # see Note [Bucket launch order]
+    reducer = _C.GradReducer(
+        engine.comm, bucket_sizes, param_bucket, param_offset, param_numel, launch_order, destinations,
+        engine.config.reduce_dtype, 1.0 / engine.world_size, engine.config.zero_optimization.overlap_comm,
+    )
+    return reducer, slots
