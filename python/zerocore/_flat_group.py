@@ -101,6 +101,11 @@ class FlatParamGroup:
         b = self.buckets[bucket]
         return self.param_buffer[b.flat_start : b.flat_start + b.padded_size]
 
+    def param_bucket_params(self, bucket: int) -> list[nn.Parameter]:
+        """The parameters whose values live in ``bucket``."""
+        b = self.buckets[bucket]
+        return self.params[b.first_tensor : b.end_tensor]
+
     def grad_slice(self, bucket: int) -> torch.Tensor:
         """This rank's reduced gradient shard of ``bucket`` (valid after the boundary backward)."""
         b = self.buckets[bucket]

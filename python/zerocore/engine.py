@@ -43,6 +43,7 @@ from ._loss_scaler import LossScaler
 from ._model_checks import check_same_model_on_all_ranks, collect_trainable, model_device
 from ._native import _C
 from ._optimizer_state import OptimizerState
+from ._pending_gathers import PendingGathers
 from ._policy import StagePolicy
 from ._stage3 import Stage3Runtime
 from ._units import resolve_units
@@ -172,7 +173,8 @@ class Engine:
         self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
         self._reducing = False
         self._finalized = True
-        self._pending_gathers: list[Any] = []
+        self.pending_gathers = PendingGathers(group.param_bucket_params(b) for group in self.groups
+                                              for b in range(len(group.buckets)))
         self._last_grad_norm: float | None = None
         self.zero_grad()
 
@@ -217,19 +219,24 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the module after the last step's all-gathers landed. In bf16/fp16 training, floating-point
-        tensor arguments are cast to the compute dtype (integer inputs such as token ids are left alone)."""
+        """Runs the module while the last step's all-gathers land, each parameter waited for before its first
+        read (Note [Waiting for parameters on read]). In bf16/fp16 training, floating-point tensor arguments
+        are cast to the compute dtype (integer inputs such as token ids are left alone)."""
         life = self.lifecycle
         life.require("forward()", EngineState.IDLE, EngineState.FORWARD, EngineState.NO_SYNC,
                      EngineState.AWAITING_STEP)
-        self.wait_for_params()
         if self.compute_dtype != torch.float32:
             args = tuple(self._cast_input(a) for a in args)
             kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
         training = torch.is_grad_enabled()
         if self.broadcast_buffers and training:
             sync_buffers(self.comm, self.module, self.world_size)
-        out = self.module(*args, **kwargs)
+        if self.pending_gathers.in_flight:  # Note [Waiting for parameters on read]
+            with self.pending_gathers.guard():
+                out = self.module(*args, **kwargs)
+            self.wait_for_params()
+        else:
+            out = self.module(*args, **kwargs)
         if training:
             life.forward_pending = True
             if life.state is EngineState.IDLE:
@@ -243,9 +250,7 @@ class Engine:
 
     def wait_for_params(self) -> None:
         """Blocks until the all-gather of the last step's updated parameters has landed."""
-        for pending in self._pending_gathers:
-            pending.wait()
-        self._pending_gathers = []
+        self.pending_gathers.wait_all()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -400,7 +405,7 @@ class Engine:
                     in_flight.pop(0)[0].wait()
                 work = self.comm.all_gather(group.param_bucket(bucket), bucket)
                 in_flight.append((work, size))
-                self._pending_gathers.append(work)
+                self.pending_gathers.launched(work)
 
     def _log_progress(self) -> None:
         every = self.config.steps_per_print
