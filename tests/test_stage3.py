@@ -145,10 +145,10 @@ def test_meta_device_build_equals_unsharded_init_with_the_same_seed():
     assert all(run_ranks(meta_worker, 2))
 
 
-def divergence_worker(rank: int, world: int) -> str:
+def divergence_worker(rank: int, world: int, strict: bool) -> str:
     torch.manual_seed(0)
     model = Zoo()
-    engine = zerocore.initialize(model, config())
+    engine = zerocore.initialize(model, config(), strict_spmd=strict)
     loss = loss_of(engine, *data(0, rank))
     engine.backward(loss)
     engine.step()
@@ -160,8 +160,9 @@ def divergence_worker(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_rank_dependent_branch_raises_on_every_rank_naming_rank_step_and_module():
-    for message in run_ranks(divergence_worker, 2, timeout=120):
+@pytest.mark.parametrize("strict", [False, True])
+def test_rank_dependent_branch_raises_on_every_rank_naming_rank_step_and_module(strict):
+    for message in run_ranks(divergence_worker, 2, strict, timeout=120):
         assert "diverged at step 1" in message and "rank 1" in message and "blocks." in message, message
 
 

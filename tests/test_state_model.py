@@ -147,11 +147,29 @@ def host_sync_worker(rank: int, world: int, stage: int) -> dict:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_host_syncs_per_steady_state_step(stage):
     for result in run_ranks(host_sync_worker, 2, stage):
-        if stage < 3:
-            assert result["syncs"] == 1, result  # the step's norm/overflow verdict, nothing else
-        else:
-            # plus today's divergence pre-check, one blocking tag exchange per stage-3 gather (issue 8, item 6)
-            assert result["syncs"] == 1 + result["gathers_per_step"], result
+        # the step's norm / overflow (/ stage 3 divergence) verdict, nothing else: stage 3's gathers are not
+        # preceded by a blocking tag exchange any more (Note [Divergence tags])
+        assert result["syncs"] == 1, result
+        assert stage < 3 or result["gathers_per_step"] >= 1, result
+
+
+def strict_sync_worker(rank: int, world: int) -> dict:
+    engine = zerocore.initialize(build("mlp"), _config(3, stage3_param_persistence_threshold=0), strict_spmd=True)
+    for step in range(3):
+        if step == 1:
+            engine.reset_comm_stats()
+        x, y = _data(step, rank)
+        engine.backward(loss_fn("mlp", engine(x), y))
+        engine.step()
+    report = engine.comm_report()
+    gathers = sum(report["collectives"].get(op, {}).get("calls", 0)
+                  for op in ("all_gather_forward", "all_gather_backward"))
+    return {"syncs": report["host_syncs_per_step"], "gathers_per_step": gathers / report["optimizer_steps"]}
+
+
+def test_strict_spmd_pays_one_blocking_tag_exchange_per_gather():
+    for result in run_ranks(strict_sync_worker, 2):
+        assert result["syncs"] == 1 + result["gathers_per_step"], result
 
 
 def comm_keys_worker(rank: int, world: int, stage: int, zero: dict) -> dict:

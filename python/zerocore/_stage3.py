@@ -22,9 +22,10 @@ instead of a crash, writing to it raises, and ``zerocore.gathered(...)`` gives t
 points ``.data`` back at views of the refilled storage; tensors that autograd saved from the parameter
 refer to the parameter (restored by the pre-backward gather) or to views of that same storage.
 
-Every gather is preceded by a tiny all-gather of (unit, call count, step) from every rank: if ranks run
-different units (a rank-dependent branch), the first divergent gather raises on every rank with the
-rank, the step and both modules, instead of hanging or mixing one unit's shards into another's.
+Every gather is paired with a tiny all-gather of (unit, call count, step) from every rank, checked when
+the gather is waited for (Note [Divergence tags]): if ranks run different units (a rank-dependent
+branch), the first divergent gather raises on every rank with the rank, the step and both modules,
+instead of hanging or mixing one unit's shards into another's silently.
 
 Prefetch: step 1 records the sequence of units gathered in forward; later steps gather the next unit of
 that sequence while the current one computes (and the previous one in backward), never holding more than
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ._divergence import DivergenceCheck
 from ._optimizer_state import OptimizerState, Shard, shard_geometry
 from ._units import UnitSpec
 from .layout import FlatLayout
@@ -131,33 +133,46 @@ class Unit:
         for param, view in zip(self.params, self.views):
             param.data = view
 
-    def start_gather(self, comm: Any, label: str) -> None:
+    def _move(self, expected: UnitState, to: UnitState) -> None:
+        if self.state is not expected:
+            raise RuntimeError(f"zerocore internal error: unit {self.name!r} went {self.state.value} -> "
+                               f"{to.value}, but only {expected.value} -> {to.value} is legal")
+        self.state = to
+
+    def start_gather(self, comm: Any, label: str, check: DivergenceCheck, tag: Any) -> None:
+        """SHARDED -> GATHERING: the all-gather is issued right after its divergence tag's (``tag``)."""
+        self._move(UnitState.SHARDED, UnitState.GATHERING)
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.numel * self.full.element_size())
         start, end = self.shard_range()
         self.full[start:end].copy_(self.shard)
         self.pending = comm.all_gather(self.full, self.index, label)
-        self.state = UnitState.GATHERING
+        self._tag_check = (check, tag)
 
     def wait(self) -> None:
+        """GATHERING -> GATHERED: the tag is checked first (Note [Divergence tags]), then the gather lands."""
         if self.state is UnitState.GATHERING:
+            check, tag = self._tag_check
+            self._tag_check = None
+            check.after_gather(tag)
             self.pending.wait()
             self.pending = None
-            self.state = UnitState.GATHERED
+            self._move(UnitState.GATHERING, UnitState.GATHERED)
             self._attach_views()
 
     def release(self) -> None:
-        self.wait()  # never free memory a collective is still writing
+        """GATHERED -> SHARDED (a gather in flight lands first: never free memory a collective writes)."""
+        self.wait()
         self._free_storage()
-        self.state = UnitState.SHARDED
+        self._move(UnitState.GATHERED, UnitState.SHARDED)
 
 
 class Stage3Runtime:
     """Schedules gathers, releases, prefetch and divergence checks of the units of one engine."""
 
     def __init__(self, engine: Engine, specs: list[UnitSpec], group_of: dict[int, int], *, init_fn: Any = None,
-                 meta: bool = False) -> None:
+                 meta: bool = False, strict_spmd: bool = False) -> None:
         self.engine = engine
         self.comm = engine.comm
         zo = engine.config.zero_optimization
@@ -188,7 +203,7 @@ class Stage3Runtime:
         self.peak_live_elements = 0  # since the last optimizer step
         self.last_step_peak_elements = 0  # the peak of the last completed step
         self.order_changes = 0
-        self._tag = torch.zeros(3 * world, dtype=torch.int64, device=engine.device)
+        self.divergence = DivergenceCheck(engine, {u.index: u.name for u in self.units}, strict_spmd)
         self._register_module_hooks()
 
     # ---- hooks ----------------------------------------------------------------------------------------
@@ -302,8 +317,9 @@ class Stage3Runtime:
         unit.wait()
 
     def _gather(self, unit: Unit, label: str) -> None:
-        self._check_same_unit_on_all_ranks(unit)
-        unit.start_gather(self.comm, label)
+        unit.calls += 1
+        tag = self.divergence.before_gather(unit.index, unit.calls, self.step)
+        unit.start_gather(self.comm, label, self.divergence, tag)
         self.live_elements += unit.numel
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
 
@@ -311,27 +327,6 @@ class Stage3Runtime:
         if unit.state is not UnitState.SHARDED:
             unit.release()
             self.live_elements -= unit.numel
-
-    def _check_same_unit_on_all_ranks(self, unit: Unit) -> None:
-        unit.calls += 1
-        tag = self._tag
-        tag.zero_()
-        r = self.engine.rank
-        tag[3 * r : 3 * r + 3] = torch.tensor([unit.index, unit.calls, self.step])
-        self.comm.all_gather(tag, unit.index, "unit_tag").wait()
-        rows = tag.view(-1, 3).tolist()
-        self.engine.host_syncs += 1
-        mine = rows[r]
-        for other, row in enumerate(rows):
-            if row != mine:
-                names = {u.index: u.name for u in self.units}
-                raise RuntimeError(
-                    f"ranks diverged at step {self.step}: rank {other} gathered module "
-                    f"{names.get(row[0], row[0])!r} (call {row[1]}) while rank {r} gathered "
-                    f"{names.get(mine[0], mine[0])!r} (call {mine[1]}). Under ZeRO stage 3 every rank must run "
-                    "the same modules in the same order (SPMD); a rank-dependent branch over a module with "
-                    "parameters breaks that."
-                )
 
     # ---- prefetch -------------------------------------------------------------------------------------
     def _follow_order(self, unit: Unit) -> None:
@@ -370,6 +365,10 @@ class Stage3Runtime:
                 break
             self._gather(nxt, "all_gather_forward")
             budget -= nxt.numel
+
+    def land_gathers(self) -> None:
+        """Every gather in flight lands (and its divergence tag is checked)."""
+        self._drain_prefetched()
 
     def _drain_prefetched(self) -> None:
         """Lands every gather in flight, so none is left behind when prefetching stops mid-step; the

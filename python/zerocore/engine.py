@@ -71,6 +71,7 @@ def initialize(
     units: Sequence[nn.Module | type] | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
+    strict_spmd: bool = False,
 ) -> Engine:
     """Wraps ``model`` for ZeRO data-parallel training.
 
@@ -90,11 +91,14 @@ def initialize(
             (default: the module's ``reset_parameters()``).
         device: where a meta-device model is materialized (default: the current CUDA device if any, else
             the CPU); ignored for a model that already has real tensors.
+        strict_spmd: stage 3: before every gather, wait for a check that every rank gathers the same unit
+            (one blocking exchange per gather) instead of checking when the gather lands (Note [Divergence
+            tags]); stages 1-2 issue no per-module collectives, so there is nothing to check.
     """
     if not isinstance(config, ZeroConfig):
         config = ZeroConfig.from_deepspeed(config)
     return Engine(model, config, process_group, param_groups=param_groups, comm_algorithms=comm_algorithms,
-                  units=units, init_fn=init_fn, device=device)
+                  units=units, init_fn=init_fn, device=device, strict_spmd=strict_spmd)
 
 
 def _default_process_group(device: torch.device) -> dist.ProcessGroup:
@@ -121,6 +125,7 @@ class Engine:
         units: Sequence[nn.Module | type] | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
         device: torch.device | str | None = None,
+        strict_spmd: bool = False,
     ) -> None:
         self.policy = policy = StagePolicy.for_stage(config.zero_optimization.stage)
         self.stage = policy.stage
@@ -154,7 +159,8 @@ class Engine:
         self.groups: list[FlatParamGroup] = []
         if policy.params_sharded:
             group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
-            self.stage3 = Stage3Runtime(self, resolve_units(model, units), group_of, init_fn=init_fn, meta=meta)
+            self.stage3 = Stage3Runtime(self, resolve_units(model, units), group_of, init_fn=init_fn, meta=meta,
+                                        strict_spmd=strict_spmd)
             cast_untracked_tensors(model, self.compute_dtype)
         else:
             self._build_flat_groups(groups)
@@ -367,14 +373,21 @@ class Engine:
         """The sharded optimizer step; called by ``optimizer.step()`` (so lr schedulers see it).
 
         One all-reduce of the gradients' sum of squares gives the global norm and, being inf or NaN when
-        any gradient is, the fp16 overflow verdict: one collective and one host sync per step."""
+        any gradient is, the fp16 overflow verdict (with stage 3's deferred divergence verdict beside it):
+        one collective and one host sync per step."""
         fp16 = self.config.fp16.enabled
         # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
         grad_scale = 1.0 / self.loss_scaler.scale if fp16 else 1.0
-        sum_sq = sum_of_squares(self.optimizer_state.grad_shards(), self.device).reshape(1)
-        self.comm.all_reduce(sum_sq, False).wait()
-        total = float(sum_sq.item())
+        verdicts = sum_of_squares(self.optimizer_state.grad_shards(), self.device).reshape(1)
+        if self.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
+            self.stage3.land_gathers()
+            verdicts = torch.cat([verdicts, self.stage3.divergence.verdict().reshape(1)])
+        self.comm.all_reduce(verdicts, False).wait()
+        values = verdicts.tolist()
         self.host_syncs += 1
+        if self.stage3 is not None:
+            self.stage3.divergence.end_step(values[1] > 0, self.stage3.step)
+        total = values[0]
         overflow = fp16 and not math.isfinite(total)
         if fp16:
             self.loss_scaler.update(overflow)

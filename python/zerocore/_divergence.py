@@ -1,0 +1,92 @@
+"""Stage 3's guard against ranks that run different modules (a rank-dependent branch over a unit).
+
+Note [Divergence tags]
+----------------------
+Every gather of a unit is paired with a tiny all-gather of a tag (unit, call count in this step, step)
+from every rank, issued just before the unit's own all-gather and never waited for on its own: the unit's
+wait first waits for the tag and compares every rank's tag with this rank's. On the CPU the comparison
+reads memory the collective just wrote (no device sync), and a mismatch raises on every rank, naming the
+rank, the step and both modules, before the unit's possibly mismatched gather is waited for. On an
+accelerator the comparison stays on the device and accumulates into a flag that ``step()`` reads with the
+gradient norm (its one host sync), and raises then. So the default path has no blocking round-trip per
+gather (prefetches really run ahead), and divergence is still never silent.
+
+The strict mode (``initialize(..., strict_spmd=True)``) keeps the older check: every gather first waits
+for the tag exchange on the host, so ranks that would gather units of different sizes are stopped before
+their collectives mismatch (which, on NCCL, can otherwise only end in the process group's timeout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class DivergenceCheck:
+    def __init__(self, engine: Any, names: dict[int, str], strict: bool) -> None:
+        self.engine = engine
+        self.comm = engine.comm
+        self.rank = engine.rank
+        self.world = engine.world_size
+        self.device = engine.device
+        self.names = names
+        self.strict = strict
+        self.flag = torch.zeros((), dtype=torch.float32, device=self.device)  # accelerators: mismatches this step
+        self.step_tags: list[torch.Tensor] = []
+
+    def _tag(self, unit: int, call: int, step: int) -> torch.Tensor:
+        tag = torch.zeros(3 * self.world, dtype=torch.int64, device=self.device)
+        tag[3 * self.rank : 3 * self.rank + 3] = torch.tensor([unit, call, step])
+        return tag
+
+    def before_gather(self, unit: int, call: int, step: int) -> Any:
+        """Issues the tag exchange for one gather; what the unit hands to :meth:`after_gather` at its wait."""
+        tag = self._tag(unit, call, step)
+        work = self.comm.all_gather(tag, unit, "unit_tag")
+        if self.strict:
+            work.wait()
+            self.engine.host_syncs += 1  # a blocking exchange before the gather: the strict mode's price
+            self._verify(tag, step)
+            return None
+        return work, tag, step
+
+    def after_gather(self, pending: Any) -> None:
+        if pending is None:
+            return
+        work, tag, step = pending
+        work.wait()
+        if tag.device.type == "cpu":
+            self._verify(tag, step)
+        else:
+            rows = tag.view(-1, 3)
+            self.flag += (rows != rows[self.rank]).any().float()
+            self.step_tags.append(tag)
+
+    def verdict(self) -> torch.Tensor:
+        """Non-zero when a deferred (accelerator) comparison of this step found ranks apart."""
+        return self.flag
+
+    def end_step(self, diverged: bool, step: int) -> None:
+        """Called by the step after its one host sync; raises when any rank saw ranks apart."""
+        tags, self.step_tags = self.step_tags, []
+        self.flag.zero_()
+        if diverged:
+            for tag in tags:
+                self._verify(tag, step)
+            raise RuntimeError(f"ranks diverged at step {step}: another rank gathered different modules than "
+                               f"rank {self.rank} (this rank's tags all matched; see the other ranks' errors). "
+                               "Under ZeRO stage 3 every rank must run the same modules in the same order (SPMD).")
+
+    def _verify(self, tag: torch.Tensor, step: int) -> None:
+        rows = tag.view(-1, 3).tolist()
+        mine = rows[self.rank]
+        for other, row in enumerate(rows):
+            if row != mine:
+                raise RuntimeError(
+                    f"ranks diverged at step {step}: rank {other} gathered module "
+                    f"{self.names.get(row[0], row[0])!r} (call {row[1]}) while rank {self.rank} gathered "
+                    f"{self.names.get(mine[0], mine[0])!r} (call {mine[1]}). Under ZeRO stage 3 every rank must run "
+                    "the same modules in the same order (SPMD); a rank-dependent branch over a module with "
+                    "parameters breaks that."
+                )
