@@ -185,7 +185,7 @@ def comm_keys_worker(rank: int, world: int, stage: int, zero: dict) -> dict:
     reference.assert_matches(engine.full_state_dict(rank0_only=False), label=str(zero))
     report = engine.comm_report()
     return {"algorithms": report["algorithms"], "buckets": report["buckets"],
-            "groups": [len(g.buckets) for g in engine.groups]}
+            "groups": [len(b.buckets) for b in engine.buffers]}
 
 
 @pytest.mark.parametrize("stage", [1, 2])

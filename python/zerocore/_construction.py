@@ -57,35 +57,26 @@ def cast_untracked_tensors(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def build_reducer(engine: Engine) -> tuple[Any, list[tuple[Any, int]]]:
-    """One GradReducer over every unit's or group's buckets, and each parameter's (owner, index in owner)
-    by the stable global index the reducer knows it by."""
+    """One GradReducer over every buffer's buckets, and each parameter's (buffer, index in buffer) by the
+    stable global index the reducer knows it by."""
     bucket_sizes: list[int] = []
     destinations: list[torch.Tensor] = []
     param_bucket: list[int] = []
     param_offset: list[int] = []
     param_numel: list[int] = []
     slots: list[tuple[Any, int]] = []
-    if engine.stage3 is not None:
-        for unit in engine.stage3.units:
-            bucket_sizes.append(unit.numel)
-            destinations.append(unit.grad_shard)
-            for local, param in enumerate(unit.params):
-                param_bucket.append(len(bucket_sizes) - 1)
-                param_offset.append(unit.offsets[local])
-                param_numel.append(param.numel())
-                slots.append((unit, local))
-    for group in engine.groups:
+    for buffer in engine.buffers:
         first_bucket = len(bucket_sizes)
-        for k, bucket in enumerate(group.buckets):
+        for k, bucket in enumerate(buffer.buckets):
             bucket_sizes.append(bucket.padded_size)
-            destinations.append(group.grad_slice(k))
-        bucket_of = group.layout.tensor_buckets().tolist()
-        for index, param in enumerate(group.params):
-            bucket = group.buckets[bucket_of[index]]
+            destinations.append(buffer.grad_slice(k))
+        bucket_of = buffer.layout.tensor_buckets().tolist()
+        for index, param in enumerate(buffer.params):
+            bucket = buffer.buckets[bucket_of[index]]
             param_bucket.append(first_bucket + bucket_of[index])
-            param_offset.append(group.offsets[index] - bucket.flat_start)
+            param_offset.append(buffer.offsets[index] - bucket.flat_start)
             param_numel.append(param.numel())
-            slots.append((group, index))
+            slots.append((buffer, index))
     launch_order = list(reversed(range(len(bucket_sizes))))  # see Note [Bucket launch order]
     reducer = _C.GradReducer(
         engine.comm, bucket_sizes, param_bucket, param_offset, param_numel, launch_order, destinations,

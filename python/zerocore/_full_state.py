@@ -64,8 +64,7 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
         return
     if modifier_rank is not None:
         wanted = {id(p) for p in params}
-        for group in engine.groups:
-            if any(id(p) in wanted for p in group.params):
-                engine.comm.broadcast(group.param_buffer, modifier_rank).wait()
-                for shard in group.shards:
-                    engine.optimizer_state.reload_master(shard)
+        for buffer in engine.buffers:
+            if any(id(p) in wanted for p in buffer.params):
+                engine.comm.broadcast(buffer.full, modifier_rank).wait()
+                buffer.take_shard_from_full()

@@ -141,6 +141,16 @@ class OptimizerState:
     def grad_shards(self) -> list[torch.Tensor]:
         return [shard.grads for shard in self.shards]
 
+    def grad_sum_of_squares(self) -> torch.Tensor:
+        """Sum of squares of every gradient shard, accumulated in fp32 on the shards' device (padding is zero
+        and adds nothing); inf or NaN when any gradient is."""
+        total = torch.zeros((), dtype=torch.float32, device=self.shards[0].grads.device if self.shards
+                            else self.placement)
+        for shard in self.shards:
+            if shard.numel:
+                total += torch.linalg.vector_norm(shard.grads, dtype=torch.float32) ** 2
+        return total
+
     def step(self, param_groups: Sequence[dict[str, Any]], grad_scale: float) -> None:
         """One Adam/AdamW update of every shard: one C++ call per param group, ``grad_scale`` multiplying
         the gradients (loss-scale unscaling and clipping)."""

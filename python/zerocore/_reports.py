@@ -18,8 +18,8 @@ def memory_report(engine: Engine) -> dict[str, Any]:
     fp32 training (the rank's shard of the parameter buffer is the master).
     """
     items = {"params": 0, "grads": 0, "master_params": 0, "optimizer_moments": 0}
-    for group in engine.groups:
-        for key, value in group.memory().items():
+    for buffer in engine.buffers:
+        for key, value in buffer.memory().items():
             items[key] += value
     items.update(engine.optimizer_state.memory())
     if engine.stage3 is not None:
@@ -91,6 +91,5 @@ def comm_report(engine: Engine) -> dict[str, Any]:
 
 def _psi(engine: Engine) -> tuple[int, int]:
     """(trainable elements, elements of the flat buffers that hold them, padding included)."""
-    owners = list(engine.groups) if engine.stage3 is None else list(engine.stage3.units)
-    psi = sum(p.numel() for owner in owners for p in owner.params)
-    return psi, sum(owner.layout.total_size for owner in owners)
+    psi = sum(p.numel() for buffer in engine.buffers for p in buffer.params)
+    return psi, sum(buffer.layout.total_size for buffer in engine.buffers)

@@ -44,14 +44,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ._divergence import DivergenceCheck
-from ._optimizer_state import OptimizerState, Shard, shard_geometry
+from ._sharded_buffer import ShardedBuffer
 from ._units import UnitSpec
 from .layout import FlatLayout
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-_ALIGNMENT = 64
 _NO_BUCKET_CAP = 2**62  # one bucket per unit: one all-gather gathers the whole unit
 
 
@@ -62,76 +61,42 @@ class UnitState(enum.Enum):
 
 
 class Unit:
-    """One unit's flat buffer and this rank's shard of it; the shard's optimizer state is registered with the
-    engine's OptimizerState (Note [Optimizer state ownership])."""
+    """A unit's storage (a ShardedBuffer of one bucket, Note [Sharded buffer]) and its place in the
+    schedule: gather state, gathers this step, gradients still due in this backward, persistence."""
 
-    full: torch.Tensor  # 1-D compute dtype, layout.total_size; storage is empty while SHARDED
-    shard: torch.Tensor  # 1-D compute dtype, layout.shard_size: this rank's parameters at rest
-    grad_shard: torch.Tensor  # 1-D compute dtype shard: the reducer adds every backward's reduced shard
-    optimizer_shard: Shard  # this shard's master and moments
-
-    def __init__(self, spec: UnitSpec, world: int, rank: int, dtype: torch.dtype, device: torch.device,
-                 optimizer_state: OptimizerState, groups: list[int]) -> None:
+    def __init__(self, spec: UnitSpec, buffer: ShardedBuffer) -> None:
         self.spec = spec
         self.index = spec.index
         self.name = spec.name or "<root>"
         self.params = spec.params
-        self.layout = FlatLayout([p.numel() for p in spec.params], world, _ALIGNMENT, _NO_BUCKET_CAP)
-        self.offsets = self.layout.offsets().tolist()
-        self.rank = rank
-        self.world = world
-        self.dtype = dtype
-        self.device = device
+        self.buffer = buffer
         self.state = UnitState.SHARDED
         self.pending: Any = None
         self.calls = 0  # gathers of this unit in the current step (for the divergence tag)
         self.grads_left = 0  # parameters of this unit still waiting for their gradient in this backward
         self.persistent = False
         self.in_backward = False
-        self._optimizer_state = optimizer_state
-        self._groups = groups  # param group of each parameter
+        self._tag_check: Any = None
 
     @property
     def numel(self) -> int:
-        return self.layout.total_size
+        return self.buffer.numel
 
     @property
-    def shard_size(self) -> int:
-        return self.layout.shard_size
+    def layout(self) -> FlatLayout:
+        return self.buffer.layout
 
-    def shard_range(self) -> tuple[int, int]:
-        return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
+    @property
+    def full(self) -> torch.Tensor:
+        return self.buffer.full
+
+    @property
+    def shard(self) -> torch.Tensor:
+        return self.buffer.shard
 
     def build_from(self, values: list[torch.Tensor]) -> None:
-        """Takes this rank's shard (and fp32 master) from full-size parameter values."""
-        master = torch.zeros(self.shard_size, dtype=torch.float32, device=self.device)
-        for piece in self.layout.pieces(self.rank):
-            source = values[piece.tensor].detach().reshape(-1)
-            master[piece.shard_offset : piece.shard_offset + piece.length] = source[
-                piece.tensor_offset : piece.tensor_offset + piece.length
-            ]
-        self.shard = master if self.dtype == torch.float32 else master.to(self.dtype)
-        self.grad_shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
-        runs, pieces = shard_geometry(self.layout, self.rank, 0, self.spec.param_names,
-                                      [tuple(p.shape) for p in self.params], self._groups)
-        self.optimizer_shard = self._optimizer_state.add_shard(
-            f"unit {self.name}", self.shard, self.grad_shard, runs, pieces,
-            master_values=None if self.dtype == torch.float32 else master)
-        self.full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.views = [self.full[offset : offset + p.numel()].view(p.shape) for p, offset in zip(self.params, self.offsets)]
-        # See Note [Sharded placeholders].
-        self.placeholders = [torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(p.shape)
-                             for p in self.params]
-        self._free_storage()
-
-    def _free_storage(self) -> None:
-        for param, placeholder in zip(self.params, self.placeholders):
-            param.data = placeholder
-        self.full.untyped_storage().resize_(0)
-
-    def _attach_views(self) -> None:
-        for param, view in zip(self.params, self.views):
-            param.data = view
+        """Takes this rank's shard (and fp32 master) from full-size parameter values; the unit is sharded."""
+        self.buffer.build_from(values)
 
     def _move(self, expected: UnitState, to: UnitState) -> None:
         if self.state is not expected:
@@ -142,12 +107,7 @@ class Unit:
     def start_gather(self, comm: Any, label: str, check: DivergenceCheck, tag: Any) -> None:
         """SHARDED -> GATHERING: the all-gather is issued right after its divergence tag's (``tag``)."""
         self._move(UnitState.SHARDED, UnitState.GATHERING)
-        storage = self.full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.numel * self.full.element_size())
-        start, end = self.shard_range()
-        self.full[start:end].copy_(self.shard)
-        self.pending = comm.all_gather(self.full, self.index, label)
+        self.pending = self.buffer.gather(comm, 0, label)
         self._tag_check = (check, tag)
 
     def wait(self) -> None:
@@ -159,12 +119,12 @@ class Unit:
             self.pending.wait()
             self.pending = None
             self._move(UnitState.GATHERING, UnitState.GATHERED)
-            self._attach_views()
+            self.buffer.attach_views()
 
     def release(self) -> None:
         """GATHERED -> SHARDED (a gather in flight lands first: never free memory a collective writes)."""
         self.wait()
-        self._free_storage()
+        self.buffer.free()
         self._move(UnitState.GATHERED, UnitState.SHARDED)
 
 
@@ -178,10 +138,10 @@ class Stage3Runtime:
         zo = engine.config.zero_optimization
         self.max_live = zo.stage3_max_live_parameters
         self.prefetch_elements = zo.stage3_prefetch_bucket_size
-        world, rank = engine.world_size, engine.rank
-        state = engine.optimizer_state
-        self.units = [Unit(s, world, rank, engine.compute_dtype, engine.device, state, [group_of[id(p)] for p in s.params])
+        self.units = [Unit(s, engine.new_buffer(f"unit {s.name or '<root>'}", s.params, s.param_names,
+                                                [group_of[id(p)] for p in s.params], _NO_BUCKET_CAP))
                       for s in specs if s.params]
+        self._unit_of_buffer = {id(u.buffer): u for u in self.units}
         self._by_index = {u.index: u for u in self.units}
         if meta:
             from ._meta_init import materialize_units
@@ -304,8 +264,9 @@ class Stage3Runtime:
                     self._gather(previous, "all_gather_backward")
                 return
 
-    def grad_ready(self, unit: Unit) -> None:
-        """A parameter of `unit` got its gradient; the last one releases the unit."""
+    def grad_ready(self, buffer: ShardedBuffer) -> None:
+        """A parameter of the unit that owns ``buffer`` got its gradient; the last one releases the unit."""
+        unit = self._unit_of_buffer[id(buffer)]
         unit.grads_left -= 1
         if unit.grads_left == 0 and not unit.persistent:
             self.release(unit)
@@ -404,27 +365,10 @@ class Stage3Runtime:
         self.last_step_peak_elements = self.peak_live_elements
         self.peak_live_elements = self.live_elements
 
-    # ---- optimizer ------------------------------------------------------------------------------------
-    def grad_shards(self) -> list[torch.Tensor]:
-        return [unit.grad_shard for unit in self.units]
-
-    def zero_grad(self) -> None:
-        for unit in self.units:
-            unit.grad_shard.zero_()
-            for p in unit.params:
-                p.grad = None
-
     def memory(self) -> dict[str, int]:
-        def nbytes(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
         width = torch.empty((), dtype=self.engine.compute_dtype).element_size()
-        return {
-            "params": sum(nbytes(u.shard) for u in self.units),
-            "grads": sum(nbytes(u.grad_shard) for u in self.units),
-            "gathered_params_live": self.live_elements * width,
-            "gathered_params_peak_last_step": self.last_step_peak_elements * width,
-        }
+        return {"gathered_params_live": self.live_elements * width,
+                "gathered_params_peak_last_step": self.last_step_peak_elements * width}
 
     # ---- outside forward ------------------------------------------------------------------------------
     def units_of(self, params: list[nn.Parameter]) -> list[Unit]:
@@ -433,6 +377,4 @@ class Stage3Runtime:
 
     def write_back(self, unit: Unit) -> None:
         """The gathered full buffer was modified: take this rank's shard (and fp32 master) from it."""
-        start, end = unit.shard_range()
-        unit.shard.copy_(unit.full[start:end])
-        self.engine.optimizer_state.reload_master(unit.optimizer_shard)
+        unit.buffer.take_shard_from_full()

@@ -8,9 +8,9 @@ micro-steps and updates only at the accumulation boundary. Every backward outsid
 followed by ``step()`` before the next one; backwards inside ``no_sync()`` only accumulate locally. The
 states and their legal transitions: Note [Engine states] in _lifecycle.py.
 
-What the stage changes is a policy (Note [Stage policy]); the storage is per param group for stages 1-2
-(_flat_group.py) and per unit for stage 3 (_stage3.py); both register their shards with the one optimizer
-state (Note [Optimizer state ownership]). Which backwards reduce gradients: the policy's
+What the stage changes is a policy (Note [Stage policy]); the storage is one ShardedBuffer per unit
+(Note [Sharded buffer]; stages 1-2: one for the whole model; stage 3: one per unit, scheduled by
+_stage3.py), each registering its shards with the one optimizer state (Note [Optimizer state ownership]). Which backwards reduce gradients: the policy's
 ``reduce_every_sync`` (stages 2-3), else only the accumulation boundary's (stage 1). The boundary
 ``step()`` then, on every rank in the same order: all-reduces the gradients' sum of squares (the global
 norm for clipping, and the fp16 overflow verdict: one collective, one host sync), runs the fused Adam
@@ -34,7 +34,6 @@ from torch import nn
 
 from ._buckets import BucketSizes
 from ._construction import broadcast_module_state, build_reducer, cast_untracked_tensors, sync_buffers
-from ._flat_group import FlatParamGroup, sum_of_squares
 from ._full_state import full_state_dict, gather_for_user, release_for_user
 from ._gathered import engine_for, unregister
 from ._gathered import register as register_managed
@@ -45,10 +44,10 @@ from ._native import _C
 from ._optimizer_state import OptimizerState
 from ._pending_gathers import PendingGathers
 from ._policy import StagePolicy
+from ._sharded_buffer import ShardedBuffer
 from ._stage3 import Stage3Runtime
 from ._units import resolve_units
 from .config import ZeroConfig
-from .layout import FlatLayout
 from .optimizer import ZeroOptimizer
 
 __all__ = ["Engine", "EngineState", "initialize"]
@@ -156,14 +155,14 @@ class Engine:
         self.compute_dtype = config.compute_dtype
         self.optimizer_state = OptimizerState(self.device)
         self.stage3: Stage3Runtime | None = None
-        self.groups: list[FlatParamGroup] = []
+        group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
         if policy.params_sharded:
-            group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
             self.stage3 = Stage3Runtime(self, resolve_units(model, units), group_of, init_fn=init_fn, meta=meta,
                                         strict_spmd=strict_spmd)
+            self.buffers = [unit.buffer for unit in self.stage3.units]
             cast_untracked_tensors(model, self.compute_dtype)
         else:
-            self._build_flat_groups(groups)
+            self.buffers = [self._whole_model_buffer([p for g in groups for p in g["params"]], group_of)]
         self.optimizer_state.build()
         self.optimizer = ZeroOptimizer(self, groups)
         register_managed(self, [p for group in groups for p in group["params"]])
@@ -179,8 +178,9 @@ class Engine:
         self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
         self._reducing = False
         self._finalized = True
-        self.pending_gathers = PendingGathers(group.param_bucket_params(b) for group in self.groups
-                                              for b in range(len(group.buckets)))
+        self.pending_gathers = PendingGathers(
+            [] if policy.params_sharded else
+            (buffer.bucket_params(b) for buffer in self.buffers for b in range(len(buffer.buckets))))
         self._last_grad_norm: float | None = None
         self.zero_grad()
 
@@ -194,19 +194,23 @@ class Engine:
         """Optimizer updates applied (fp16 steps skipped for overflow are not counted)."""
         return self.optimizer_state.step_count
 
-    def _build_flat_groups(self, groups: list[dict[str, Any]]) -> None:
+    def new_buffer(self, label: str, params: list[nn.Parameter], names: list[str], groups: list[int],
+                   bucket_cap: int) -> ShardedBuffer:
+        """The storage of one unit (Note [Sharded buffer]); stage 3 builds one per unit."""
+        return ShardedBuffer(label, params, names, groups, bucket_cap=bucket_cap, world=self.world_size,
+                             rank=self.rank, policy=self.policy, dtype=self.compute_dtype, device=self.device,
+                             optimizer_state=self.optimizer_state)
+
+    def _whole_model_buffer(self, params: list[nn.Parameter], group_of: dict[int, int]) -> ShardedBuffer:
+        """Stages 1-2: the whole model is one unit, in buckets of the reduce bucket size."""
         names = {id(p): name for name, p in self.module.named_parameters()}
-        for index, group in enumerate(groups):
-            params = group["params"]
-            layout = FlatLayout([p.numel() for p in params], self.world_size, _ALIGNMENT, self.buckets.reduce)
-            self.groups.append(FlatParamGroup(
-                params, [names[id(p)] for p in params], layout, index=index, rank=self.rank,
-                grads_sharded=self.policy.grads_sharded, compute_dtype=self.compute_dtype, device=self.device,
-                optimizer_state=self.optimizer_state))
+        buffer = self.new_buffer("model", params, [names[id(p)] for p in params], [group_of[id(p)] for p in params],
+                                 self.buckets.reduce)
+        buffer.build_from([p.detach() for p in params])
         if self.compute_dtype != torch.float32:
             self.module.to(self.compute_dtype)  # the rest (frozen params, buffers); trainable ones are already cast
+        return buffer
 
-    # ---- construction helpers -----------------------------------------------------------------------
     def _register_hooks(self) -> None:
         engine_ref = weakref.ref(self)
         self._hook_handles = []
@@ -299,24 +303,20 @@ class Engine:
                 "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and "
                 "sharded"
             )
-        owner, local = self._param_slots[index]
-        if self.stage3 is not None:
-            if self._reducing:
-                self._reduce(index, param)
-                param.grad = None  # reduced into the unit's gradient shard; see Note [Stage 3 gather and release]
-            self.stage3.grad_ready(owner)
-            return
-        if owner.grad_buffer is not None:
+        buffer, local = self._param_slots[index]
+        if buffer.grad_buffer is not None:
             # .grad accumulates in place in the gradient buffer across micro-steps; when autograd made a fresh
             # tensor (the user set .grad to None), its values move into the buffer first.
-            view = owner.grad_view(local)
+            view = buffer.grad_view(local)
             if param.grad.data_ptr() != view.data_ptr():
                 view.copy_(param.grad)
                 param.grad = view
         if self._reducing:
             self._reduce(index, param)
             if self.policy.grads_sharded:
-                param.grad = None  # its values now live in the bucket; see Note [Stage 1-2 storage]
+                param.grad = None  # its values now live in the reduction bucket (Note [Sharded buffer])
+        if self.stage3 is not None:
+            self.stage3.grad_ready(buffer)
 
     def _reduce(self, index: int, param: torch.Tensor) -> None:
         """Hands parameter ``index``'s gradient to the reducer; the first one of a backward also queues the
@@ -378,7 +378,7 @@ class Engine:
         fp16 = self.config.fp16.enabled
         # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
         grad_scale = 1.0 / self.loss_scaler.scale if fp16 else 1.0
-        verdicts = sum_of_squares(self.optimizer_state.grad_shards(), self.device).reshape(1)
+        verdicts = self.optimizer_state.grad_sum_of_squares().reshape(1)
         if self.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
             self.stage3.land_gathers()
             verdicts = torch.cat([verdicts, self.stage3.divergence.verdict().reshape(1)])
@@ -408,15 +408,17 @@ class Engine:
 
     def _gather_updated_params(self) -> None:
         """Stages 1-2: every rank's updated shard to every rank, per bucket, asynchronously (the next
-        forward waits); at most ``allgather_bucket_size`` elements in flight when it is set."""
+        forward waits on read); at most ``allgather_bucket_size`` elements in flight when it is set."""
+        if self.policy.params_sharded:
+            return  # stage 3 gathers each unit when it is next used
         cap = self.buckets.allgather_in_flight
         in_flight: list[tuple[Any, int]] = []
-        for group in self.groups:
-            for bucket in range(len(group.buckets)):
-                size = group.buckets[bucket].padded_size
+        for buffer in self.buffers:
+            for bucket in range(len(buffer.buckets)):
+                size = buffer.buckets[bucket].padded_size
                 while cap is not None and in_flight and sum(n for _, n in in_flight) + size > cap:
                     in_flight.pop(0)[0].wait()
-                work = self.comm.all_gather(group.param_bucket(bucket), bucket)
+                work = buffer.gather(self.comm, bucket, "all_gather")
                 in_flight.append((work, size))
                 self.pending_gathers.launched(work)
 
@@ -433,10 +435,8 @@ class Engine:
         return self._last_grad_norm
 
     def zero_grad(self) -> None:
-        for group in self.groups:
-            group.zero_grad()
-        if self.stage3 is not None:
-            self.stage3.zero_grad()
+        for buffer in self.buffers:
+            buffer.zero_grad()
 
     # ---- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
@@ -473,8 +473,8 @@ class Engine:
         self._hook_handles = []
         if self.stage3 is not None:
             self.stage3.close()
-        for group in self.groups:  # stage 1's .grad are views of the engine's gradient buffer
-            for param in group.params:
+        for buffer in self.buffers:  # stage 1's .grad are views of the engine's gradient buffer
+            for param in buffer.params:
                 param.grad = None
         unregister(self, [owner.params[local] for owner, local in self._param_slots])
         self.lifecycle.to(EngineState.CLOSED)

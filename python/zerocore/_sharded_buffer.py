@@ -1,0 +1,194 @@
+"""One flat, padded, bucketed buffer of parameters and this rank's shard of it: the storage of every stage.
+
+Note [Sharded buffer]
+---------------------
+Stages 1-2 have one buffer (the whole model is one unit); stage 3 one per unit (Note [Stage 3 units]).
+A buffer lays its parameters out with the layout engine (Note [Flat-partition geometry] in layout.hpp):
+``buckets`` of whole tensors, each padded so that every rank owns an equal, contiguous shard of it. What
+the stage policy (Note [Stage policy]) changes is only where things live:
+
+* parameters (compute dtype): ``full`` holds every bucket and each parameter's ``.data`` is a view of it.
+  With ``params_sharded`` (stage 3) this rank's shard lives in ``shard`` and ``full``'s storage exists only
+  while gathered (resized to zero at rest; parameters then hold NaN placeholders, Note [Sharded
+  placeholders]); otherwise the shard is the rank's region of ``full`` itself.
+* gradients (compute dtype): with ``grads_sharded`` (stages 2-3) only this rank's reduced shard is kept
+  (``grad_shard``) and ``.grad`` is freed once copied into a reduction bucket; otherwise (stage 1)
+  ``grad_buffer`` holds every gradient, ``.grad`` is a view of it and accumulates in place.
+* optimizer state: every bucket's shard is registered with the OptimizerState (Note [Optimizer state
+  ownership]), with the param group of every element (``runs``) and global coordinates (``pieces``).
+
+``gather(bucket)`` starts the all-gather that fills ``full``'s bucket from every rank's shard (after a step
+in stages 1-2, before use in stage 3); ``release()`` frees ``full`` again (stage 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._optimizer_state import OptimizerState, Shard, shard_geometry
+from ._policy import StagePolicy
+from .layout import Bucket, FlatLayout
+
+_ALIGNMENT = 64  # elements: 128 bytes of a 16-bit dtype (vector loads, cache lines, coalesced access)
+
+
+class ShardedBuffer:
+    full: torch.Tensor  # 1-D compute dtype, layout.total_size (storage empty at rest when params are sharded)
+    shard: torch.Tensor  # 1-D compute dtype, layout.shard_size when params are sharded; else empty
+    grad_buffer: torch.Tensor | None  # stage 1: 1-D compute dtype, layout.total_size
+    grad_shard: torch.Tensor | None  # stages 2-3: 1-D compute dtype, layout.shard_size
+
+    def __init__(self, label: str, params: list[nn.Parameter], names: Sequence[str], groups: Sequence[int], *,
+                 bucket_cap: int, world: int, rank: int, policy: StagePolicy, dtype: torch.dtype,
+                 device: torch.device, optimizer_state: OptimizerState) -> None:
+        self.label = label
+        self.params = params
+        self.names = list(names)
+        self.groups = list(groups)  # param group of each parameter
+        self.layout = FlatLayout([p.numel() for p in params], world, _ALIGNMENT, bucket_cap)
+        self.buckets: list[Bucket] = self.layout.buckets
+        self.offsets: list[int] = self.layout.offsets().tolist()
+        self.rank = rank
+        self.policy = policy
+        self.dtype = dtype
+        self.device = device
+        self._optimizer_state = optimizer_state
+        self.optimizer_shards: list[Shard] = []
+
+    @property
+    def numel(self) -> int:
+        return self.layout.total_size
+
+    @property
+    def shard_size(self) -> int:
+        return self.layout.shard_size
+
+    # ---- construction -------------------------------------------------------------------------------
+    def build_from(self, values: Sequence[torch.Tensor]) -> None:
+        """Takes the parameters' full values (fp32 or not; read before anything is cast): allocates the
+        storage, points the parameters at it, and registers every bucket's shard with the optimizer state."""
+        masters = [self._shard_values(values, b) for b in range(len(self.buckets))]
+        self.full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        if self.policy.params_sharded:
+            self.shard = torch.cat(masters).to(self.dtype) if masters else torch.zeros(0, dtype=self.dtype)
+        else:
+            self.shard = torch.empty(0, dtype=self.dtype, device=self.device)
+            for value, offset in zip(values, self.offsets):
+                self.full[offset : offset + value.numel()].copy_(value.detach().reshape(-1))
+        self.views = [self.full[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
+        grads_sharded = self.policy.grads_sharded
+        self.grad_buffer = None if grads_sharded else torch.zeros_like(self.full)
+        self.grad_shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device) if grads_sharded else None
+        shapes = [tuple(p.shape) for p in self.params]
+        for b in range(len(self.buckets)):
+            runs, pieces = shard_geometry(self.layout, self.rank, b, self.names, shapes, self.groups)
+            self.optimizer_shards.append(self._optimizer_state.add_shard(
+                f"{self.label} bucket {b}", self.param_shard(b), self.grad_slice(b), runs, pieces,
+                master_values=None if self.dtype == torch.float32 else masters[b]))
+        if self.policy.params_sharded:
+            # See Note [Sharded placeholders].
+            self.placeholders = [torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(p.shape)
+                                 for p in self.params]
+            self.free()
+        else:
+            self.attach_views()
+
+    def _shard_values(self, values: Sequence[torch.Tensor], bucket: int) -> torch.Tensor:
+        """This rank's shard of ``bucket`` in fp32, from the full values (padding is zero)."""
+        b = self.buckets[bucket]
+        out = torch.zeros(b.shard_size, dtype=torch.float32, device=self.device)
+        for piece in self.layout.pieces(self.rank, bucket):
+            source = values[piece.tensor].detach().reshape(-1)
+            start = piece.shard_offset - b.shard_offset
+            out[start : start + piece.length] = source[piece.tensor_offset : piece.tensor_offset + piece.length]
+        return out
+
+    # ---- per-bucket views -----------------------------------------------------------------------------
+    def param_bucket(self, bucket: int) -> torch.Tensor:
+        b = self.buckets[bucket]
+        return self.full[b.flat_start : b.flat_start + b.padded_size]
+
+    def param_shard(self, bucket: int) -> torch.Tensor:
+        """This rank's parameters of ``bucket`` (where the all-gather reads them from)."""
+        b = self.buckets[bucket]
+        if self.policy.params_sharded:
+            return self.shard[b.shard_offset : b.shard_offset + b.shard_size]
+        start = b.flat_start + self.rank * b.shard_size
+        return self.full[start : start + b.shard_size]
+
+    def grad_slice(self, bucket: int) -> torch.Tensor:
+        """This rank's reduced gradient shard of ``bucket`` (valid after the reducing backward)."""
+        b = self.buckets[bucket]
+        if self.grad_shard is not None:
+            return self.grad_shard[b.shard_offset : b.shard_offset + b.shard_size]
+        assert self.grad_buffer is not None
+        start = b.flat_start + self.rank * b.shard_size
+        return self.grad_buffer[start : start + b.shard_size]
+
+    def bucket_params(self, bucket: int) -> list[nn.Parameter]:
+        """The parameters whose values live in ``bucket``."""
+        b = self.buckets[bucket]
+        return self.params[b.first_tensor : b.end_tensor]
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        """Stage 1: parameter ``index``'s gradient as a view of ``grad_buffer``."""
+        assert self.grad_buffer is not None
+        offset = self.offsets[index]
+        return self.grad_buffer[offset : offset + self.params[index].numel()].view(self.params[index].shape)
+
+    # ---- gather / release -----------------------------------------------------------------------------
+    def gather(self, comm: Any, bucket: int, label: str) -> Any:
+        """Starts filling ``bucket`` of ``full`` from every rank's shard; returns the pending collective."""
+        if self.policy.params_sharded:
+            storage = self.full.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(self.numel * self.full.element_size())
+            b = self.buckets[bucket]
+            start = b.flat_start + self.rank * b.shard_size
+            self.full[start : start + b.shard_size].copy_(self.param_shard(bucket))
+        return comm.all_gather(self.param_bucket(bucket), bucket, label)
+
+    def attach_views(self) -> None:
+        for param, view in zip(self.params, self.views):
+            param.data = view
+
+    def free(self) -> None:
+        """Parameters sharded: the full storage goes, the parameters hold placeholders."""
+        for param, placeholder in zip(self.params, self.placeholders):
+            param.data = placeholder
+        self.full.untyped_storage().resize_(0)
+
+    def take_shard_from_full(self) -> None:
+        """``full`` was overwritten (``zerocore.gathered`` with a modifier rank): this rank's shard and the
+        fp32 master follow it."""
+        if self.policy.params_sharded:
+            for b in range(len(self.buckets)):
+                bucket = self.buckets[b]
+                start = bucket.flat_start + self.rank * bucket.shard_size
+                self.param_shard(b).copy_(self.full[start : start + bucket.shard_size])
+        for shard in self.optimizer_shards:
+            self._optimizer_state.reload_master(shard)
+
+    # ---- gradients ------------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+            for index, param in enumerate(self.params):
+                param.grad = self.grad_view(index)
+        else:
+            assert self.grad_shard is not None
+            self.grad_shard.zero_()
+            for param in self.params:
+                param.grad = None
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held at rest (a stage-3 gather is counted by the runtime as gathered bytes)."""
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        params = nbytes(self.shard) if self.policy.params_sharded else nbytes(self.full)
+        return {"params": params, "grads": nbytes(self.grad_buffer) + nbytes(self.grad_shard)}
