@@ -6,6 +6,7 @@
 namespace zerocore::bindings {
 
 void bind_layout(pybind11::module_& m);
+void bind_plan(pybind11::module_& m);
 void bind_adam(pybind11::module_& m);
 void bind_distributed(pybind11::module_& m);
 

@@ -9,34 +9,57 @@
 // all_gather, as world_size broadcasts (rank r broadcasts its shard in place), or as an all-reduce of a
 // bucket that is zero outside the local shard. On Gloo the native reduce-scatter and all-gather are much
 // slower than all-reduce and broadcast of the same buffer (bench/collectives.py measures it), so the
-// default depends on the backend. The choice is recorded in the stats: `logical_elements` counts the
-// collective's size as ZeRO defines it, `algorithm_bytes` the bytes each rank sends under the algorithm
-// used (ring estimates), so comm_report() shows both.
+// default ("auto") depends on the backend.
+//
+// Each algorithm is a strategy class (bindings/collective_strategies.hpp/.cpp) behind the interface of its
+// logical op, ReduceScatterStrategy or AllGatherStrategy:
+//
+//   op              name (class)                               algorithm_bytes   backend_calls   "auto" on
+//   reduce_scatter  "reduce_scatter" (NativeReduceScatter)     B (W-1)/W         1               not Gloo
+//                   "all_reduce"     (AllReduceReduceScatter)  2 B (W-1)/W       1               Gloo
+//   all_gather      "all_gather"     (NativeAllGather)         B (W-1)/W         1               not Gloo
+//                   "broadcast"      (BroadcastAllGather)      B/W (W-1)         W               Gloo
+//                   "all_reduce"     (AllReduceAllGather)      2 B (W-1)/W       1               -
+//
+// with B the bucket's bytes and W the world size (ring estimates of the bytes each rank sends; world size 1
+// and empty buckets issue nothing and count 0 and 0). A per-op registry maps each name to a factory and
+// knows which name "auto" means on each backend; Comm's constructor asks it for the two strategies, and an
+// unknown name is a ValueError listing the registered ones. _C.collective_algorithms() lists them too.
+//
+// Comm owns everything around the algorithm, in one place for all of them: the bucket checks, the
+// nothing-to-exchange shortcut (world size 1, empty bucket: every rank skips alike), the tag, and the stats
+// and log. A strategy only issues backend calls and returns the PendingCollective with its cost:
+// `logical_elements` counts the collective's size as ZeRO defines it (the whole bucket, whatever the
+// algorithm), `algorithm_bytes` and `backend_calls` what the strategy reports, so comm_report() shows both.
+// Every gather, whatever its label (stage 3 tells forward, backward and tag gathers apart), goes through
+// Comm::all_gather and so through the chosen AllGatherStrategy.
+//
+// Adding an algorithm (a quantized or hierarchical all-gather, say) is a new class and nothing else: in
+// collective_strategies.cpp (or a new file added to _C's sources), derive from the op's interface, give it
+// a `static constexpr const char* kName`, return kName from name(), implement issue() with the guarantees
+// the interface documents (every rank makes the same backend calls in the same order; wait() leaves the
+// result in place), and register it next to the class:
+//   const RegisterStrategy<QuantizedAllGather> kRegisterQuantized;               // by name only
+//   const RegisterStrategy<HierarchicalAllGather> kRegisterHierarchical({"nccl"});  // and "auto" on NCCL
+// A backend has one "auto" choice per op (a backend-specific one beats kOtherBackends); two algorithms
+// claiming the same one, or a name registered twice, stop _C from loading.
+// Registration order is the order names are listed in. tests/test_comm_strategies.py runs every registered
+// algorithm against the expected result and the native algorithm's; its table FORMULAS, the registered
+// names with their algorithm_bytes and backend_calls formulas, is the one place a new algorithm adds a row.
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/extension.h>
 
+#include "collective_strategies.hpp"
+
 namespace zerocore::bindings {
-
-enum class ReduceScatterAlgo { kReduceScatter, kAllReduce };
-enum class AllGatherAlgo { kAllGather, kBroadcast, kAllReduce };
-
-// An issued collective and the buffer it fills; wait() blocks until it is done on this rank.
-struct PendingCollective {
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  at::Tensor buffer;  // kept alive until the collective completes
-  int64_t tag = -1;   // caller's id (a bucket index)
-  at::Tensor result;       // when defined: the backend wrote here, and wait() copies it into `destination`
-  at::Tensor destination;
-
-  void wait();
-};
 
 struct CollectiveStats {
   int64_t calls = 0;             // logical collectives issued
@@ -47,15 +70,16 @@ struct CollectiveStats {
 
 class Comm {
  public:
-  // Algorithms "auto" pick the fastest known for the backend (see Note [Collective algorithms]).
+  // Algorithms are registered names or "auto", the fastest known for the backend (Note [Collective
+  // algorithms]); an unknown name throws InvalidArgument (ValueError) listing the registered ones.
   Comm(c10::intrusive_ptr<c10d::ProcessGroup> group, const std::string& reduce_scatter_algo,
        const std::string& all_gather_algo);
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   std::string backend() const { return group_->getBackendName(); }
-  std::string reduce_scatter_algo() const;
-  std::string all_gather_algo() const;
+  std::string reduce_scatter_algo() const { return reduce_scatter_->name(); }
+  std::string all_gather_algo() const { return all_gather_->name(); }
 
   // Sums `bucket` (1-D, numel divisible by world_size) across ranks so that this rank's shard
   // bucket[rank * s, (rank + 1) * s) holds the sum. Other regions hold unspecified values afterwards.
@@ -76,14 +100,18 @@ class Comm {
   void clear_log() { log_.clear(); }
 
  private:
+  // Checks `bucket`, runs `strategy` on it (unless there is nothing to exchange) and records it under `label`.
+  PendingCollective issue_bucket(CollectiveStrategy& strategy, const char* op, const at::Tensor& bucket, int64_t tag,
+                                 const std::string& label);
+  // The stats and log of every collective Comm issues.
   void record(const std::string& op, int64_t tag, int64_t elements, int64_t algorithm_bytes, int64_t backend_calls);
   void check_bucket(const at::Tensor& bucket, const char* op) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_;
   int world_size_;
-  ReduceScatterAlgo rs_algo_;
-  AllGatherAlgo ag_algo_;
+  std::unique_ptr<ReduceScatterStrategy> reduce_scatter_;
+  std::unique_ptr<AllGatherStrategy> all_gather_;
   std::map<std::string, CollectiveStats> stats_;
   std::vector<std::string> log_;
   bool logging_ = false;

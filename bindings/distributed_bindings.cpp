@@ -1,5 +1,5 @@
-// zerocore._C classes for the ZeRO engine: Comm (collectives through c10d), GradReducer (stages 1-2) and
-// the pure ReadyTracker (exposed for tests of the launch order).
+// zerocore._C classes for the ZeRO engine: Comm (collectives through c10d) and the list of its registered
+// algorithms, GradReducer (stages 1-2) and the pure ReadyTracker (exposed for tests of the launch order).
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "bindings.hpp"
@@ -43,6 +43,17 @@ void bind_distributed(py::module_& m) {
       .def("log", &Comm::log)
       .def("set_logging", &Comm::set_logging)
       .def("clear_log", &Comm::clear_log);
+
+  m.def(
+      "collective_algorithms",
+      [] {
+        py::dict out;
+        out[ReduceScatterStrategy::kOp] = reduce_scatter_strategies().names();
+        out[AllGatherStrategy::kOp] = all_gather_strategies().names();
+        return out;
+      },
+      "The registered algorithms of each logical bucket collective, by op, in registration order (Note "
+      "[Collective algorithms]); Comm also accepts 'auto'.");
 
   py::class_<GradReducer>(m, "GradReducer")
       .def(py::init([](std::shared_ptr<Comm> comm, std::vector<int64_t> bucket_padded_size,

@@ -48,6 +48,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_supports_simd_path",
         [](const std::string& name) { return zerocore::cpu_supports(zerocore::parse_simd_path(name)); });
   zerocore::bindings::bind_layout(m);
+  zerocore::bindings::bind_plan(m);
   zerocore::bindings::bind_adam(m);
   zerocore::bindings::bind_distributed(m);
 }

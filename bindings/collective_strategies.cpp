@@ -1,0 +1,236 @@
+#include "collective_strategies.hpp"
+
+#include <stdexcept>
+
+#include "zerocore/error.hpp"
+
+namespace zerocore::bindings {
+
+void PendingCollective::wait() {
+  for (auto& work : works) {
+    if (work) work->wait();
+  }
+  works.clear();
+  if (result.defined()) {
+    destination.copy_(result);
+    result = at::Tensor();
+    destination = at::Tensor();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Registries
+// ---------------------------------------------------------------------------------------------------------
+
+template <class Strategy>
+void StrategyRegistry<Strategy>::add(const std::string& name, Factory factory,
+                                     const std::vector<std::string>& auto_on) {
+  // Runs during static initialisation: a clash is a programming error that stops the module from loading.
+  if (name.empty() || name == "auto") {
+    throw std::logic_error(std::string(Strategy::kOp) + " algorithm name '" + name + "' is reserved");
+  }
+  for (const Entry& entry : entries_) {
+    if (entry.name == name) {
+      throw std::logic_error(std::string(Strategy::kOp) + " algorithm '" + name + "' is registered twice");
+    }
+  }
+  for (const std::string& backend : auto_on) {
+    if (!auto_by_backend_.emplace(backend, name).second) {
+      throw std::logic_error(std::string(Strategy::kOp) + ": 'auto' on backend '" + backend + "' is both '" +
+                             auto_by_backend_[backend] + "' and '" + name + "'");
+    }
+  }
+  entries_.push_back(Entry{name, std::move(factory)});
+}
+
+template <class Strategy>
+std::vector<std::string> StrategyRegistry<Strategy>::names() const {
+  std::vector<std::string> out;
+  out.reserve(entries_.size());
+  for (const Entry& entry : entries_) out.push_back(entry.name);
+  return out;
+}
+
+template <class Strategy>
+std::string StrategyRegistry<Strategy>::auto_choice(const std::string& backend) const {
+  auto it = auto_by_backend_.find(backend);
+  if (it == auto_by_backend_.end()) it = auto_by_backend_.find(kOtherBackends);
+  ZC_CHECK(it != auto_by_backend_.end(), Strategy::kOp, ": no algorithm is registered as 'auto' for backend '",
+           backend, "'");
+  return it->second;
+}
+
+template <class Strategy>
+std::unique_ptr<Strategy> StrategyRegistry<Strategy>::create(const std::string& name,
+                                                             const std::string& backend) const {
+  const std::string chosen = name == "auto" ? auto_choice(backend) : name;
+  for (const Entry& entry : entries_) {
+    if (entry.name != chosen) continue;
+    std::unique_ptr<Strategy> strategy = entry.factory();
+    ZC_CHECK(strategy && strategy->name() == entry.name, Strategy::kOp, " algorithm registered as '", entry.name,
+             "' reports the name '", strategy ? strategy->name() : std::string("<null>"), "'");
+    return strategy;
+  }
+  // "'auto', 'a', 'b' or 'c'": the accepted names, as the message has always listed them.
+  std::vector<std::string> accepted{"auto"};
+  for (const Entry& entry : entries_) accepted.push_back(entry.name);
+  std::string list;
+  for (size_t i = 0; i < accepted.size(); ++i) {
+    if (i > 0) list += i + 1 == accepted.size() ? " or " : ", ";
+    list += "'" + accepted[i] + "'";
+  }
+  throw InvalidArgument(std::string(Strategy::kOp) + " algorithm must be " + list + ", got '" + name + "'");
+}
+
+template class StrategyRegistry<ReduceScatterStrategy>;
+template class StrategyRegistry<AllGatherStrategy>;
+
+// Constructed on first use, so registrations from any translation unit find them ready.
+StrategyRegistry<ReduceScatterStrategy>& reduce_scatter_strategies() {
+  static StrategyRegistry<ReduceScatterStrategy> registry;
+  return registry;
+}
+
+StrategyRegistry<AllGatherStrategy>& all_gather_strategies() {
+  static StrategyRegistry<AllGatherStrategy> registry;
+  return registry;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The algorithms. Registration order is the order names are listed in (error messages,
+// _C.collective_algorithms()). Bytes are per rank, ring estimates, with B = the bucket's bytes, W = world size.
+// ---------------------------------------------------------------------------------------------------------
+
+namespace {
+
+// The backend's tensor-in, tensor-out all-gather and reduce-scatter: all_gather_single / reduce_scatter_single
+// where torch has them (2.13 on, where the old names are deprecated aliases), _allgather_base /
+// _reduce_scatter_base before (zerocore supports torch >= 2.4). The int overload wins when both compile; the
+// fallback's body is instantiated only when it is chosen.
+template <class Group>
+auto all_gather_into(Group& group, at::Tensor& output, at::Tensor& input, int)
+    -> decltype(group.all_gather_single(output, input, c10d::AllgatherOptions())) {
+  return group.all_gather_single(output, input, c10d::AllgatherOptions());
+}
+template <class Group>
+auto all_gather_into(Group& group, at::Tensor& output, at::Tensor& input, long) -> c10::intrusive_ptr<c10d::Work> {
+  return group._allgather_base(output, input, c10d::AllgatherOptions());
+}
+template <class Group>
+auto reduce_scatter_into(Group& group, at::Tensor& output, at::Tensor& input, int)
+    -> decltype(group.reduce_scatter_single(output, input, c10d::ReduceScatterOptions())) {
+  return group.reduce_scatter_single(output, input, c10d::ReduceScatterOptions());
+}
+template <class Group>
+auto reduce_scatter_into(Group& group, at::Tensor& output, at::Tensor& input, long)
+    -> c10::intrusive_ptr<c10d::Work> {
+  return group._reduce_scatter_base(output, input, c10d::ReduceScatterOptions());
+}
+
+// The backend's reduce-scatter: B (W-1)/W bytes, one call. Backends do not promise that a reduce-scatter may
+// write over its own input, so the shard lands in scratch memory and wait() copies it into place.
+class NativeReduceScatter final : public ReduceScatterStrategy {
+ public:
+  static constexpr const char* kName = "reduce_scatter";
+  std::string name() const override { return kName; }
+
+  IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
+    IssuedCollective out;
+    out.pending.buffer = b.bucket;
+    out.pending.result = at::empty({b.shard}, b.bucket.options());
+    out.pending.destination = b.local_shard();
+    at::Tensor input = b.bucket;
+    out.pending.works.push_back(reduce_scatter_into(group, out.pending.result, input, 0));
+    out.algorithm_bytes = b.bytes * (b.world_size - 1) / b.world_size;
+    out.backend_calls = 1;
+    return out;
+  }
+};
+const RegisterStrategy<NativeReduceScatter> kRegisterNativeReduceScatter({kOtherBackends});
+
+// An all-reduce of the whole bucket, of which each rank keeps its shard: 2 B (W-1)/W bytes, one call.
+// "auto" on Gloo, whose all-reduce is much faster than its reduce-scatter.
+class AllReduceReduceScatter final : public ReduceScatterStrategy {
+ public:
+  static constexpr const char* kName = "all_reduce";
+  std::string name() const override { return kName; }
+
+  IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
+    IssuedCollective out;
+    out.pending.buffer = b.bucket;
+    std::vector<at::Tensor> tensors{b.bucket};
+    out.pending.works.push_back(group.allreduce(tensors, c10d::AllreduceOptions()));
+    out.algorithm_bytes = 2 * b.bytes * (b.world_size - 1) / b.world_size;
+    out.backend_calls = 1;
+    return out;
+  }
+};
+const RegisterStrategy<AllReduceReduceScatter> kRegisterAllReduceReduceScatter({"gloo"});
+
+// The backend's all-gather from a copy of the local shard into the bucket: B (W-1)/W bytes, one call.
+class NativeAllGather final : public AllGatherStrategy {
+ public:
+  static constexpr const char* kName = "all_gather";
+  std::string name() const override { return kName; }
+
+  IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
+    IssuedCollective out;
+    at::Tensor input = b.local_shard().clone();
+    at::Tensor output = b.bucket;
+    out.pending.works.push_back(all_gather_into(group, output, input, 0));
+    out.pending.buffer = input;  // keep the input alive (the bucket is owned by the caller)
+    out.algorithm_bytes = b.bytes * (b.world_size - 1) / b.world_size;
+    out.backend_calls = 1;
+    return out;
+  }
+};
+const RegisterStrategy<NativeAllGather> kRegisterNativeAllGather({kOtherBackends});
+
+// W broadcasts, rank r's shard from rank r, in place: B/W (W-1) bytes (each rank roots one shard), W calls.
+// "auto" on Gloo, whose broadcast is much faster than its all-gather.
+class BroadcastAllGather final : public AllGatherStrategy {
+ public:
+  static constexpr const char* kName = "broadcast";
+  std::string name() const override { return kName; }
+
+  IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
+    IssuedCollective out;
+    out.pending.buffer = b.bucket;
+    for (int root = 0; root < b.world_size; ++root) {
+      std::vector<at::Tensor> tensors{b.shard_of(root)};
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      out.pending.works.push_back(group.broadcast(tensors, options));
+    }
+    out.algorithm_bytes = b.bytes / b.world_size * (b.world_size - 1);
+    out.backend_calls = b.world_size;
+    return out;
+  }
+};
+const RegisterStrategy<BroadcastAllGather> kRegisterBroadcastAllGather({"gloo"});
+
+// An all-reduce (sum) of the bucket after zeroing everything outside the local shard: 2 B (W-1)/W bytes,
+// one call. Exact in every dtype: each element is its owner's value plus W-1 zeros.
+class AllReduceAllGather final : public AllGatherStrategy {
+ public:
+  static constexpr const char* kName = "all_reduce";
+  std::string name() const override { return kName; }
+
+  IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
+    IssuedCollective out;
+    out.pending.buffer = b.bucket;
+    if (b.rank > 0) b.bucket.narrow(0, 0, b.rank * b.shard).zero_();
+    const int64_t after = (b.rank + 1) * b.shard;
+    if (after < b.numel) b.bucket.narrow(0, after, b.numel - after).zero_();
+    std::vector<at::Tensor> tensors{b.bucket};
+    out.pending.works.push_back(group.allreduce(tensors, c10d::AllreduceOptions()));
+    out.algorithm_bytes = 2 * b.bytes * (b.world_size - 1) / b.world_size;
+    out.backend_calls = 1;
+    return out;
+  }
+};
+const RegisterStrategy<AllReduceAllGather> kRegisterAllReduceAllGather;
+
+}  // namespace
+
+}  // namespace zerocore::bindings

@@ -1,0 +1,136 @@
+// The algorithms behind Comm's logical bucket collectives, one strategy class each, and the registries that
+// map an algorithm's name to its class per logical op (see Note [Collective algorithms] in comm.hpp).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/extension.h>
+
+namespace zerocore::bindings {
+
+// An issued collective and the buffer it fills; wait() blocks until it is done on this rank.
+struct PendingCollective {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  at::Tensor buffer;  // kept alive until the collective completes
+  int64_t tag = -1;   // caller's id (a bucket index)
+  at::Tensor result;       // when defined: the backend wrote here, and wait() copies it into `destination`
+  at::Tensor destination;
+
+  void wait();
+};
+
+// The bucket of one logical collective and its geometry, as Comm hands it to a strategy. Comm has already
+// checked it (contiguous 1-D, numel divisible by world_size) and handled the cases with nothing to exchange
+// (world_size 1, an empty bucket), so a strategy sees world_size > 1 and numel > 0 only.
+struct BucketCollective {
+  at::Tensor bucket;
+  int rank = 0;
+  int world_size = 1;
+  int64_t numel = 0;  // of the whole bucket
+  int64_t shard = 0;  // numel / world_size: rank r owns bucket[r * shard, (r + 1) * shard)
+  int64_t bytes = 0;  // numel * element size: the whole bucket
+
+  at::Tensor shard_of(int r) const { return bucket.narrow(0, r * shard, shard); }
+  at::Tensor local_shard() const { return shard_of(rank); }
+};
+
+// What a strategy issued and what it cost, for Comm's stats: `algorithm_bytes` is what this rank sends under
+// the algorithm (ring estimate), `backend_calls` the calls it made into the ProcessGroup.
+struct IssuedCollective {
+  PendingCollective pending;
+  int64_t algorithm_bytes = 0;
+  int64_t backend_calls = 0;
+};
+
+// One algorithm for one logical collective. issue() starts the collective on `group` and returns without
+// waiting; the result is in place once the returned PendingCollective's wait() returns. Every rank runs the
+// same strategy on buckets of the same geometry, so every rank makes the same sequence of backend calls.
+// Strategies record nothing: Comm does the stats and log for all of them.
+class CollectiveStrategy {
+ public:
+  virtual ~CollectiveStrategy() = default;
+  // The name it is registered under (Comm's reduce_scatter_algo / all_gather_algo report it).
+  virtual std::string name() const = 0;
+  virtual IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& bucket) = 0;
+};
+
+// Logical reduce-scatter: afterwards this rank's shard holds the sum over ranks of that shard; the rest of
+// the bucket holds unspecified values.
+class ReduceScatterStrategy : public CollectiveStrategy {
+ public:
+  using Interface = ReduceScatterStrategy;
+  static constexpr const char* kOp = "reduce_scatter";
+};
+
+// Logical all-gather: afterwards every rank's shard of the bucket equals its owner's. The local shard must
+// be in place before issue(); the other shards' contents beforehand are unspecified.
+class AllGatherStrategy : public CollectiveStrategy {
+ public:
+  using Interface = AllGatherStrategy;
+  static constexpr const char* kOp = "all_gather";
+};
+
+// In a registration's `auto_on`: "auto" picks the algorithm on any backend that no other algorithm names.
+inline constexpr const char* kOtherBackends = "*";
+
+// name -> factory for the algorithms of one logical op, in registration order, plus the per-backend choice
+// of "auto". Filled during static initialisation (RegisterStrategy below) and read-only afterwards.
+template <class Strategy>
+class StrategyRegistry {
+ public:
+  using Factory = std::function<std::unique_ptr<Strategy>()>;
+
+  // Registers `name`, which must be new and not "auto"; "auto" picks it on the backends in `auto_on`
+  // (backend names as ProcessGroup::getBackendName() gives them, or kOtherBackends).
+  void add(const std::string& name, Factory factory, const std::vector<std::string>& auto_on);
+  // The registered names, in registration order.
+  std::vector<std::string> names() const;
+  // The algorithm "auto" picks on `backend`.
+  std::string auto_choice(const std::string& backend) const;
+  // A new instance of `name` ("auto" resolved for `backend`); an unknown name throws InvalidArgument
+  // (ValueError) listing the accepted names.
+  std::unique_ptr<Strategy> create(const std::string& name, const std::string& backend) const;
+
+ private:
+  struct Entry {
+    std::string name;
+    Factory factory;
+  };
+  std::vector<Entry> entries_;
+  std::map<std::string, std::string> auto_by_backend_;  // backend (or kOtherBackends) -> name
+};
+
+StrategyRegistry<ReduceScatterStrategy>& reduce_scatter_strategies();
+StrategyRegistry<AllGatherStrategy>& all_gather_strategies();
+
+template <class Interface>
+StrategyRegistry<Interface>& strategies_for();
+template <>
+inline StrategyRegistry<ReduceScatterStrategy>& strategies_for<ReduceScatterStrategy>() {
+  return reduce_scatter_strategies();
+}
+template <>
+inline StrategyRegistry<AllGatherStrategy>& strategies_for<AllGatherStrategy>() {
+  return all_gather_strategies();
+}
+
+// Registers a strategy class, under its kName, with the registry of the op it implements: a namespace-scope
+//   const RegisterStrategy<MyAllGather> kRegisterMyAllGather;
+// next to the class is all a new algorithm needs (Note [Collective algorithms]).
+template <class Concrete>
+struct RegisterStrategy {
+  using Interface = typename Concrete::Interface;
+  explicit RegisterStrategy(const std::vector<std::string>& auto_on = {}) {
+    strategies_for<Interface>().add(
+        Concrete::kName, [] { return std::unique_ptr<Interface>(std::make_unique<Concrete>()); }, auto_on);
+  }
+};
+
+}  // namespace zerocore::bindings

@@ -1,0 +1,51 @@
+// Stage 3 prefetch decisions: which units to start gathering ahead of use, as pure functions of the
+// recorded forward order and the units' sizes and states. The runtime (python/zerocore/_stage3.py) owns the
+// state and the collectives; these functions only decide.
+//
+// Note [Stage 3 prefetch plan]
+// ----------------------------
+// Units are named by their index into `unit_numel` (0..n-1). `recorded_order` is the sequence of units
+// gathered by the first whole forward; it may name a unit more than once (a block called twice).
+// `unit_sharded[u]` is 1 while unit u is at rest (neither gathering nor gathered), `live_elements` the
+// elements currently gathered, `max_live` the cap prefetching keeps them under (stage3_max_live_parameters).
+//
+// Forward, after unit recorded_order[position - 1] was gathered: walk recorded_order from `position`
+// while the budget (stage3_prefetch_bucket_size, less the elements started by this call) is above zero.
+// A unit that is not sharded is skipped (it is gathered already, or was started earlier in this walk: a
+// started unit counts as not sharded, so a repeated unit is started once). The first sharded unit that
+// would take the live elements above max_live ends the walk (a stop, not a skip, so gathers follow the
+// recorded order). Otherwise the unit is started: live elements and the spent budget grow by its size.
+// A unit larger than what is left of a positive budget is still started.
+//
+// Backward, after `unit` was gathered for its backward: backward runs the recorded order in reverse, so
+// from just before the LAST occurrence of `unit` in recorded_order walk backwards to the first unit that
+// is sharded and not persistent; prefetch it if live_elements + its size <= max_live, and stop there
+// either way. Units that are not sharded, or persistent, are skipped. Nothing when `unit` is not in the
+// recorded order. The caller passes the states after gathering `unit` (so `unit` itself is not sharded).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace zerocore {
+
+// The units to start gathering now, in order; see Note [Stage 3 prefetch plan].
+// Throws InvalidArgument (naming the argument) when unit_sharded's size differs from unit_numel's, an entry
+// of recorded_order is not a unit index, position is outside [0, recorded_order.size()], a flag is not 0 or
+// 1, or a size, live_elements, max_live or prefetch_budget is negative.
+std::vector<int64_t> plan_forward_prefetch(const std::vector<int64_t>& recorded_order, int64_t position,
+                                           const std::vector<int64_t>& unit_numel,
+                                           const std::vector<uint8_t>& unit_sharded, int64_t live_elements,
+                                           int64_t max_live, int64_t prefetch_budget);
+
+// The unit to start gathering before `unit`'s backward, or nothing; see Note [Stage 3 prefetch plan].
+// Throws InvalidArgument (naming the argument) on the same bad inputs as plan_forward_prefetch, and when
+// `unit` is not a unit index.
+std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& recorded_order, int64_t unit,
+                                              const std::vector<int64_t>& unit_numel,
+                                              const std::vector<uint8_t>& unit_sharded,
+                                              const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
+                                              int64_t max_live);
+
+}  // namespace zerocore

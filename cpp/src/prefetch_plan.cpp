@@ -1,0 +1,92 @@
+#include "zerocore/prefetch_plan.hpp"
+
+#include "zerocore/error.hpp"
+
+namespace zerocore {
+namespace {
+
+void check_units(const std::vector<int64_t>& recorded_order, const std::vector<int64_t>& unit_numel,
+                 const std::vector<uint8_t>& unit_sharded, int64_t live_elements, int64_t max_live) {
+  const size_t n = unit_numel.size();
+  for (size_t u = 0; u < n; ++u) {
+    ZC_CHECK_ARG(unit_numel[u] >= 0, "unit_numel[", u, "] must be >= 0, got ", unit_numel[u]);
+  }
+  ZC_CHECK_ARG(unit_sharded.size() == n, "unit_sharded must have one entry per unit (", n, "), got ",
+               unit_sharded.size());
+  for (size_t u = 0; u < n; ++u) {
+    ZC_CHECK_ARG(unit_sharded[u] <= 1, "unit_sharded[", u, "] must be 0 or 1, got ", int(unit_sharded[u]));
+  }
+  for (size_t i = 0; i < recorded_order.size(); ++i) {
+    ZC_CHECK_ARG(recorded_order[i] >= 0 && recorded_order[i] < static_cast<int64_t>(n), "recorded_order[", i,
+                 "] must be a unit index in [0, ", n, "), got ", recorded_order[i]);
+  }
+  ZC_CHECK_ARG(live_elements >= 0, "live_elements must be >= 0, got ", live_elements);
+  ZC_CHECK_ARG(max_live >= 0, "max_live must be >= 0, got ", max_live);
+}
+
+// live + numel <= max_live without overflow (all three are >= 0).
+bool fits(int64_t live, int64_t numel, int64_t max_live) { return live <= max_live && numel <= max_live - live; }
+
+}  // namespace
+
+std::vector<int64_t> plan_forward_prefetch(const std::vector<int64_t>& recorded_order, int64_t position,
+                                           const std::vector<int64_t>& unit_numel,
+                                           const std::vector<uint8_t>& unit_sharded, int64_t live_elements,
+                                           int64_t max_live, int64_t prefetch_budget) {
+  check_units(recorded_order, unit_numel, unit_sharded, live_elements, max_live);
+  ZC_CHECK_ARG(position >= 0 && position <= static_cast<int64_t>(recorded_order.size()), "position must be in [0, ",
+               recorded_order.size(), "], got ", position);
+  ZC_CHECK_ARG(prefetch_budget >= 0, "prefetch_budget must be >= 0, got ", prefetch_budget);
+
+  std::vector<int64_t> started;
+  std::vector<uint8_t> sharded = unit_sharded;  // a started unit is gathering, no longer sharded
+  int64_t live = live_elements;
+  int64_t budget = prefetch_budget;
+  for (size_t i = static_cast<size_t>(position); i < recorded_order.size() && budget > 0; ++i) {
+    const int64_t unit = recorded_order[i];
+    if (!sharded[unit]) continue;
+    const int64_t numel = unit_numel[unit];
+    if (!fits(live, numel, max_live)) break;
+    started.push_back(unit);
+    sharded[unit] = 0;
+    live += numel;
+    budget -= numel;  // may go negative: a unit larger than the budget left is still started
+  }
+  return started;
+}
+
+std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& recorded_order, int64_t unit,
+                                              const std::vector<int64_t>& unit_numel,
+                                              const std::vector<uint8_t>& unit_sharded,
+                                              const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
+                                              int64_t max_live) {
+  check_units(recorded_order, unit_numel, unit_sharded, live_elements, max_live);
+  const size_t n = unit_numel.size();
+  ZC_CHECK_ARG(unit_persistent.size() == n, "unit_persistent must have one entry per unit (", n, "), got ",
+               unit_persistent.size());
+  for (size_t u = 0; u < n; ++u) {
+    ZC_CHECK_ARG(unit_persistent[u] <= 1, "unit_persistent[", u, "] must be 0 or 1, got ",
+                 int(unit_persistent[u]));
+  }
+  ZC_CHECK_ARG(unit >= 0 && unit < static_cast<int64_t>(n), "unit must be a unit index in [0, ", n, "), got ",
+               unit);
+
+  size_t last = recorded_order.size();
+  for (size_t i = recorded_order.size(); i-- > 0;) {
+    if (recorded_order[i] == unit) {
+      last = i;
+      break;
+    }
+  }
+  if (last == recorded_order.size()) return std::nullopt;
+  for (size_t i = last; i-- > 0;) {
+    const int64_t previous = recorded_order[i];
+    if (unit_sharded[previous] && !unit_persistent[previous]) {
+      if (fits(live_elements, unit_numel[previous], max_live)) return previous;
+      return std::nullopt;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace zerocore
