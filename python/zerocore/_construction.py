@@ -77,7 +77,9 @@ def build_reducer(engine: Engine) -> tuple[Any, list[tuple[Any, int]]]:
             param_offset.append(buffer.offsets[index] - bucket.flat_start)
             param_numel.append(param.numel())
             slots.append((buffer, index))
-    launch_order = list(reversed(range(len(bucket_sizes))))  # see Note [Bucket launch order]
+    # Validated and ordered by the torch-free core (cpp/include/zerocore/bucket_geometry.hpp): reverse layout
+    # order, see Note [Bucket launch order].
+    launch_order = _C.reducer_geometry(bucket_sizes, param_bucket, param_offset, param_numel, engine.world_size)
     reducer = _C.GradReducer(
         engine.comm, bucket_sizes, param_bucket, param_offset, param_numel, launch_order, destinations,
         engine.config.reduce_dtype, 1.0 / engine.world_size, engine.config.zero_optimization.overlap_comm,

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ._divergence import DivergenceCheck
+from ._native import _C
 from ._sharded_buffer import ShardedBuffer
 from ._units import UnitSpec
 from .layout import FlatLayout
@@ -142,6 +143,9 @@ class Stage3Runtime:
                                                 [group_of[id(p)] for p in s.params], _NO_BUCKET_CAP))
                       for s in specs if s.params]
         self._unit_of_buffer = {id(u.buffer): u for u in self.units}
+        self._slot_of = {u.index: slot for slot, u in enumerate(self.units)}  # unit index -> position in units
+        self._numels = [u.numel for u in self.units]
+        self._recorded_slots: list[int] = []
         self._by_index = {u.index: u for u in self.units}
         if meta:
             from ._meta_init import materialize_units
@@ -249,20 +253,24 @@ class Stage3Runtime:
         schedule that later steps prefetch by."""
         if self.recorded_order is None and self._order and self._whole_forward:
             self.recorded_order = list(self._order)
+            self._recorded_slots = [self._slot_of[index] for index in self.recorded_order]
         self._order = []
         self._position = 0
 
     def _prefetch_for_backward(self, unit: Unit) -> None:
-        """Backward runs the recorded forward order in reverse: gather the unit before this one."""
-        if not self._prefetch_enabled or self.recorded_order is None or unit.index not in self.recorded_order:
+        """Backward runs the recorded forward order in reverse: gather the unit before this one (the plan
+        is pure C++: cpp/include/zerocore/prefetch_plan.hpp)."""
+        if not self._prefetch_enabled or self.recorded_order is None:
             return
-        position = len(self.recorded_order) - 1 - self.recorded_order[::-1].index(unit.index)
-        for index in reversed(self.recorded_order[:position]):
-            previous = self._unit(index)
-            if previous.state is UnitState.SHARDED and not previous.persistent:
-                if self.live_elements + previous.numel <= self.max_live:
-                    self._gather(previous, "all_gather_backward")
-                return
+        slot = _C.plan_backward_prefetch(
+            recorded_order=self._recorded_slots, unit=self._slot_of[unit.index], unit_numel=self._numels,
+            unit_sharded=self._sharded_flags(), unit_persistent=[u.persistent for u in self.units],
+            live_elements=self.live_elements, max_live=self.max_live)
+        if slot is not None:
+            self._gather(self.units[slot], "all_gather_backward")
+
+    def _sharded_flags(self) -> list[bool]:
+        return [u.state is UnitState.SHARDED for u in self.units]
 
     def grad_ready(self, buffer: ShardedBuffer) -> None:
         """A parameter of the unit that owns ``buffer`` got its gradient; the last one releases the unit."""
@@ -313,19 +321,14 @@ class Stage3Runtime:
         self._drain_prefetched()
 
     def _prefetch_next(self) -> None:
+        """Gather ahead along the recorded order, within the prefetch budget and the live-parameter cap."""
         if not self._prefetch_enabled or self.recorded_order is None:
             return
-        budget = self.prefetch_elements
-        position = self._position
-        while position < len(self.recorded_order) and budget > 0:
-            nxt = self._unit(self.recorded_order[position])
-            position += 1
-            if nxt.state is not UnitState.SHARDED:
-                continue
-            if self.live_elements + nxt.numel > self.max_live:
-                break
-            self._gather(nxt, "all_gather_forward")
-            budget -= nxt.numel
+        for slot in _C.plan_forward_prefetch(
+                recorded_order=self._recorded_slots, position=self._position, unit_numel=self._numels,
+                unit_sharded=self._sharded_flags(), live_elements=self.live_elements, max_live=self.max_live,
+                prefetch_budget=self.prefetch_elements):
+            self._gather(self.units[slot], "all_gather_forward")
 
     def land_gathers(self) -> None:
         """Every gather in flight lands (and its divergence tag is checked)."""
