@@ -8,8 +8,8 @@ this times, in one set of ``--world`` spawned Gloo ranks over loopback:
   torch    reduce_scatter_tensor  (input: the buffer, output: its 1/world shard)
   torch    all_gather_into_tensor (input: a 1/world shard, output: the buffer)
   torch    all_reduce, broadcast  (the buffer, in place; broadcast from rank 0)
-  zerocore Comm.reduce_scatter with algo reduce_scatter | all_reduce      (the buffer, in place)
-  zerocore Comm.all_gather     with algo all_gather | broadcast | all_reduce (the buffer, in place)
+  zerocore Comm.reduce_scatter with every registered algorithm (reduce_scatter | all_reduce | send_recv)
+  zerocore Comm.all_gather     with every registered algorithm (all_gather | broadcast | all_reduce)
 
 Each op runs once untimed, then ``--repeat`` times between barriers; a repeat's time is the slowest rank's
 (issue to wait() returning), and the table shows the median, the minimum and the ratio of the median to
@@ -49,10 +49,10 @@ def _ops(world: int, rank: int, n: int) -> tuple[list[tuple[str, str, Any]], Any
         ("torch.all_reduce", "-", lambda: dist.all_reduce(buf)),
         ("torch.broadcast", "-", lambda: dist.broadcast(buf, src=0)),
     ]
-    for algo in ("reduce_scatter", "all_reduce"):
+    for algo in _C.collective_algorithms()["reduce_scatter"]:
         comm = _C.Comm(group, algo, "auto")
         ops.append(("zerocore.Comm.reduce_scatter", algo, lambda c=comm: c.reduce_scatter(buf).wait()))
-    for algo in ("all_gather", "broadcast", "all_reduce"):
+    for algo in _C.collective_algorithms()["all_gather"]:
         comm = _C.Comm(group, "auto", algo)
         ops.append(("zerocore.Comm.all_gather", algo, lambda c=comm: c.all_gather(buf).wait()))
     auto = _C.Comm(group, "auto", "auto")

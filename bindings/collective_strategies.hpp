@@ -22,6 +22,8 @@ struct PendingCollective {
   int64_t tag = -1;   // caller's id (a bucket index)
   at::Tensor result;       // when defined: the backend wrote here, and wait() copies it into `destination`
   at::Tensor destination;
+  at::Tensor addends;      // when defined ([k, n]): wait() adds its k rows into `accumulator` ([n])
+  at::Tensor accumulator;
 
   void wait();
 };

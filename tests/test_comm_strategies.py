@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 
 OPS = ("reduce_scatter", "all_gather")
 NATIVE = {"reduce_scatter": "reduce_scatter", "all_gather": "all_gather"}
-AUTO_ON_GLOO = {"reduce_scatter": "all_reduce", "all_gather": "broadcast"}
+AUTO_ON_GLOO = {"reduce_scatter": "send_recv", "all_gather": "broadcast"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHARD_SIZES = (0, 1, 5)  # elements per shard; 0 is an empty bucket
 GATHER_LABEL = "strategy_gather"  # all-gathers are issued under a label, as stage 3 does
@@ -33,6 +33,7 @@ FORMULAS = {
     "reduce_scatter": {
         "reduce_scatter": lambda b, w: (b * (w - 1) // w, 1),
         "all_reduce": lambda b, w: (2 * b * (w - 1) // w, 1),
+        "send_recv": lambda b, w: (b * (w - 1) // w, 2 * (w - 1)),
     },
     "all_gather": {
         "all_gather": lambda b, w: (b * (w - 1) // w, 1),
@@ -231,6 +232,6 @@ def test_auto_is_the_backend_choice_and_unknown_names_list_the_registry(reports)
             assert report["errors"][op] == f"{op} algorithm must be {listed}, got '{bad}'"
     # Today's wording, unchanged by the move to a registry.
     assert per_rank[0]["errors"]["reduce_scatter"] == (
-        "reduce_scatter algorithm must be 'auto', 'reduce_scatter' or 'all_reduce', got 'magic'")
+        "reduce_scatter algorithm must be 'auto', 'reduce_scatter', 'all_reduce' or 'send_recv', got 'magic'")
     assert per_rank[0]["errors"]["all_gather"] == (
         "all_gather algorithm must be 'auto', 'all_gather', 'broadcast' or 'all_reduce', got 'Broadcast'")
