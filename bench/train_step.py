@@ -112,7 +112,9 @@ def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any], dtype: s
         losses.append(float(loss.detach()))
     if engine is not None:
         report = engine.comm_report()
-        extra["comm"] = {"algorithms": report["algorithms"], "collectives_measured_steps": report["collectives"]}
+        extra["comm"] = {"algorithms": report["algorithms"], "collectives_measured_steps": report["collectives"],
+                         "buckets": report["buckets"].get("reduce_bucket_source"),
+                         "host_syncs_per_step": report["host_syncs_per_step"]}
         extra["model_state_bytes"] = engine.memory_report()["model_state_bytes"]
     dist.barrier()
     return {"times": times, "losses": losses, "rss_build_mib": rss_build, "peak_rss_mib": peak_rss_mib(), **extra}
@@ -196,7 +198,8 @@ def _print_table(table: dict[str, Any], steps: int) -> None:
                                for op, s in r["comm"]["collectives_measured_steps"].items())
             states = "/".join(f"{b / 2**20:.0f}" for b in r["model_state_bytes"])
             print(f"# {r['system']} comm_report over {steps} measured steps (rank 0): {per_op}; "
-                  f"model state MiB per rank: {states}")
+                  f"model state MiB per rank: {states}; buckets: {r['comm']['buckets']}; host syncs per step: "
+                  f"{r['comm']['host_syncs_per_step']}")
     for s, message in table["failures"].items():
         print(f"# note: {table['dtype']} {s} failed: {message.strip().splitlines()[-1][:200]}")
 
@@ -256,7 +259,7 @@ def main() -> None:
                          "warmup": args.warmup, "rounds": args.rounds, "optimizer": adam,
                          "deepspeed": ds_version or "not available",
                          "zerocore_tuned_bucket_elements": cfg["bucket"],
-                         "zerocore_default_buckets": "config defaults (reduce/allgather 5e8 elements)"})
+                         "zerocore_default_buckets": "unset: the engine's choice, printed per row below"})
     tables = [_run_dtype(dtype, systems, args, cfg) for dtype in dtypes]
     if args.json:
         print(json.dumps({"header": header, "tables": tables, "notes": notes}, indent=1))
