@@ -1,17 +1,48 @@
-"""What the engine does once to a model it takes over (rank 0's state everywhere, dtypes, the reducer's
-geometry), and DDP's buffer broadcast before each training forward."""
+"""What the engine does once when it takes over a model (its process group and collective algorithms, rank
+0's state everywhere, dtypes, the reducer's geometry), and DDP's buffer broadcast before each forward."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from .config import ZeroConfig
 
 from ._native import _C
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+
+def default_process_group(device: torch.device) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def comm_algorithms_for(explicit: Mapping[str, str] | None, config: ZeroConfig) -> tuple[str, str]:
+    """(reduce_scatter, all_gather) algorithm names: the caller's, else the config's ``reduce_scatter``
+    (False means all-reduce), else the per-backend choice ("auto")."""
+    algorithms = dict(explicit or {})
+    unknown = set(algorithms) - {"reduce_scatter", "all_gather"}
+    if unknown:
+        raise ValueError(f"comm_algorithms keys must be 'reduce_scatter' or 'all_gather', got {sorted(unknown)}")
+    reduce_scatter = algorithms.get("reduce_scatter", "auto")
+    if not config.zero_optimization.reduce_scatter:
+        if reduce_scatter not in ("auto", "all_reduce"):
+            raise ValueError(f"zero_optimization.reduce_scatter=false asks for all-reduce, but comm_algorithms "
+                             f"asks for reduce_scatter={reduce_scatter!r}; drop one of them")
+        reduce_scatter = "all_reduce"
+    return reduce_scatter, algorithms.get("all_gather", "auto")
 
 
 def broadcast_module_state(comm: Any, module: nn.Module) -> None:

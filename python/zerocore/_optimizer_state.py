@@ -81,6 +81,7 @@ class Shard:
         self.master: torch.Tensor = params
         self.exp_avg: torch.Tensor = torch.empty(0)
         self.exp_avg_sq: torch.Tensor = torch.empty(0)
+        self.initial_master: torch.Tensor | None = None  # 16-bit training: fp32 values until build()
 
     @property
     def numel(self) -> int:
@@ -109,7 +110,7 @@ class OptimizerState:
         if params.numel() != grads.numel():
             raise ValueError(f"shard {label}: {params.numel()} parameter elements but {grads.numel()} gradients")
         shard = Shard(label, params, grads, runs, pieces)
-        shard._master_values = master_values  # type: ignore[attr-defined]
+        shard.initial_master = master_values
         self.shards.append(shard)
         return shard
 
@@ -126,7 +127,7 @@ class OptimizerState:
             shard.exp_avg = self.exp_avg[offset : offset + n]
             shard.exp_avg_sq = self.exp_avg_sq[offset : offset + n]
             offset += n
-            values = shard.__dict__.pop("_master_values")
+            values, shard.initial_master = shard.initial_master, None
             if shard.params.dtype != torch.float32:
                 shard.master = self.master[master_offset : master_offset + n]
                 master_offset += n

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ._buckets import BucketSizes
-from ._construction import broadcast_module_state, build_reducer, cast_untracked_tensors, sync_buffers
+from ._construction import (broadcast_module_state, build_reducer, cast_untracked_tensors, comm_algorithms_for,
+                            default_process_group, sync_buffers)
 from ._full_state import full_state_dict, gather_for_user, release_for_user
 from ._gathered import engine_for, unregister
 from ._gathered import register as register_managed
@@ -100,16 +101,6 @@ def initialize(
                   units=units, init_fn=init_fn, device=device, strict_spmd=strict_spmd)
 
 
-def _default_process_group(device: torch.device) -> dist.ProcessGroup:
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.group.WORLD
-
-
 class Engine:
     """ZeRO stage 1, 2 or 3 training engine. Build it with :func:`initialize`."""
 
@@ -137,11 +128,11 @@ class Engine:
                                  f"(zero_optimization.stage=3), got stage {policy.stage}")
             self.device = torch.device(device) if device is not None else (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        self.process_group = process_group if process_group is not None else _default_process_group(self.device)
+        self.process_group = process_group if process_group is not None else default_process_group(self.device)
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self.config = config = config.for_world_size(self.world_size)
-        self.comm = _C.Comm(self.process_group, *_algorithms(comm_algorithms, config))
+        self.comm = _C.Comm(self.process_group, *comm_algorithms_for(comm_algorithms, config))
         self.buckets = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype)
 
         for name, param in model.named_parameters():
@@ -522,19 +513,3 @@ class Engine:
         """Leaving ``zerocore.gathered(params)``: ``modifier_rank``'s values reach every rank's shard and
         the fp32 master."""
         release_for_user(self, params, modifier_rank)
-
-
-def _algorithms(explicit: Mapping[str, str] | None, config: ZeroConfig) -> tuple[str, str]:
-    """(reduce_scatter, all_gather) algorithm names: the caller's, else the config's ``reduce_scatter``
-    (False means all-reduce), else the per-backend choice ("auto")."""
-    algorithms = dict(explicit or {})
-    unknown = set(algorithms) - {"reduce_scatter", "all_gather"}
-    if unknown:
-        raise ValueError(f"comm_algorithms keys must be 'reduce_scatter' or 'all_gather', got {sorted(unknown)}")
-    reduce_scatter = algorithms.get("reduce_scatter", "auto")
-    if not config.zero_optimization.reduce_scatter:
-        if reduce_scatter not in ("auto", "all_reduce"):
-            raise ValueError(f"zero_optimization.reduce_scatter=false asks for all-reduce, but comm_algorithms "
-                             f"asks for reduce_scatter={reduce_scatter!r}; drop one of them")
-        reduce_scatter = "all_reduce"
-    return reduce_scatter, algorithms.get("all_gather", "auto")
