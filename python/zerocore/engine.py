@@ -169,6 +169,7 @@ class Engine:
         self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
         self._reducing = False
         self._finalized = True
+        self._marked: set[int] = set()
         self.pending_gathers = PendingGathers(
             [] if policy.params_sharded else
             (buffer.bucket_params(b) for buffer in self.buffers for b in range(len(buffer.buckets))))
@@ -272,6 +273,7 @@ class Engine:
         no_sync = life.state is EngineState.NO_SYNC
         self._reducing = not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary())
         self._finalized = not self._reducing and self.stage3 is None
+        self._marked = set()  # parameters handed to the reducer in this backward
         if self._reducing:
             self.reducer.begin_backward(self.policy.grads_sharded)
         if self.stage3 is not None:
@@ -316,16 +318,33 @@ class Engine:
             raise RuntimeError(f"parameter {index} produced a gradient after the backward was finalized")
         if not self.reducer.in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+        self._marked.add(index)
         self.reducer.mark_ready(index, param.grad)
 
     def _finalize_backward(self) -> None:
         if self._finalized:
             return
         if self._reducing:
+            self._reduce_accumulated_gradients()
             self.reducer.finalize()
         if self.stage3 is not None:
             self.stage3.end_backward()
         self._finalized = True
+
+    def _reduce_accumulated_gradients(self) -> None:
+        """A parameter that got no gradient in this reducing backward may still hold one accumulated
+        locally (earlier accumulation micro-steps of stage 1, or no_sync() backwards): it is reduced too,
+        as DDP does, instead of counting as zero."""
+        for index, (buffer, local) in enumerate(self._param_slots):
+            if index in self._marked:
+                continue
+            param = buffer.params[local]
+            grad = buffer.grad_view(local) if buffer.grad_buffer is not None else param.grad
+            if grad is not None:
+                self._marked.add(index)
+                self.reducer.mark_ready(index, grad)
+                if self.policy.grads_sharded:
+                    param.grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -1,0 +1,74 @@
+"""Gradients accumulated locally are never dropped: a parameter that gets no gradient in the reducing
+backward of a window still contributes what it accumulated earlier in the window (stage 1's accumulation
+micro-steps, or backwards inside no_sync()), as DDP does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zerocore
+from _dist import run_ranks
+from _parity import ReferencePair
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))  # stage 3: a unit each
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, use_second: bool) -> torch.Tensor:
+        h = torch.tanh(self.blocks[0](x))
+        if use_second:
+            h = h + torch.tanh(self.blocks[1](x))
+        return self.head(h)
+
+
+def _batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+
+
+def _loss(module: nn.Module, x: torch.Tensor, y: torch.Tensor, use_second: bool) -> torch.Tensor:
+    dtype = next(module.parameters()).dtype
+    return nn.functional.mse_loss(module(x.to(dtype), use_second), y.to(dtype))
+
+
+def worker(rank: int, world: int, stage: int, mode: str) -> bool:
+    torch.manual_seed(0)
+    model = TwoBlocks()
+    reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0,
+                                                                 foreach=False))
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "gradient_accumulation_steps": 2 if mode == "accumulation" else 1}
+    engine = zerocore.initialize(model, config)
+    for step in range(3):
+        # micro-step 0 uses both blocks, micro-step 1 (the reducing one) only the first
+        for micro, use_second in ((0, True), (1, False)):
+            x, y = _batch(step, micro, rank)
+            loss = _loss(engine, x, y, use_second)
+            if mode == "no_sync" and micro == 0:
+                with engine.no_sync():
+                    engine.backward(loss / 2)
+            elif mode == "no_sync":
+                engine.backward(loss / 2)
+                engine.step()
+            else:
+                engine.backward(loss)
+                engine.step()
+        reference.train_step(lambda module, dtype: sum(
+            _loss(module, *_batch(step, micro, r), use_second) for r in range(world)
+            for micro, use_second in ((0, True), (1, False))) / (2 * world))
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"stage {stage} {mode}")
+    return True
+
+
+@pytest.mark.parametrize("stage,mode", [(1, "accumulation"), (2, "accumulation"), (3, "accumulation"),
+                                        (1, "no_sync"), (2, "no_sync"), (3, "no_sync")])
+def test_a_parameter_without_a_gradient_in_the_last_micro_step_keeps_its_accumulated_one(stage, mode):
+    assert all(run_ranks(worker, 2, stage, mode))
