@@ -8,7 +8,7 @@ namespace zerocore::bindings {
 
 GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                          std::vector<at::Tensor> shard_destinations, at::ScalarType reduce_dtype, double prescale,
-                         bool overlap)
+                         bool overlap, std::vector<std::optional<at::Tensor>> in_place)
     : comm_(std::move(comm)),
       geometry_(std::move(geometry)),
       destinations_(std::move(shard_destinations)),
@@ -38,6 +38,21 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                      geometry_.param_offset[i] + geometry_.param_numel[i] <= geometry_.bucket_padded_size[b],
                  "parameter ", i, " does not fit inside bucket ", b);
   }
+  ZC_CHECK_ARG(in_place.empty() || in_place.size() == buckets, "in_place must be empty or hold one entry per bucket (",
+               buckets, "), got ", in_place.size());
+  in_place_.resize(buckets);
+  for (size_t b = 0; b < in_place.size(); ++b) {
+    if (!in_place[b]) continue;
+    const at::Tensor& region = *in_place[b];
+    ZC_CHECK_ARG(region.dim() == 1 && region.is_contiguous() && region.numel() == geometry_.bucket_padded_size[b] &&
+                     region.scalar_type() == reduce_dtype,
+                 "in_place[", b, "] must be a contiguous 1-D ", reduce_dtype, " tensor of ",
+                 geometry_.bucket_padded_size[b], " elements");
+    const int64_t shard = geometry_.bucket_padded_size[b] / world;
+    ZC_CHECK_ARG(destinations_[b].data_ptr() == region.narrow(0, comm_->rank() * shard, shard).data_ptr(),
+                 "in_place[", b, "]: this rank's shard of it must be shard_destinations[", b, "]");
+    in_place_[b] = region;
+  }
   buffer_options_ = destinations_.empty() ? at::TensorOptions().dtype(reduce_dtype)
                                           : destinations_.front().options().dtype(reduce_dtype);
   bucket_view_.resize(buckets);
@@ -54,6 +69,10 @@ void GradReducer::begin_backward(bool accumulate) {
 at::Tensor& GradReducer::ensure_buffer(int64_t bucket) {
   at::Tensor& view = bucket_view_[bucket];
   if (view.defined()) return view;
+  if (in_place_[bucket].defined()) {  // the gradients are already there: no pool buffer, no zeroing
+    view = in_place_[bucket];
+    return view;
+  }
   if (free_buffers_.empty() && !in_flight_.empty()) complete_oldest();
   at::Tensor base;
   if (!free_buffers_.empty()) {
@@ -78,7 +97,8 @@ void GradReducer::mark_ready(int64_t param, const at::Tensor& grad) {
   if (grad.defined()) {
     ZC_CHECK_ARG(grad.numel() == geometry_.param_numel[param], "gradient of parameter ", param, " has ",
                  grad.numel(), " elements, expected ", geometry_.param_numel[param]);
-    view.narrow(0, geometry_.param_offset[param], geometry_.param_numel[param]).copy_(grad.reshape({-1}));
+    at::Tensor slot = view.narrow(0, geometry_.param_offset[param], geometry_.param_numel[param]);
+    if (grad.data_ptr() != slot.data_ptr()) slot.copy_(grad.reshape({-1}));  // in place: already there
   }
   std::vector<int64_t> ready;
   tracker_.mark_ready(param, ready);
@@ -102,11 +122,11 @@ void GradReducer::complete_oldest() {
   const at::Tensor reduced = view.narrow(0, comm_->rank() * shard, shard);
   if (accumulate_) {
     destinations_[bucket].add_(reduced);
-  } else {
+  } else if (destinations_[bucket].data_ptr() != reduced.data_ptr()) {
     destinations_[bucket].copy_(reduced);
   }
   view = at::Tensor();
-  free_buffers_.push_back(std::move(bucket_base_[bucket]));
+  if (bucket_base_[bucket].defined()) free_buffers_.push_back(std::move(bucket_base_[bucket]));
 }
 
 void GradReducer::finalize() {

@@ -13,6 +13,7 @@
 
 #include <deque>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "comm.hpp"
@@ -33,8 +34,12 @@ class GradReducer {
   // shard_destinations[b]: a tensor of bucket b's shard size that receives this rank's reduced shard.
   // prescale multiplies each bucket before the reduction (1 / world_size averages as DDP does). Without
   // overlap (DeepSpeed's overlap_comm=false) each bucket's reduction is waited for as soon as it is launched.
+  // in_place[b], when defined, is bucket b's whole region of a gradient buffer that already holds the
+  // gradients (stage 1, reduce dtype = gradient dtype): the bucket is reduced right there, with no copy in
+  // or out, and a parameter that got no gradient keeps what it accumulated there.
   GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry, std::vector<at::Tensor> shard_destinations,
-              at::ScalarType reduce_dtype, double prescale, bool overlap = true);
+              at::ScalarType reduce_dtype, double prescale, bool overlap = true,
+              std::vector<std::optional<at::Tensor>> in_place = {});
 
   // Starts a backward pass whose shards are added to (accumulate) or copied over the destinations.
   void begin_backward(bool accumulate);
@@ -59,6 +64,7 @@ class GradReducer {
   std::shared_ptr<Comm> comm_;
   ReducerGeometry geometry_;
   std::vector<at::Tensor> destinations_;
+  std::vector<at::Tensor> in_place_;  // per bucket: a gradient buffer region reduced in place, or undefined
   at::ScalarType reduce_dtype_;
   double prescale_;
   bool overlap_;

@@ -96,11 +96,16 @@ def build_reducer(engine: Engine) -> tuple[Any, list[tuple[Any, int]]]:
     param_offset: list[int] = []
     param_numel: list[int] = []
     slots: list[tuple[Any, int]] = []
+    in_place: list[torch.Tensor | None] = []
     for buffer in engine.buffers:
         first_bucket = len(bucket_sizes)
+        # Stage 1 holds every gradient in its buffer: reduce each bucket right there when the dtypes agree.
+        whole = buffer.grad_buffer if buffer.grad_buffer is not None and \
+            buffer.grad_buffer.dtype == engine.config.reduce_dtype else None
         for k, bucket in enumerate(buffer.buckets):
             bucket_sizes.append(bucket.padded_size)
             destinations.append(buffer.grad_slice(k))
+            in_place.append(None if whole is None else whole[bucket.flat_start : bucket.flat_start + bucket.padded_size])
         bucket_of = buffer.layout.tensor_buckets().tolist()
         for index, param in enumerate(buffer.params):
             bucket = buffer.buckets[bucket_of[index]]
@@ -113,6 +118,6 @@ def build_reducer(engine: Engine) -> tuple[Any, list[tuple[Any, int]]]:
     launch_order = _C.reducer_geometry(bucket_sizes, param_bucket, param_offset, param_numel, engine.world_size)
     reducer = _C.GradReducer(
         engine.comm, bucket_sizes, param_bucket, param_offset, param_numel, launch_order, destinations,
-        engine.config.reduce_dtype, 1.0 / engine.world_size, engine.config.zero_optimization.overlap_comm,
+        engine.config.reduce_dtype, 1.0 / engine.world_size, engine.config.zero_optimization.overlap_comm, in_place,
     )
     return reducer, slots
