@@ -352,3 +352,30 @@ def sharded_access_worker(rank: int, world: int) -> str:
 def test_module_run_while_sharded_raises_naming_the_parameter():
     for message in run_ranks(sharded_access_worker, 2):
         assert "blocks.1.linear.weight" in message and "zerocore.gathered" in message, message
+
+
+def state_dict_worker(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config())
+    engine.backward(loss_of(engine, *data(0, rank)))
+    engine.step()
+    try:
+        model.state_dict()  # torch.save(model.state_dict()) / save_pretrained would write NaN placeholders
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    full = engine.full_state_dict(rank0_only=False)
+    with zerocore.gathered(list(model.parameters())):
+        inside = {k: v.clone() for k, v in model.state_dict().items()}
+    assert inside.keys() == full.keys() and all(torch.equal(inside[k], full[k]) for k in full)
+    engine.close()
+    after = model.state_dict()
+    assert all(torch.equal(after[k], full[k]) for k in full)
+    return message
+
+
+def test_state_dict_while_sharded_raises_naming_the_way_out_and_never_returns_nan():
+    for message in run_ranks(state_dict_worker, 2):
+        assert "full_state_dict()" in message and "engine.close()" in message and "zerocore.gathered" in message, \
+            message

@@ -15,7 +15,14 @@ if TYPE_CHECKING:
 def full_state_dict(engine: Engine, dtype: torch.dtype | None, rank0_only: bool) -> dict[str, torch.Tensor]:
     """See :meth:`Engine.full_state_dict`; the engine has waited for its pending gathers."""
     keep = not rank0_only or engine.rank == 0
-    entries = engine.module.state_dict(keep_vars=True)
+    stage3 = engine.stage3
+    if stage3 is not None:
+        stage3.reading_state = True  # the units are gathered one at a time below
+    try:
+        entries = engine.module.state_dict(keep_vars=True)
+    finally:
+        if stage3 is not None:
+            stage3.reading_state = False
     out: dict[str, torch.Tensor] = {}
 
     def take(name: str, tensor: torch.Tensor) -> None:
@@ -28,7 +35,6 @@ def full_state_dict(engine: Engine, dtype: torch.dtype | None, rank0_only: bool)
     for name, tensor in entries.items():
         names_of.setdefault(id(tensor), []).append(name)
     sharded: set[int] = set()
-    stage3 = engine.stage3
     if stage3 is not None:
         for unit in stage3.units:
             stage3.ensure_gathered(unit, "all_gather_state_dict")

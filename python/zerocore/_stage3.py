@@ -167,6 +167,7 @@ class Stage3Runtime:
         self.peak_live_elements = 0  # since the last optimizer step
         self.last_step_peak_elements = 0  # the peak of the last completed step
         self.order_changes = 0
+        self.reading_state = False  # inside the engine's full_state_dict(): state_dict() may see placeholders
         self.divergence = DivergenceCheck(engine, {u.index: u.name for u in self.units}, strict_spmd)
         self._register_module_hooks()
 
@@ -205,6 +206,9 @@ class Stage3Runtime:
                 # Registered after the units' gather hooks, so a unit module gathers before it is checked.
                 self.hook_handles.append(module.register_forward_pre_hook(
                     lambda m, args, mine=mine: self._check_gathered(mine)))
+                # model.state_dict() (torch.save, save_pretrained) would write NaN placeholders: raise.
+                self.hook_handles.append(module.register_state_dict_pre_hook(
+                    lambda m, prefix, keep_vars, mine=mine: self._check_state_dict(mine)))
 
     def _check_gathered(self, params: list[tuple[Unit, str]]) -> None:
         for unit, name in params:
@@ -213,6 +217,18 @@ class Stage3Runtime:
                     f"parameter {name!r} is sharded by ZeRO stage 3 (unit {unit.name!r} is not gathered): run "
                     f"the model through the engine, call the unit {unit.name!r} itself, or wrap the access in "
                     "`with zerocore.gathered(params):`"
+                )
+
+    def _check_state_dict(self, params: list[tuple[Unit, str]]) -> None:
+        if self.reading_state:
+            return  # the engine's own full_state_dict() gathers each unit before reading it
+        for unit, name in params:
+            if unit.state is UnitState.SHARDED:
+                raise RuntimeError(
+                    f"state_dict() of a ZeRO stage 3 model while parameter {name!r} is sharded would hold NaN "
+                    "placeholders: use engine.full_state_dict() (a collective: every rank calls it; rank 0 gets "
+                    "whole tensors), or engine.close() to get the plain model back, or wrap the call in "
+                    "`with zerocore.gathered(model.parameters()):`"
                 )
 
     def _in_backward(self) -> bool:
