@@ -287,3 +287,24 @@ def test_a_read_waits_for_its_bucket_and_every_earlier_one_and_nothing_later():
     assert log == [0, 1, 2, 3]
     pending.wait_all()
     assert log == [0, 1, 2, 3] and not pending.in_flight
+
+
+def norm_worker(rank: int, world: int, stage: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 4096, bias=False)  # 16.8M elements in one gradient
+    exact_model = copy.deepcopy(model).double()
+    engine = zerocore.initialize(model, _config(stage))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, 4096, generator=g)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    # float64: every rank's batch, averaged over ranks as data parallelism does
+    xs = [torch.randn(8, 4096, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    (sum(exact_model(xr.double()).square().mean() for xr in xs) / world).backward()
+    return engine.get_global_grad_norm(), float(exact_model.weight.grad.norm())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_global_grad_norm_within_1e6_of_float64_at_16m_elements(stage):
+    for ours, exact in run_ranks(norm_worker, 2, stage):
+        assert abs(ours - exact) / exact < 1e-6, (ours, exact)

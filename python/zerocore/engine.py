@@ -391,7 +391,7 @@ class Engine:
         verdicts = self.optimizer_state.grad_sum_of_squares().reshape(1)
         if self.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
             self.stage3.land_gathers()
-            verdicts = torch.cat([verdicts, self.stage3.divergence.verdict().reshape(1)])
+            verdicts = torch.cat([verdicts, self.stage3.divergence.verdict().reshape(1).double()])
         self.comm.all_reduce(verdicts, False).wait()
         values = verdicts.tolist()
         self.host_syncs += 1
