@@ -132,6 +132,19 @@ class Trainer:
         self.engine = engine  # zerocore's engine (comm/memory reports), else None
 
 
+def _torch_trainer(module: Any, opt: Any, autocast: Callable[[], Any]) -> Trainer:
+    """A plain torch step: forward and loss (under ``autocast``), backward, optimizer step, zero_grad."""
+
+    def step(x, y):
+        with autocast():
+            loss = loss_of(module(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return Trainer(step)
+
+
 def build_trainer(system: str, model: Any, cfg: dict[str, Any], world: int, dtype: str) -> Trainer:
     import contextlib
 
@@ -154,15 +167,7 @@ def build_trainer(system: str, model: Any, cfg: dict[str, Any], world: int, dtyp
             opt = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW,
                                           parameters_as_bucket_view=True, fused=True, **ADAMW)
         autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-
-        def step(x, y):
-            with autocast():
-                loss = loss_of(wrapped(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return Trainer(step)
+        return _torch_trainer(wrapped, opt, autocast)
 
     if system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -174,15 +179,7 @@ def build_trainer(system: str, model: Any, cfg: dict[str, Any], world: int, dtyp
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-        opt = fused_adamw(model.parameters())
-
-        def step(x, y):
-            loss = loss_of(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return Trainer(step)
+        return _torch_trainer(model, fused_adamw(model.parameters()), contextlib.nullcontext)
 
     if system in SYSTEMS and system.startswith("zero"):
         import zerocore

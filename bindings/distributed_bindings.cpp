@@ -75,6 +75,7 @@ void bind_distributed(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("finalize", &GradReducer::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("in_backward", &GradReducer::in_backward)
+      .def("unmarked_params", &GradReducer::unmarked_params)
       .def_property_readonly("buffer_bytes", &GradReducer::buffer_bytes)
       .def_property_readonly("peak_buffer_bytes", &GradReducer::peak_buffer_bytes);
 

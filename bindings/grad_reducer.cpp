@@ -137,6 +137,14 @@ void GradReducer::finalize() {
   while (!in_flight_.empty()) complete_oldest();
 }
 
+std::vector<int64_t> GradReducer::unmarked_params() const {
+  std::vector<int64_t> unmarked;
+  for (int64_t param = 0; param < tracker_.num_params(); ++param) {
+    if (!tracker_.is_marked(param)) unmarked.push_back(param);
+  }
+  return unmarked;
+}
+
 int64_t GradReducer::buffer_bytes() const {
   return static_cast<int64_t>(all_buffers_) * max_bucket_ * c10::elementSize(reduce_dtype_);
 }

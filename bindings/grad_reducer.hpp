@@ -51,6 +51,8 @@ class GradReducer {
   void finalize();
 
   bool in_backward() const { return tracker_.state() == ReadyTracker::State::kInBackward; }
+  // The parameters not marked ready in this backward, in index order.
+  std::vector<int64_t> unmarked_params() const;
   int64_t buffers_allocated() const { return static_cast<int64_t>(all_buffers_); }
   int64_t buffer_bytes() const;       // bytes of the pool now
   int64_t peak_buffer_bytes() const;  // the most the pool ever held

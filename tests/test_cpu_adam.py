@@ -19,7 +19,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -476,11 +476,8 @@ def test_bad_input_raises_value_error_naming_argument(case: str, arg: str, tenso
             assert torch.equal(_bits(tensors[name]), _bits(t)), f"{name} was written before the error"
 
 
-@pytest.mark.timeout(120)
-def test_releases_the_gil() -> None:
-    """A Python thread keeps counting while adam_step runs (one kernel thread, so a core stays free)."""
-    n = 2**23
-    a = _args(n)
+def _assert_releases_the_gil(run: Callable[[int], None], what: str) -> None:
+    """A Python thread keeps counting while ``run(step)`` runs (one kernel thread, so a core stays free)."""
     count, stop = [0], [False]
 
     def counter() -> None:
@@ -492,14 +489,14 @@ def test_releases_the_gil() -> None:
     thread.start()
     try:
         with ops.force_simd_path("scalar"):
-            _call(a)  # warm-up: page in the buffers
+            run(1)  # warm-up: page in the buffers
             time.sleep(0.05)
             c0, t0 = count[0], time.perf_counter()
             time.sleep(0.2)
             baseline_rate = (count[0] - c0) / (time.perf_counter() - t0)
             c0, t0 = count[0], time.perf_counter()
             for k in range(2, 7):
-                _call(a, step=k)
+                run(k)
             elapsed = time.perf_counter() - t0
             during_rate = (count[0] - c0) / elapsed
     finally:
@@ -508,7 +505,13 @@ def test_releases_the_gil() -> None:
         ops.set_num_threads(0)  # back to following torch.get_num_threads()
     # Holding the GIL would let the counter run only at the 5 ms switch points between calls of ~50 ms each.
     assert during_rate >= 0.3 * baseline_rate, (
-        f"counter ran at {during_rate:.0f}/s during {elapsed * 1e3:.0f} ms of adam_step vs {baseline_rate:.0f}/s idle")
+        f"counter ran at {during_rate:.0f}/s during {elapsed * 1e3:.0f} ms of {what} vs {baseline_rate:.0f}/s idle")
+
+
+@pytest.mark.timeout(120)
+def test_releases_the_gil() -> None:
+    a = _args(2**23)
+    _assert_releases_the_gil(lambda k: _call(a, step=k), "adam_step")
 
 
 def test_opcheck() -> None:
@@ -779,34 +782,8 @@ def test_multi_tensor_releases_the_gil() -> None:
     lengths = [2**21, 2**22 - 7, 0, 2**21 + 7]
     tensors = [_args(n) for n in lengths]
     lists = [[t[k] for t in tensors] for k in ("param", "grad", "exp_avg", "exp_avg_sq")]
-    count, stop = [0], [False]
-
-    def counter() -> None:
-        while not stop[0]:
-            count[0] += 1
-
-    thread = threading.Thread(target=counter, daemon=True)
-    ops.set_num_threads(1)
-    thread.start()
-    try:
-        with ops.force_simd_path("scalar"):
-            ops.multi_tensor_adam_step(*lists, step=1, lr=1e-3)  # warm-up: page in the buffers
-            time.sleep(0.05)
-            c0, t0 = count[0], time.perf_counter()
-            time.sleep(0.2)
-            baseline_rate = (count[0] - c0) / (time.perf_counter() - t0)
-            c0, t0 = count[0], time.perf_counter()
-            for k in range(2, 7):
-                ops.multi_tensor_adam_step(*lists, step=k, lr=1e-3)
-            elapsed = time.perf_counter() - t0
-            during_rate = (count[0] - c0) / elapsed
-    finally:
-        stop[0] = True
-        thread.join()
-        ops.set_num_threads(0)  # back to following torch.get_num_threads()
-    assert during_rate >= 0.3 * baseline_rate, (
-        f"counter ran at {during_rate:.0f}/s during {elapsed * 1e3:.0f} ms of multi_tensor_adam_step vs "
-        f"{baseline_rate:.0f}/s idle")
+    _assert_releases_the_gil(lambda k: ops.multi_tensor_adam_step(*lists, step=k, lr=1e-3),
+                             "multi_tensor_adam_step")
 
 
 # -------------------------------------------------------------------------------------------------------------

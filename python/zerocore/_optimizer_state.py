@@ -134,15 +134,13 @@ class OptimizerState:
                 shard.master = self.master[master_offset : master_offset + n]
                 master_offset += n
                 shard.master.copy_(values if values is not None else shard.params)
+        self._slices_by_group = self._group_slices()
         self._built = True
 
     def reload_master(self, shard: Shard) -> None:
         """The compute-dtype parameters of ``shard`` were overwritten: the master follows them."""
         if shard.separate_master:
             shard.master.copy_(shard.params)
-
-    def grad_shards(self) -> list[torch.Tensor]:
-        return [shard.grads for shard in self.shards]
 
     def grad_sum_of_squares(self) -> torch.Tensor:
         """Sum of squares of every gradient shard as a float64 scalar on the shards' device (padding is zero
@@ -165,22 +163,30 @@ class OptimizerState:
         """One Adam/AdamW update of every shard: one C++ call per param group, ``grad_scale`` multiplying
         the gradients (loss-scale unscaling and clipping)."""
         self.step_count += 1
-        per_group: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+        for group, (masters, grads, exp_avgs, exp_avg_sqs, outs) in self._slices_by_group:
+            hyper = param_groups[group]
+            beta1, beta2 = hyper["betas"]
+            ops.multi_tensor_adam_step(
+                masters, grads, exp_avgs, exp_avg_sqs, step=self.step_count, lr=hyper["lr"], beta1=beta1,
+                beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=hyper["adamw_mode"],
+                grad_scale=grad_scale, bias_correction=hyper["bias_correction"], param_outs=outs)
+
+    def _group_slices(self) -> list[tuple[int, tuple[list[torch.Tensor], ...]]]:
+        """Per param group, the views ``step()`` hands to C++ (every tensor behind them lives as long as this
+        object, so they are made once): masters, grads, moments, and 16-bit outputs (None in fp32)."""
+        per_group: dict[int, list[tuple[torch.Tensor | None, ...]]] = {}
         for shard in self.shards:
             for run in shard.runs:
                 out = shard.params[run.start : run.end] if shard.separate_master else None
                 per_group.setdefault(run.group, []).append((
                     shard.master[run.start : run.end], shard.grads[run.start : run.end],
                     shard.exp_avg[run.start : run.end], shard.exp_avg_sq[run.start : run.end], out))
+        result = []
         for group, slices in sorted(per_group.items()):
-            hyper = param_groups[group]
-            beta1, beta2 = hyper["betas"]
             masters, grads, exp_avgs, exp_avg_sqs, outs = (list(column) for column in zip(*slices))
-            ops.multi_tensor_adam_step(
-                masters, grads, exp_avgs, exp_avg_sqs, step=self.step_count, lr=hyper["lr"], beta1=beta1,
-                beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=hyper["adamw_mode"],
-                grad_scale=grad_scale, bias_correction=hyper["bias_correction"],
-                param_outs=None if all(o is None for o in outs) else outs)
+            result.append((group, (masters, grads, exp_avgs, exp_avg_sqs,
+                                   None if all(o is None for o in outs) else outs)))
+        return result
 
     def pieces(self) -> Iterator[tuple[Shard, ShardPiece]]:
         """Every (shard, piece): which parameter elements this rank's state holds, for checkpoints."""

@@ -20,6 +20,7 @@ each bucket's params asynchronously; the next forward waits for them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -56,9 +57,6 @@ _log = logging.getLogger("zerocore")
 # States in which the model's parameters may be read or written from outside training.
 _USABLE = (EngineState.IDLE, EngineState.FORWARD, EngineState.AWAITING_STEP, EngineState.NO_SYNC)
 
-# Alignment of every tensor and shard boundary, in elements: 128 bytes for fp16/bf16 (vector loads and
-# cache lines on CPU, coalesced access on GPU).
-_ALIGNMENT = 64
 
 
 def initialize(
@@ -169,7 +167,6 @@ class Engine:
         self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
         self._reducing = False
         self._finalized = True
-        self._marked: set[int] = set()
         self.pending_gathers = PendingGathers(
             [] if policy.params_sharded else
             (buffer.bucket_params(b) for buffer in self.buffers for b in range(len(buffer.buckets))))
@@ -225,8 +222,7 @@ class Engine:
         read (Note [Waiting for parameters on read]). In bf16/fp16 training, floating-point tensor arguments
         are cast to the compute dtype (integer inputs such as token ids are left alone)."""
         life = self.lifecycle
-        life.require("forward()", EngineState.IDLE, EngineState.FORWARD, EngineState.NO_SYNC,
-                     EngineState.AWAITING_STEP)
+        life.require("forward()", *_USABLE)
         if self.compute_dtype != torch.float32:
             args = tuple(self._cast_input(a) for a in args)
             kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
@@ -273,7 +269,6 @@ class Engine:
         no_sync = life.state is EngineState.NO_SYNC
         self._reducing = not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary())
         self._finalized = not self._reducing and self.stage3 is None
-        self._marked = set()  # parameters handed to the reducer in this backward
         if self._reducing:
             self.reducer.begin_backward(self.policy.grads_sharded)
         if self.stage3 is not None:
@@ -287,7 +282,7 @@ class Engine:
         if not self._finalized:  # no parameter got a gradient in this backward
             self._finalize_backward()
         life.forward_pending = False
-        life.local_grads = no_sync or (life.local_grads and not self.policy.reduce_every_sync)
+        life.local_grads = no_sync or (life.local_grads and not self._reducing)
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         if self.lifecycle.state is not EngineState.BACKWARD:
@@ -318,7 +313,6 @@ class Engine:
             raise RuntimeError(f"parameter {index} produced a gradient after the backward was finalized")
         if not self.reducer.in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-        self._marked.add(index)
         self.reducer.mark_ready(index, param.grad)
 
     def _finalize_backward(self) -> None:
@@ -335,13 +329,11 @@ class Engine:
         """A parameter that got no gradient in this reducing backward may still hold one accumulated
         locally (earlier accumulation micro-steps of stage 1, or no_sync() backwards): it is reduced too,
         as DDP does, instead of counting as zero."""
-        for index, (buffer, local) in enumerate(self._param_slots):
-            if index in self._marked:
-                continue
+        for index in self.reducer.unmarked_params():
+            buffer, local = self._param_slots[index]
             param = buffer.params[local]
             grad = buffer.grad_view(local) if buffer.grad_buffer is not None else param.grad
             if grad is not None:
-                self._marked.add(index)
                 self.reducer.mark_ready(index, grad)
                 if self.policy.grads_sharded:
                     param.grad = None
@@ -422,14 +414,18 @@ class Engine:
         if self.policy.params_sharded:
             return  # stage 3 gathers each unit when it is next used
         cap = self.buckets.allgather_in_flight
-        in_flight: list[tuple[Any, int]] = []
+        in_flight: collections.deque[tuple[Any, int]] = collections.deque()
+        in_flight_elements = 0
         for buffer in self.buffers:
             for bucket in range(len(buffer.buckets)):
                 size = buffer.buckets[bucket].padded_size
-                while cap is not None and in_flight and sum(n for _, n in in_flight) + size > cap:
-                    in_flight.pop(0)[0].wait()
+                while cap is not None and in_flight and in_flight_elements + size > cap:
+                    work, done = in_flight.popleft()
+                    work.wait()
+                    in_flight_elements -= done
                 work = buffer.gather(self.comm, bucket, "all_gather")
                 in_flight.append((work, size))
+                in_flight_elements += size
                 self.pending_gathers.launched(work)
 
     def _log_progress(self) -> None:
