@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a lent device machine (see README "GPU check"): build with the CUDA kernels,
-# run the CUDA tests, the GPU Adam benchmark, and the demo on NCCL (world size 1, bf16, stages 1 and 2).
+# run the CUDA tests (kernels, and the engine on NCCL against the fp32/float64 reference), the GPU Adam
+# benchmark, and the demo on NCCL (world size 1, bf16, stages 1-3).
 # Prints a short table last. Logs go to $OUT when set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +56,7 @@ python3 -c "import zerocore, json; print(json.dumps(zerocore.build_info()))" || 
 
 step "CUDA tests"
 start=$SECONDS
-python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -25
+python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_cuda.py tests/test_engine_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "tests took $((SECONDS - start)) s"
 
@@ -64,7 +65,7 @@ python3 bench/gpu_adam.py --params 1e9 --json-out "$OUT/gpu_adam.json" 2>&1 | te
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "demo on NCCL, world size 1, bf16"
-for stage in 1 2; do
+for stage in 1 2 3; do
   timeout 150 python3 -m zerocore.examples.train_gpt --device cuda --nproc 1 --bf16 --stage "$stage" --steps 40 --json \
     2>&1 | tee "$OUT/demo_stage$stage.log" | tail -3
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -80,7 +81,7 @@ try:
         print(f"{row['name']:<34} {row['ms']:9.2f} ms  {row['gbps']:8.1f} GB/s  {row['fraction_of_copy']:.2f} of copy")
 except Exception as e:  # noqa: BLE001
     print("no gpu_adam.json:", e)
-for stage in (1, 2):
+for stage in (1, 2, 3):
     log = out / f"demo_stage{stage}.log"
     last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["missing"]
     print(f"demo stage {stage}: {last[0][:150]}")

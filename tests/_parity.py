@@ -33,8 +33,8 @@ FLOOR = 1e-6
 
 def relative_distance(value: torch.Tensor, exact: torch.Tensor) -> float:
     """||value - exact|| / ||exact|| in float64 (the absolute distance where exact is all zeros)."""
-    exact = exact.detach().double()
-    diff = float((value.detach().double() - exact).norm())
+    exact = exact.detach().double().cpu()  # a full state dict lives on the CPU, a reference may not
+    diff = float((value.detach().double().cpu() - exact).norm())
     norm = float(exact.norm())
     return diff / norm if norm > 0 else diff
 

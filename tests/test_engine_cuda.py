@@ -1,0 +1,79 @@
+"""The engine on a CUDA device with NCCL (world size 1): stages 1-3 within the fp32 reference's rounding noise
+(tests/_parity.py), bf16 training stays finite, and the reports run. Skipped without a GPU; run by
+bench/gpu_check.sh on a lent device machine."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocore
+from _dist import free_port
+from _models import batch, build, loss_fn
+from _parity import ReferencePair
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nccl_group():
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()
+
+
+def make_config(stage: int, weight_decay: float = 0.01, **extra) -> dict:
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": weight_decay}},
+            "zero_optimization": zero, **extra}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", ["mlp", "transformer", "odd"])
+def test_fp32_matches_the_reference_on_cuda(stage, name):
+    # "odd" has an unused layer: torch AdamW skips a parameter without a gradient, flat ZeRO Adam decays it
+    # (as DeepSpeed does), so that model trains without weight decay (as in tests/test_engine_parity.py)
+    weight_decay = 0.0 if name == "odd" else 0.01
+    model = build(name).cuda()
+    reference = ReferencePair(copy.deepcopy(model), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
+                                                                                weight_decay=weight_decay))
+    engine = zerocore.initialize(model, make_config(stage, weight_decay, gradient_clipping=1.0))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        inputs, target = (t.cuda() for t in batch(name, generator))
+        loss = loss_fn(name, engine(inputs), target)
+        engine.backward(loss)
+        engine.step()
+        ref_loss, _ = reference.train_step(
+            lambda module, dtype: loss_fn(name, module(inputs.to(dtype) if inputs.is_floating_point() else inputs),
+                                          target), clip=1.0)
+        torch.testing.assert_close(loss.detach().float(), ref_loss, rtol=1e-5, atol=1e-6)
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"stage {stage} {name} cuda")
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_trains_and_stays_finite_on_cuda(stage):
+    model = build("transformer").cuda()
+    engine = zerocore.initialize(model, make_config(stage, bf16={"enabled": True}))
+    generator = torch.Generator().manual_seed(0)
+    inputs, target = (t.cuda() for t in batch("transformer", generator, size=16))
+    losses = []
+    for _ in range(30):  # one fixed batch: the loss must fall
+        loss = loss_fn("transformer", engine(inputs), target)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < 0.7 * losses[0], losses
+    state = engine.full_state_dict(rank0_only=False)
+    assert all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())
+    assert engine.memory_report() and engine.comm_report()  # the reports run on CUDA too
+    engine.close()
