@@ -48,7 +48,6 @@ def order_worker(rank: int, world: int, stage: int) -> list[str]:
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
         engine.backward(engine(x).square().mean())
         engine.step()
-    engine.wait_for_params()
     log = list(engine.comm.log())
     everyone = _all_gather_json(engine.comm, log, torch.device("cpu"))
     assert all(other == log for other in everyone), "ranks issued different collective sequences"
@@ -97,7 +96,6 @@ def comm_worker(rank: int, world: int, stage: int) -> dict:
     x, y = batch("mlp", torch.Generator().manual_seed(rank))
     engine.backward(loss_fn("mlp", engine(x), y))
     engine.step()
-    engine.wait_for_params()
     return engine.comm_report()
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from ._sharded_buffer import ShardedBuffer
     from .engine import Engine
 
 
@@ -53,24 +54,38 @@ def full_state_dict(engine: Engine, dtype: torch.dtype | None, rank0_only: bool)
 
 
 def gather_for_user(engine: Engine, params: list[nn.Parameter]) -> None:
-    if engine.stage3 is not None:
-        for unit in engine.stage3.units_of(params):
-            engine.stage3.ensure_gathered(unit, "all_gather_user")
+    for buffer in _buffers_of(engine, params):
+        if engine.stage3 is not None:
+            engine.stage3.ensure_gathered(engine.stage3.unit_of_buffer(buffer), "all_gather_user")
+        buffer.keep_own_values()
+
+
+def _buffers_of(engine: Engine, params: list[nn.Parameter]) -> list[ShardedBuffer]:
+    wanted = {id(p) for p in params}
+    return [buffer for buffer in engine.buffers if any(id(p) in wanted for p in buffer.params)]
 
 
 def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: int | None) -> None:
+    """With ``modifier_rank``, that rank's values reach every rank's shard and fp32 master. Without it,
+    changes made inside the block are discarded on every rank, also where the parameters stay whole
+    afterwards (stages 1-2, stage-3 units kept gathered): whether any rank wrote is agreed by one tiny
+    all-reduce (so every rank issues the same collectives), and then the whole values come back from the
+    shards."""
     stage3 = engine.stage3
-    if stage3 is not None:
-        for unit in stage3.units_of(params):
-            if modifier_rank is not None:
-                engine.comm.broadcast(unit.full, modifier_rank).wait()
-                stage3.write_back(unit)
-            if not unit.persistent:
-                stage3.release(unit)
-        return
+    buffers = _buffers_of(engine, params)
     if modifier_rank is not None:
-        wanted = {id(p) for p in params}
-        for buffer in engine.buffers:
-            if any(id(p) in wanted for p in buffer.params):
-                engine.comm.broadcast(buffer.full, modifier_rank).wait()
-                buffer.take_shard_from_full()
+        for buffer in buffers:
+            engine.comm.broadcast(buffer.full, modifier_rank).wait()
+            buffer.take_shard_from_full()
+    else:  # only parameters that stay whole need undoing; which ones do is the same on every rank
+        stay = [b for b in buffers if stage3 is None or stage3.unit_of_buffer(b).persistent]
+        if stay:
+            written = torch.tensor([float(any(buffer.params_written() for buffer in stay))], dtype=torch.float64)
+            engine.comm.all_reduce(written, False).wait()
+            if written.item() > 0:
+                for buffer in stay:
+                    buffer.discard_param_writes(engine.comm)
+    for buffer in buffers:
+        buffer.forget_own_values()
+        if stage3 is not None and not stage3.unit_of_buffer(buffer).persistent:
+            stage3.release(stage3.unit_of_buffer(buffer))

@@ -142,6 +142,13 @@ class OptimizerState:
         if shard.separate_master:
             shard.master.copy_(shard.params)
 
+    def absorb_written(self, shard: Shard) -> None:
+        """Some compute-dtype parameters of ``shard`` were written by the user: the master takes every
+        element that no longer equals its own rounding (the others keep their fp32 bits)."""
+        if shard.separate_master:
+            shard.master.copy_(torch.where(shard.master.to(shard.params.dtype) == shard.params, shard.master,
+                                           shard.params.to(torch.float32)))
+
     def grad_sum_of_squares(self) -> torch.Tensor:
         """Sum of squares of every gradient shard as a float64 scalar on the shards' device (padding is zero
         and adds nothing); inf or NaN when any gradient is. Each block of ``_NORM_BLOCK`` elements is reduced

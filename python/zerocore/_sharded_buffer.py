@@ -58,6 +58,8 @@ class ShardedBuffer:
         self.device = device
         self._optimizer_state = optimizer_state
         self.optimizer_shards: list[Shard] = []
+        self._versions: list[int] = []
+        self._own_values: list[torch.Tensor] | None = None  # see keep_own_values
 
     @property
     def numel(self) -> int:
@@ -155,6 +157,34 @@ class ShardedBuffer:
     def attach_views(self) -> None:
         for param, view in zip(self.params, self.views):
             param.data = view
+        self.note_param_versions()
+
+    # ---- writes by the user (Note [Writes to parameters]) ---------------------------------------------
+    def note_param_versions(self) -> None:
+        """Remembers the parameters' autograd version counters: the engine's own writes go through ``full``
+        and its views (other counters), so a parameter whose counter moved was written by the user."""
+        self._versions = [param._version for param in self.params]
+
+    @property
+    def gathered(self) -> bool:
+        """The parameters hold their full values (always, unless parameters are sharded and at rest)."""
+        return not self.policy.params_sharded or self.full.untyped_storage().nbytes() > 0
+
+    def params_written(self) -> bool:
+        return self.gathered and any(param._version != seen for param, seen in zip(self.params, self._versions))
+
+    def absorb_param_writes(self) -> None:
+        """The user wrote to parameters in place (``load_state_dict``, ``nn.init``, ``fill_``): this rank's
+        shard and its fp32 master take the written values, so the next step updates them instead of
+        reverting them. Elements whose value still equals the master's rounding keep the master's bits."""
+        if self.policy.params_sharded:
+            for b in range(len(self.buckets)):
+                bucket = self.buckets[b]
+                start = bucket.flat_start + self.rank * bucket.shard_size
+                self.param_shard(b).copy_(self.full[start : start + bucket.shard_size])
+        for shard in self.optimizer_shards:
+            self._optimizer_state.absorb_written(shard)
+        self.note_param_versions()
 
     def free(self) -> None:
         """Parameters sharded: the full storage goes, the parameters hold placeholders."""
@@ -172,6 +202,32 @@ class ShardedBuffer:
                 self.param_shard(b).copy_(self.full[start : start + bucket.shard_size])
         for shard in self.optimizer_shards:
             self._optimizer_state.reload_master(shard)
+        self.note_param_versions()
+
+    def keep_own_values(self) -> None:
+        """Entering ``zerocore.gathered``: where this rank's region of ``full`` is the only copy of its values
+        (stages 1-2 in fp32: the region is the master itself), a copy is kept so writes can be discarded."""
+        sole_copy = not self.policy.params_sharded and not any(s.separate_master for s in self.optimizer_shards)
+        self._own_values = [self.param_shard(b).clone() for b in range(len(self.buckets))] if sole_copy else None
+
+    def forget_own_values(self) -> None:
+        self._own_values = None
+
+    def discard_param_writes(self, comm: Any) -> None:
+        """The parameters' full values come back from every rank's shard (a collective), undoing writes."""
+        for b, shard in enumerate(self.optimizer_shards):
+            bucket = self.buckets[b]
+            start = bucket.flat_start + self.rank * bucket.shard_size
+            own = self.full[start : start + bucket.shard_size]
+            if self.policy.params_sharded:
+                own.copy_(self.param_shard(b))
+            elif self._own_values is not None:
+                own.copy_(self._own_values[b])
+            else:
+                own.copy_(shard.master)  # 16-bit parameters are the master's rounding
+        for b in range(len(self.buckets)):
+            comm.all_gather(self.param_bucket(b), b, "all_gather_user").wait()
+        self.note_param_versions()
 
     # ---- gradients ------------------------------------------------------------------------------------
     def zero_grad(self) -> None:

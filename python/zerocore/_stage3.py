@@ -209,6 +209,9 @@ class Stage3Runtime:
                 # model.state_dict() (torch.save, save_pretrained) would write NaN placeholders: raise.
                 self.hook_handles.append(module.register_state_dict_pre_hook(
                     lambda m, prefix, keep_vars, mine=mine: self._check_state_dict(mine)))
+                # model.load_state_dict() would fail on the placeholders with torch's aliasing error: name the way.
+                self.hook_handles.append(module.register_load_state_dict_pre_hook(
+                    lambda m, *args, mine=mine: self._check_load(mine)))
 
     def _check_gathered(self, params: list[tuple[Unit, str]]) -> None:
         for unit, name in params:
@@ -229,6 +232,16 @@ class Stage3Runtime:
                     "placeholders: use engine.full_state_dict() (a collective: every rank calls it; rank 0 gets "
                     "whole tensors), or engine.close() to get the plain model back, or wrap the call in "
                     "`with zerocore.gathered(model.parameters()):`"
+                )
+
+    def _check_load(self, params: list[tuple[Unit, str]]) -> None:
+        for unit, name in params:
+            if unit.state is UnitState.SHARDED:
+                raise RuntimeError(
+                    f"load_state_dict() into a ZeRO stage 3 model while parameter {name!r} is sharded: load inside "
+                    "`with zerocore.gathered(model.parameters(), modifier_rank=0): model.load_state_dict(sd)` "
+                    "(every rank enters the block; rank 0's values reach every rank's shard and fp32 master), or "
+                    "load into the plain model before zerocore.initialize()"
                 )
 
     def _in_backward(self) -> bool:
@@ -290,7 +303,7 @@ class Stage3Runtime:
 
     def grad_ready(self, buffer: ShardedBuffer) -> None:
         """A parameter of the unit that owns ``buffer`` got its gradient; the last one releases the unit."""
-        unit = self._unit_of_buffer[id(buffer)]
+        unit = self.unit_of_buffer(buffer)
         unit.grads_left -= 1
         if unit.grads_left == 0 and not unit.persistent:
             self.release(unit)
@@ -390,10 +403,5 @@ class Stage3Runtime:
                 "gathered_params_peak_last_step": self.last_step_peak_elements * width}
 
     # ---- outside forward ------------------------------------------------------------------------------
-    def units_of(self, params: list[nn.Parameter]) -> list[Unit]:
-        wanted = {id(p) for p in params}
-        return [u for u in self.units if any(id(p) in wanted for p in u.params)]
-
-    def write_back(self, unit: Unit) -> None:
-        """The gathered full buffer was modified: take this rank's shard (and fp32 master) from it."""
-        unit.buffer.take_shard_from_full()
+    def unit_of_buffer(self, buffer: ShardedBuffer) -> Unit:
+        return self._unit_of_buffer[id(buffer)]

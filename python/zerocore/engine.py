@@ -15,7 +15,20 @@ _stage3.py), each registering its shards with the one optimizer state (Note [Opt
 ``step()`` then, on every rank in the same order: all-reduces the gradients' sum of squares (the global
 norm for clipping, and the fp16 overflow verdict: one collective, one host sync), runs the fused Adam
 kernel on every shard (writing the compute-dtype params in the same pass) and, in stages 1-2, all-gathers
-each bucket's params asynchronously; the next forward waits for them.
+each bucket's params; ``step()`` returns once they landed, so any read after it (``model.state_dict()``,
+``model(x)``, a parameter) sees whole, updated parameters.
+
+Note [Writes to parameters]
+---------------------------
+A user may write to parameters in place between steps (``model.load_state_dict``, ``nn.init.*``,
+``fill_``) wherever the parameters hold their full values (stages 1-2 always; stage 3 units kept
+gathered). Such a write moves the parameter's autograd version counter, which the engine's own writes
+(through the flat buffer and its views) never touch; at the next step every buffer whose parameters moved
+takes the written values into its shard and fp32 master (``ShardedBuffer.absorb_param_writes``) before the
+update, so the write is trained from instead of reverted. Whether any rank absorbed a write travels with the
+norm all-reduce: a write made on some ranks only (``if rank == 0: model.load_state_dict(...)``) would leave
+the ranks' shards inconsistent, so it raises on every rank, naming ``zerocore.gathered(..., modifier_rank=)``.
+A sharded stage-3 parameter cannot be written (Note [Sharded placeholders]).
 """
 
 from __future__ import annotations
@@ -44,7 +57,6 @@ from ._loss_scaler import LossScaler
 from ._model_checks import check_same_model_on_all_ranks, collect_trainable, model_device
 from ._native import _C
 from ._optimizer_state import OptimizerState
-from ._pending_gathers import PendingGathers
 from ._policy import StagePolicy
 from ._sharded_buffer import ShardedBuffer
 from ._stage3 import Stage3Runtime
@@ -167,9 +179,6 @@ class Engine:
         self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
         self._reducing = False
         self._finalized = True
-        self.pending_gathers = PendingGathers(
-            [] if policy.params_sharded else
-            (buffer.bucket_params(b) for buffer in self.buffers for b in range(len(buffer.buckets))))
         self._last_grad_norm: float | None = None
         self.zero_grad()
 
@@ -218,9 +227,8 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the module while the last step's all-gathers land, each parameter waited for before its first
-        read (Note [Waiting for parameters on read]). In bf16/fp16 training, floating-point tensor arguments
-        are cast to the compute dtype (integer inputs such as token ids are left alone)."""
+        """Runs the module. In bf16/fp16 training, floating-point tensor arguments are cast to the compute
+        dtype (integer inputs such as token ids are left alone)."""
         life = self.lifecycle
         life.require("forward()", *_USABLE)
         if self.compute_dtype != torch.float32:
@@ -229,12 +237,7 @@ class Engine:
         training = torch.is_grad_enabled()
         if self.broadcast_buffers and training:
             sync_buffers(self.comm, self.module, self.world_size)
-        if self.pending_gathers.in_flight:  # Note [Waiting for parameters on read]
-            with self.pending_gathers.guard():
-                out = self.module(*args, **kwargs)
-            self.wait_for_params()
-        else:
-            out = self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
         if training:
             life.forward_pending = True
             if life.state is EngineState.IDLE:
@@ -245,10 +248,6 @@ class Engine:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.to(self.compute_dtype)
         return value
-
-    def wait_for_params(self) -> None:
-        """Blocks until the all-gather of the last step's updated parameters has landed."""
-        self.pending_gathers.wait_all()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -265,7 +264,6 @@ class Engine:
         life.require("backward()", EngineState.IDLE, EngineState.FORWARD, EngineState.NO_SYNC)
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ValueError("backward() needs a loss tensor that requires grad")
-        self.wait_for_params()
         no_sync = life.state is EngineState.NO_SYNC
         self._reducing = not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary())
         self._finalized = not self._reducing and self.stage3 is None
@@ -380,15 +378,27 @@ class Engine:
         fp16 = self.config.fp16.enabled
         # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
         grad_scale = 1.0 / self.loss_scaler.scale if fp16 else 1.0
-        verdicts = self.optimizer_state.grad_sum_of_squares().reshape(1)
-        if self.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
+        if self.stage3 is not None:
             self.stage3.land_gathers()
+        written = [buffer for buffer in self.buffers if buffer.params_written()]  # Note [Writes to parameters]
+        for buffer in written:
+            buffer.absorb_param_writes()
+        sum_of_squares = self.optimizer_state.grad_sum_of_squares()
+        verdicts = torch.stack([sum_of_squares, torch.tensor(float(bool(written)), dtype=torch.float64,
+                                                             device=sum_of_squares.device)])
+        if self.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
             verdicts = torch.cat([verdicts, self.stage3.divergence.verdict().reshape(1).double()])
         self.comm.all_reduce(verdicts, False).wait()
         values = verdicts.tolist()
         self.host_syncs += 1
         if self.stage3 is not None:
-            self.stage3.divergence.end_step(values[1] > 0, self.stage3.step)
+            self.stage3.divergence.end_step(values[2] > 0, self.stage3.step)
+        if 0 < values[1] < self.world_size:
+            raise RuntimeError(
+                f"parameters were written in place (load_state_dict, nn.init, fill_, ...) on {int(values[1])} of "
+                f"{self.world_size} ranks only (this rank: {'yes' if written else 'no'}): their shards now disagree. "
+                "Write on every rank, or write on one inside `with zerocore.gathered(params, modifier_rank=r):`, "
+                "which sends rank r's values to every rank; then reload the model's state on every rank.")
         total = values[0]
         overflow = fp16 and not math.isfinite(total)
         if fp16:
@@ -409,8 +419,8 @@ class Engine:
         self._log_progress()
 
     def _gather_updated_params(self) -> None:
-        """Stages 1-2: every rank's updated shard to every rank, per bucket, asynchronously (the next
-        forward waits on read); at most ``allgather_bucket_size`` elements in flight when it is set."""
+        """Stages 1-2: every rank's updated shard to every rank, per bucket, all landed on return (Note
+        [Engine lifecycle]); at most ``allgather_bucket_size`` elements in flight when it is set."""
         if self.policy.params_sharded:
             return  # stage 3 gathers each unit when it is next used
         cap = self.buckets.allgather_in_flight
@@ -426,7 +436,8 @@ class Engine:
                 work = buffer.gather(self.comm, bucket, "all_gather")
                 in_flight.append((work, size))
                 in_flight_elements += size
-                self.pending_gathers.launched(work)
+        for work, _ in in_flight:
+            work.wait()
 
     def _log_progress(self) -> None:
         every = self.config.steps_per_print
@@ -473,7 +484,6 @@ class Engine:
         if self.lifecycle.state is EngineState.CLOSED:
             return
         self.lifecycle.require("close()", *_USABLE)
-        self.wait_for_params()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
@@ -514,14 +524,12 @@ class Engine:
         on every rank. With ``rank0_only`` other ranks get an empty dict.
         """
         self.lifecycle.require("full_state_dict()", *_USABLE)
-        self.wait_for_params()
         return full_state_dict(self, dtype, rank0_only)
 
     # ---- zerocore.gathered --------------------------------------------------------------------------
     def gather_for_user(self, params: list[nn.Parameter]) -> None:
         """Entering ``zerocore.gathered(params)``: the parameters hold their full values."""
         self.lifecycle.require("gathered()", *_USABLE)
-        self.wait_for_params()
         gather_for_user(self, params)
 
     def release_for_user(self, params: list[nn.Parameter], modifier_rank: int | None) -> None:

@@ -1,0 +1,130 @@
+"""Writes to parameters between steps reach the optimizer's fp32 master (issue 9, item 3; Note [Writes to
+parameters] in engine.py): ``load_state_dict``, ``nn.init`` and in-place ops after ``initialize`` are
+trained from, not reverted by the next step; a write on some ranks only raises on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zerocore
+from _dist import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _config(stage: int, dtype: str, lr: float) -> dict:
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10**9}}
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+    return config
+
+
+def _train(engine: zerocore.Engine, rank: int, steps: int) -> None:
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        engine.backward(engine(x.to(engine.compute_dtype)).float().square().mean())
+        engine.step()
+
+
+def writes_worker(rank: int, world: int, stage: int, dtype: str) -> bool:
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(stage, dtype, lr=1e-2))
+    _train(engine, rank, 3)
+    torch.manual_seed(1)
+    loaded = {k: v.float() for k, v in Net().state_dict().items()}
+
+    def write() -> None:
+        model.load_state_dict(loaded)  # every rank loads the same values
+        with torch.no_grad():
+            nn.init.constant_(model.fc2.bias, 0.25)
+            model.fc1.bias.fill_(-0.5)
+
+    if stage == 3:  # sharded parameters cannot be written: a clear error, then the way it names
+        with pytest.raises(RuntimeError, match=r"zerocore.gathered\(model.parameters\(\), modifier_rank=0\)"):
+            model.load_state_dict(loaded)
+        with zerocore.gathered(model.parameters(), modifier_rank=0):
+            write()
+    else:
+        write()
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0  # an update of zero: the next step must keep what was written
+    _train(engine, rank, 1)
+    expected = dict(loaded, **{"fc2.bias": torch.full((4,), 0.25), "fc1.bias": torch.full((16,), -0.5)})
+    state = engine.full_state_dict(rank0_only=False)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value.to(engine.compute_dtype), rtol=0, atol=0, msg=name)
+    # and training goes on from the written values, not from the old master
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 1e-2
+    _train(engine, rank, 1)
+    after = engine.full_state_dict(rank0_only=False)["fc2.weight"].float()
+    assert 0 < (after - loaded["fc2.weight"]).abs().max() < 0.05
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_load_state_dict_and_in_place_writes_after_initialize_are_kept(stage, dtype):
+    assert all(run_ranks(writes_worker, 2, stage, dtype))
+
+
+def one_rank_worker(rank: int, world: int, stage: int) -> str:
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(stage, "bf16", lr=1e-2))
+    _train(engine, rank, 1)
+    if stage == 3:  # stage 3: a unit kept gathered (the root, whole from its forward until the step)
+        engine(torch.zeros(1, 8, dtype=engine.compute_dtype))
+    if rank == 0:
+        with torch.no_grad():
+            model.fc1.weight.zero_()
+    try:
+        _train(engine, rank, 1)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_write_on_one_rank_only_raises_on_every_rank(stage):
+    """Stage 3 keeps this model's one unit (the root) gathered after a forward until the step."""
+    for message in run_ranks(one_rank_worker, 2, stage):
+        assert "on 1 of 2 ranks only" in message and "modifier_rank" in message, message
+
+
+def discard_worker(rank: int, world: int, stage: int, dtype: str) -> bool:
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(stage, dtype, lr=1e-2))
+    _train(engine, rank, 2)
+    before = engine.full_state_dict(rank0_only=False)
+    with zerocore.gathered(list(model.parameters())):  # modifier_rank=None: changes are discarded on exit
+        with torch.no_grad():
+            model.fc1.weight.add_(1.0 + rank)
+        assert not torch.equal(model.fc1.weight.detach().float(), before["fc1.weight"].float())
+    if stage != 3:  # stages 1-2: the parameters stay whole and hold the old values again
+        assert torch.equal(model.fc1.weight.detach().cpu(), before["fc1.weight"])
+    after = engine.full_state_dict(rank0_only=False)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    _train(engine, rank, 1)  # and the next step starts from the old values on every rank
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_changes_inside_gathered_without_modifier_rank_are_discarded(stage, dtype):
+    assert all(run_ranks(discard_worker, 2, stage, dtype))
