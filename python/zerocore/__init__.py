@@ -5,7 +5,8 @@ from ._info import build_info
 from .layout import Bucket, FlatLayout, Piece
 from . import ops
 from . import optim
-from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
+from . import lr_schedules
+from .config import FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig, ZeroOptimizationConfig
 from .engine import Engine, initialize
 from ._gathered import gathered
 
@@ -13,5 +14,5 @@ __version__ = build_info()["version"]
 
 __all__ = [
     "build_info", "FlatLayout", "Bucket", "Piece", "ops", "optim", "ZeroConfig", "OptimizerConfig", "FP16Config",
-    "ZeroOptimizationConfig", "Engine", "initialize", "gathered", "__version__",
+    "ZeroOptimizationConfig", "SchedulerConfig", "lr_schedules", "Engine", "initialize", "gathered", "__version__",
 ]

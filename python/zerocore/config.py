@@ -5,6 +5,18 @@ what is accepted. :meth:`ZeroConfig.from_deepspeed` reads a DeepSpeed config (a 
 sorts its keys into three classes: keys zerocore supports (parsed), real DeepSpeed keys zerocore does not
 support yet (an error, or with ``strict=False`` one warning listing them all, and then ignored), and unknown
 keys (always an error, with a "did you mean" suggestion).
+
+Note [Hugging Face "auto" values]
+---------------------------------
+Hugging Face's published DeepSpeed configs use ``"auto"``, which its Trainer fills in before DeepSpeed sees
+the config (transformers' ``HfTrainerDeepSpeedConfig``). zerocore fills in the ones the Trainer derives from
+the model and the world, as it does: ``reduce_bucket_size`` = hidden^2, ``stage3_prefetch_bucket_size`` =
+int(0.9 hidden^2), ``stage3_param_persistence_threshold`` = 10 hidden (hidden: the model's
+``config.hidden_size``, else the largest of ``config.hidden_sizes``); the batch sizes from each other and the
+world size by DeepSpeed's rule (an ``"auto"`` counts as absent; ``gradient_accumulation_steps`` is 1 when
+only one batch size is given); ``scheduler.params.warmup_min_lr`` = 0 and ``warmup_max_lr`` = the optimizer's
+lr. The rest come from the user's ``TrainingArguments``, which zerocore does not see: one ``ValueError`` names
+every such key and the training argument it stands for.
 """
 
 from __future__ import annotations
@@ -22,12 +34,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerConfig", "FP16Config", "ZeroOptimizationConfig", "ZeroConfig"]
+__all__ = ["OptimizerConfig", "FP16Config", "ZeroOptimizationConfig", "SchedulerConfig", "ZeroConfig",
+           "hidden_size_of"]
 
 _OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW"}
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # weight_decay when a DeepSpeed JSON leaves it out, per optimizer type.
 _DEFAULT_WEIGHT_DECAY = {"Adam": 0.0, "AdamW": 0.0}  # DeepSpeed builds FusedAdam, whose default is 0.0
+_BATCH_KEYS = ("gradient_accumulation_steps", "train_batch_size", "train_micro_batch_size_per_gpu")
 
 
 def _fail(path: str, message: str) -> None:
@@ -215,6 +229,141 @@ class ZeroOptimizationConfig:
                   "are produced; only true is accepted (remove the key or set it to true)")
 
 
+# scheduler.params per DeepSpeed schedule type: name -> (kind, minimum); kinds: "lr" (a number >= 0, or one per
+# param group), "float", "int", "int?" (an int or null), "bool", "mom" (in [0, 1)), "warmup_type".
+_WARMUP = {"warmup_min_lr": ("lr", 0), "warmup_max_lr": ("lr", 0), "warmup_num_steps": ("int", 1),
+           "warmup_type": ("warmup_type", None), "last_batch_iteration": ("start", None)}
+_SCHEDULE_PARAMS: dict[str, dict[str, tuple[str, Any]]] = {
+    "WarmupLR": _WARMUP,
+    "WarmupDecayLR": {**_WARMUP, "total_num_steps": ("int", 1)},
+    "WarmupCosineLR": {"total_num_steps": ("int", 1), "warmup_min_ratio": ("float", 0), "warmup_num_steps": ("int", 1),
+                       "cos_min_ratio": ("float", 0), "warmup_type": ("warmup_type", None),
+                       "last_batch_iteration": ("start", None)},
+    "OneCycle": {"cycle_min_lr": ("float", 0), "cycle_max_lr": ("float", 0), "decay_lr_rate": ("float", 0),
+                 "cycle_first_step_size": ("int", 1), "cycle_second_step_size": ("int?", 0),
+                 "cycle_first_stair_count": ("int", -1), "cycle_second_stair_count": ("int?", -1),
+                 "decay_step_size": ("int", 0), "cycle_momentum": ("bool", None), "cycle_min_mom": ("mom", None),
+                 "cycle_max_mom": ("mom", None), "decay_mom_rate": ("float", 0),
+                 "last_batch_iteration": ("start", None)},
+    "LRRangeTest": {"lr_range_test_min_lr": ("lr", 0), "lr_range_test_step_size": ("int", 1),
+                    "lr_range_test_step_rate": ("float", 0), "lr_range_test_staircase": ("bool", None),
+                    "last_batch_iteration": ("start", None)},
+}
+_REQUIRED_PARAMS = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",),
+                    "OneCycle": ("cycle_min_lr", "cycle_max_lr")}
+# Schedulers torch has that a JSON config cannot drive (they take callables, other schedulers, or a metric).
+_TORCH_SCHEDULERS_NOT_FROM_JSON = frozenset({"LRScheduler", "_LRScheduler", "LambdaLR", "MultiplicativeLR",
+                                             "SequentialLR", "ChainedScheduler", "ReduceLROnPlateau"})
+
+
+def _scheduler_value(value: Any, path: str, kind: str, minimum: Any) -> Any:
+    if kind == "lr":
+        if isinstance(value, (list, tuple)):
+            if not value:
+                _fail(path, "expected a number >= 0, or a non-empty list of them (one per param group), got []")
+            return tuple(_float(v, f"{path}[{i}]", 0.0) for i, v in enumerate(value))
+        return _float(value, path, 0.0)
+    if kind == "float":
+        return _float(value, path, float(minimum))
+    if kind == "mom":
+        return _float(value, path, 0.0, below=1.0)
+    if kind == "int":
+        return _int(value, path, minimum)
+    if kind == "int?":
+        return None if value is None else _int(value, path, minimum)
+    if kind == "bool":
+        return _bool(value, path)
+    if kind == "warmup_type":
+        _no_auto(value, path)
+        if value not in ("log", "linear"):  # DeepSpeed would fall back to "log" for anything else
+            _fail(path, f"expected 'log' or 'linear' (lower case), got {value!r}")
+        return value
+    # "start": DeepSpeed's last_batch_iteration; only a fresh start (-1) is accepted.
+    _no_auto(value, path)
+    if value != -1 or isinstance(value, bool):
+        _fail(path, f"only -1 (start from the beginning) is accepted, got {value!r}; to resume a schedule, "
+              "call engine.lr_scheduler.load_state_dict(...) with the state_dict() saved from it")
+    return None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """A learning-rate schedule (DeepSpeed ``scheduler``: ``{"type": ..., "params": {...}}``), built by the
+    engine as ``engine.lr_scheduler`` and stepped after every applied optimizer step (see
+    :mod:`zerocore.lr_schedules`).
+
+    Attributes:
+        type: one of DeepSpeed's ``"WarmupLR"``, ``"WarmupDecayLR"``, ``"WarmupCosineLR"``, ``"OneCycle"``,
+            ``"LRRangeTest"`` (case-insensitive on input, stored in this spelling), or, as DeepSpeed allows,
+            the name of a ``torch.optim.lr_scheduler`` class whose arguments JSON can give (e.g. ``"StepLR"``).
+        params: the schedule's keyword arguments; a mapping on input, stored as sorted ``(name, value)`` pairs
+            (so the config stays hashable); :attr:`params_dict` gives them as a dict. DeepSpeed schedules'
+            params are validated here (unknown or missing keys, ranges); a torch scheduler's when it is built.
+
+    Raises:
+        ValueError: naming the key path (``scheduler.params.warmup_num_steps``) of the first invalid value.
+    """
+
+    type: str
+    params: Any = ()
+
+    def __post_init__(self) -> None:
+        _no_auto(self.type, "scheduler.type")
+        names = {name.lower(): name for name in _SCHEDULE_PARAMS}
+        if isinstance(self.type, str) and self.type.lower() in names:
+            object.__setattr__(self, "type", names[self.type.lower()])
+        elif not (isinstance(self.type, str) and self.type not in _TORCH_SCHEDULERS_NOT_FROM_JSON
+                  and isinstance(getattr(torch.optim.lr_scheduler, self.type, None), type)
+                  and issubclass(getattr(torch.optim.lr_scheduler, self.type), torch.optim.lr_scheduler.LRScheduler)):
+            _fail("scheduler.type", f"expected one of {', '.join(repr(n) for n in _SCHEDULE_PARAMS)} (DeepSpeed's "
+                  "schedules, case-insensitive) or the name of a torch.optim.lr_scheduler class that takes "
+                  f"plain values (such as 'StepLR'), got {self.type!r}")
+        params = self.params
+        if isinstance(params, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in params):
+            params = dict(params)
+        if not isinstance(params, Mapping):
+            _fail("scheduler.params", f"expected a JSON object (a mapping), got {params!r}")
+        schema = _SCHEDULE_PARAMS.get(self.type)
+        out: dict[str, Any] = {}
+        for key, value in params.items():
+            path = f"scheduler.params.{key}"
+            if not isinstance(key, str):
+                _fail("scheduler.params", f"keys must be strings, got {key!r}")
+            if schema is None:  # a torch scheduler: its constructor checks the values when the engine builds it
+                _no_auto(value, path)
+                out[key] = tuple(value) if isinstance(value, list) else value
+                continue
+            if key not in schema:
+                close = difflib.get_close_matches(key, list(schema), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                _fail(path, f"unknown key for {self.type}{hint}; accepted keys: {', '.join(sorted(schema))}")
+            kind, minimum = schema[key]
+            checked = _scheduler_value(value, path, kind, minimum)
+            if kind != "start":
+                out[key] = checked
+        for key in _REQUIRED_PARAMS.get(self.type, ()):
+            if key not in out:
+                _fail(f"scheduler.params.{key}", f"required by {self.type} (DeepSpeed has no default for it)")
+        object.__setattr__(self, "params", tuple(sorted(out.items())))
+
+    @property
+    def params_dict(self) -> dict[str, Any]:
+        """The params as keyword arguments (per-group lists as lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.params}
+
+
+def hidden_size_of(model: Any) -> int | None:
+    """The hidden size Hugging Face's Trainer derives ``"auto"`` bucket sizes from: the model's
+    ``config.hidden_size``, else the largest of ``config.hidden_sizes``; None when the model has neither."""
+    model_config = getattr(model, "config", None)
+    hidden = getattr(model_config, "hidden_size", None)
+    if hidden is None:
+        sizes = getattr(model_config, "hidden_sizes", None)
+        if isinstance(sizes, Sequence) and not isinstance(sizes, str) and len(sizes) > 0:
+            hidden = max(sizes)
+    return hidden
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """Everything the zerocore engine reads; build it directly or with :meth:`from_deepspeed`.
@@ -235,6 +384,11 @@ class ZeroConfig:
             ``train_micro_batch_size_per_gpu`` but not ``gradient_accumulation_steps``: the steps are
             ``train_batch_size / (micro * world_size)``, worked out by :meth:`for_world_size` once the world
             size is known (``from_deepspeed`` sets it).
+        scheduler: the learning-rate schedule (DeepSpeed ``scheduler``), or None for a constant lr.
+        auto_batch_sizes: batch-size keys the DeepSpeed config gave as ``"auto"`` (Note [Hugging Face "auto"
+            values]); :meth:`for_world_size` fills in ``train_batch_size`` / ``train_micro_batch_size_per_gpu``
+            among them from the others and the world size (``gradient_accumulation_steps`` among them was
+            already settled by ``from_deepspeed``; it is listed so ``to_deepspeed`` writes ``"auto"`` back).
 
     Raises:
         ValueError: naming the key path of the first invalid value, or bf16 and fp16 both enabled.
@@ -251,6 +405,8 @@ class ZeroConfig:
     train_micro_batch_size_per_gpu: int | None = None
     steps_per_print: int = 10
     derive_accumulation_steps: bool = False
+    scheduler: SchedulerConfig | None = None
+    auto_batch_sizes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, cls in (("optimizer", OptimizerConfig), ("fp16", FP16Config),
@@ -275,25 +431,55 @@ class ZeroConfig:
         if self.derive_accumulation_steps and (self.train_batch_size is None
                                                or self.train_micro_batch_size_per_gpu is None):
             raise ValueError("derive_accumulation_steps needs train_batch_size and train_micro_batch_size_per_gpu")
+        if self.scheduler is not None and not isinstance(self.scheduler, SchedulerConfig):
+            _fail("scheduler", f"expected a SchedulerConfig or None, got {type(self.scheduler).__name__} "
+                  "(use ZeroConfig.from_deepspeed to read a DeepSpeed dict)")
+        auto = self.auto_batch_sizes
+        if (isinstance(auto, (str, bytes)) or not isinstance(auto, Sequence)
+                or any(name not in _BATCH_KEYS for name in auto)):
+            _fail("auto_batch_sizes", f"expected a tuple of names among {', '.join(_BATCH_KEYS)}, got {auto!r}")
+        object.__setattr__(self, "auto_batch_sizes", tuple(sorted(set(auto))))
+        for name in self.auto_batch_sizes:
+            if name != "gradient_accumulation_steps" and getattr(self, name) is not None:
+                _fail(name, f"listed in auto_batch_sizes (to be derived) but also given: {getattr(self, name)!r}")
 
     def for_world_size(self, world_size: int) -> ZeroConfig:
         """This config with DeepSpeed's batch-size rule applied for ``world_size`` ranks: the derived
-        ``gradient_accumulation_steps`` filled in (see ``derive_accumulation_steps``), then checked.
+        ``gradient_accumulation_steps`` filled in (see ``derive_accumulation_steps``), and the batch sizes given
+        as ``"auto"`` (see ``auto_batch_sizes``), then checked.
 
         Raises:
             ValueError: when the batch sizes do not fit ``world_size`` (see :meth:`check_batch_sizes`).
         """
         config = self
-        if self.derive_accumulation_steps:
-            batch, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        if self.auto_batch_sizes:
+            config = config._fill_auto_batch_sizes(_int(world_size, "world_size", 1))
+        if config.derive_accumulation_steps:
+            batch, micro = config.train_batch_size, config.train_micro_batch_size_per_gpu
             world = _int(world_size, "world_size", 1)
             if batch % (micro * world):
                 raise ValueError(f"train_batch_size ({batch}) is not divisible by train_micro_batch_size_per_gpu "
                                  f"({micro}) * world_size ({world}); no gradient_accumulation_steps fits")
-            config = dataclasses.replace(self, gradient_accumulation_steps=batch // (micro * world),
+            config = dataclasses.replace(config, gradient_accumulation_steps=batch // (micro * world),
                                          derive_accumulation_steps=False)
         config.check_batch_sizes(world_size)
         return config
+
+    def _fill_auto_batch_sizes(self, world: int) -> ZeroConfig:
+        """DeepSpeed's batch-size rule for the keys given as ``"auto"``: ``train_batch_size = micro * gas *
+        world``; ``micro = train_batch_size / (gas * world)``; neither is filled when both are ``"auto"``."""
+        auto, gas = self.auto_batch_sizes, self.gradient_accumulation_steps
+        batch, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        if "train_batch_size" in auto and micro is not None:
+            batch = micro * gas * world
+        elif "train_micro_batch_size_per_gpu" in auto and batch is not None:
+            if batch % (gas * world):
+                raise ValueError(f'train_micro_batch_size_per_gpu: "auto" is train_batch_size ({batch}) / '
+                                 f"(gradient_accumulation_steps ({gas}) * world_size ({world})), which is not an "
+                                 "integer; give train_micro_batch_size_per_gpu, or a train_batch_size that divides")
+            micro = batch // (gas * world)
+        return dataclasses.replace(self, train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
+                                   auto_batch_sizes=())
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -337,21 +523,24 @@ class ZeroConfig:
                              f"= {micro * gas * world}{hint}")
 
     @classmethod
-    def from_deepspeed(cls, source: str | os.PathLike[str] | Mapping[str, Any], *, strict: bool = True) -> ZeroConfig:
+    def from_deepspeed(cls, source: str | os.PathLike[str] | Mapping[str, Any], *, strict: bool = True,
+                       hidden_size: int | None = None) -> ZeroConfig:
         """Reads a DeepSpeed config: a path to a JSON file, or an already-loaded mapping (never mutated).
 
         Args:
             source: the JSON file's path, or the config as a mapping.
             strict: if False, real DeepSpeed keys that zerocore does not support yet are ignored with one
                 ``UserWarning`` listing them all, instead of raising. Unknown keys raise either way.
+            hidden_size: the model's hidden size, for the ``"auto"`` bucket sizes (Note [Hugging Face "auto"
+                values]); ``zerocore.initialize`` passes :func:`hidden_size_of` its model.
 
         Returns:
             The validated config. Missing keys take the dataclass defaults, except ``weight_decay``, which
             defaults to 0.0 for both optimizer types, as DeepSpeed does.
 
         Raises:
-            ValueError: an invalid value, an unknown key, an unsupported key (with ``strict``), an ``"auto"``
-                placeholder, or a file that is not valid JSON.
+            ValueError: an invalid value, an unknown key, an unsupported key (with ``strict``), ``"auto"``
+                placeholders zerocore cannot fill in (all named in one error), or a file that is not valid JSON.
             TypeError: ``source`` is neither a path nor a mapping.
         """
         if isinstance(source, (str, os.PathLike)):
@@ -367,21 +556,35 @@ class ZeroConfig:
         fp16 = _section(top.get("fp16", {}), "fp16", unsupported)
         bf16 = _section(top.get("bf16", {}), "bf16", unsupported)
         zero = _section(top.get("zero_optimization", {}), "zero_optimization", unsupported)
+        scheduler = top.get("scheduler")
+        if scheduler is not None:
+            scheduler = _section(scheduler, "scheduler", unsupported)
+            if "type" not in scheduler:
+                _fail("scheduler.type", "missing; a scheduler section needs a type (such as \"WarmupLR\")")
+            scheduler_params = scheduler.get("params", {})
+            if not isinstance(scheduler_params, Mapping):
+                _fail("scheduler.params", f"expected a JSON object (a mapping), got {scheduler_params!r}")
+            scheduler["params"] = dict(scheduler_params)  # a copy: "auto" values are filled in below
         if unsupported and strict:
             raise ValueError(f"DeepSpeed keys not supported yet by zerocore: {', '.join(unsupported)}; remove them, "
                              "or pass strict=False to ignore them with a warning")
+        plain = {k: v for k, v in top.items()
+                 if k not in ("optimizer", "fp16", "bf16", "zero_optimization", "scheduler")}
+        _fill_auto(plain=plain, optimizer=optimizer, params=params, fp16=fp16, bf16=bf16, zero=zero,
+                   scheduler=scheduler, hidden_size=hidden_size)
 
         opt_type = _choice(optimizer.get("type", "AdamW"), "optimizer.type", _OPTIMIZER_TYPES)
         opt_kwargs = {("adamw_mode" if k == "adam_w_mode" else k): v for k, v in params.items()}
         opt_kwargs.setdefault("weight_decay", _DEFAULT_WEIGHT_DECAY[opt_type])
         if opt_type == "AdamW" and "adamw_mode" in opt_kwargs:  # DeepSpeed: type AdamW forces adam_w_mode on
             _bool(opt_kwargs.pop("adamw_mode"), "optimizer.params.adam_w_mode")
-        plain = {k: v for k, v in top.items() if k not in ("optimizer", "fp16", "bf16", "zero_optimization")}
         if ("gradient_accumulation_steps" not in plain and plain.get("train_batch_size") is not None
                 and plain.get("train_micro_batch_size_per_gpu") is not None):
             plain["derive_accumulation_steps"] = True  # DeepSpeed derives it once the world size is known
+        schedule = None if scheduler is None else SchedulerConfig(scheduler["type"], scheduler["params"])
         config = cls(optimizer=OptimizerConfig(type=opt_type, **opt_kwargs), bf16=bf16.get("enabled", False),
-                     fp16=FP16Config(**fp16), zero_optimization=ZeroOptimizationConfig(**zero), **plain)
+                     fp16=FP16Config(**fp16), zero_optimization=ZeroOptimizationConfig(**zero), scheduler=schedule,
+                     **plain)
         if unsupported:
             warnings.warn(f"zerocore ignores these DeepSpeed keys, not supported yet: {', '.join(unsupported)}",
                           UserWarning, stacklevel=2)
@@ -407,6 +610,10 @@ class ZeroConfig:
                 out[name] = getattr(self, name)
         if self.derive_accumulation_steps:
             del out["gradient_accumulation_steps"]  # left for DeepSpeed's rule, as in the source config
+        for name in self.auto_batch_sizes:
+            out[name] = "auto"  # still to be derived (by for_world_size), as in the source config
+        if self.scheduler is not None:
+            out["scheduler"] = {"type": self.scheduler.type, "params": self.scheduler.params_dict}
         return out
 
 
@@ -415,9 +622,9 @@ class ZeroConfig:
 _Z3 = ("max_reuse_distance model_persistence_threshold gather_16bit_weights_on_model_save "
        "module_granularity_threshold use_all_reduce_for_fetch_params allgather_sequential").split()
 _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozenset[str]]] = {
-    "": (frozenset(f.name for f in dataclasses.fields(ZeroConfig)), {"bfloat16": "bf16"},
+    "": (frozenset(f.name for f in dataclasses.fields(ZeroConfig)) - {"auto_batch_sizes"}, {"bfloat16": "bf16"},
          frozenset({"wall_clock_breakdown"}), frozenset((
-             "scheduler activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger amp "
+             "activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger amp "
              "zero_allow_untested_optimizer zero_force_ds_cpu_optimizer elasticity autotuning prescale_gradients "
              "gradient_predivide_factor sparse_gradients sparse_attention pipeline data_efficiency "
              "curriculum_learning compression_training checkpoint aio nebula data_types memory_breakdown "
@@ -430,6 +637,7 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
     "fp16": (frozenset(f.name for f in dataclasses.fields(FP16Config)), {}, frozenset(),
              frozenset({"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"})),
     "bf16": (frozenset({"enabled"}), {}, frozenset(), frozenset({"immediate_grad_update"})),
+    "scheduler": (frozenset({"type", "params"}), {}, frozenset(), frozenset()),
     "zero_optimization": (
         frozenset(f.name for f in dataclasses.fields(ZeroOptimizationConfig)),
         {name: "stage3_" + name for name in ("prefetch_bucket_size", "max_live_parameters",
@@ -447,6 +655,29 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
 _HINTS = {"optimizer.params.max_grad_norm": "DeepSpeed clips with the top-level gradient_clipping"}
 
 
+def _no_offload(value: Any, path: str) -> bool:
+    """Whether an offload setting asks for no offload (DeepSpeed's ``{"device": "none"}``, its default device,
+    or null; the deprecated ``cpu_offload*`` flags: false), which zerocore accepts and ignores."""
+    if value is None or value is False:
+        return True
+    if isinstance(value, bool):
+        return False  # cpu_offload: true
+    if not isinstance(value, Mapping):
+        _fail(path, f'expected a JSON object such as {{"device": "none"}}, got {value!r}')
+    device = value.get("device", "none")
+    if isinstance(device, str) and device.lower() == "none":
+        return True
+    if isinstance(device, str) and device.lower() in ("cpu", "nvme"):
+        return False  # a real offload: not supported yet
+    _fail(path + ".device", f"expected 'none', 'cpu' or 'nvme' (zerocore runs 'none': no offload), got {device!r}")
+    return False
+
+
+# Keys that are accepted (and ignored) when their value means "no offload", else not supported yet.
+_NO_OFFLOAD_KEYS = frozenset("zero_optimization." + key for key in
+                             ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param"))
+
+
 def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
     """Returns the supported keys of one section (aliases resolved); records unsupported key paths."""
     supported, aliases, ignored, not_yet = _SCHEMA[path]
@@ -462,6 +693,8 @@ def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
             if name in out:
                 _fail(prefix + name, "given twice, under its name and under an alias DeepSpeed also accepts")
             out[name] = value
+        elif prefix + key in _NO_OFFLOAD_KEYS and _no_offload(value, prefix + key):
+            continue
         elif key in not_yet:
             unsupported.append(prefix + key)
         elif key not in ignored:
@@ -471,6 +704,107 @@ def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
             hint = f" ({_HINTS[prefix + key]})" if prefix + key in _HINTS else hint
             _fail(prefix + key, f"unknown key{hint}; accepted keys here: {', '.join(sorted(supported | ignored))}")
     return out
+
+
+# Where the Hugging Face Trainer takes each "auto" it fills from TrainingArguments (its trainer_config_process /
+# trainer_config_finalize): the argument named in zerocore's error.
+_TRAINING_ARGUMENTS = {
+    "optimizer.params.lr": "learning_rate",
+    "optimizer.params.betas": "adam_beta1 and adam_beta2",
+    "optimizer.params.eps": "adam_epsilon",
+    "optimizer.params.weight_decay": "weight_decay",
+    "gradient_clipping": "max_grad_norm",
+    "fp16.enabled": "fp16",
+    "bf16.enabled": "bf16",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "scheduler.params.warmup_max_lr": "learning_rate",
+    "scheduler.params.warmup_num_steps": "warmup_steps (or warmup_ratio times the number of training steps)",
+    "scheduler.params.total_num_steps": "max_steps (the number of training steps the Trainer computes)",
+}
+# "auto" bucket sizes the Trainer derives from the model's hidden size h.
+_FROM_HIDDEN = {"reduce_bucket_size": ("h^2", lambda h: h * h),
+                "stage3_prefetch_bucket_size": ("0.9 h^2", lambda h: int(0.9 * h * h)),
+                "stage3_param_persistence_threshold": ("10 h", lambda h: 10 * h)}
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def _fill_auto(*, plain: dict[str, Any], optimizer: dict[str, Any], params: dict[str, Any], fp16: dict[str, Any],
+               bf16: dict[str, Any], zero: dict[str, Any], scheduler: dict[str, Any] | None,
+               hidden_size: Any) -> None:
+    """Fills in the ``"auto"`` values zerocore can derive, in place in these (fresh) section dicts, and raises
+    one ``ValueError`` naming every other (Note [Hugging Face "auto" values])."""
+    problems: list[str] = []
+    reported: set[str] = set()
+
+    def needs_value(path: str) -> None:
+        if path in reported:
+            return
+        source = _TRAINING_ARGUMENTS.get(path)
+        if source is None:
+            problems.append(f'{path}: "auto" is a Hugging Face Trainer placeholder that the Trainer fills in before '
+                            "DeepSpeed sees the config; zerocore needs the actual value")
+        else:
+            problems.append(f'{path}: "auto" is a Hugging Face Trainer placeholder, filled from TrainingArguments.'
+                            f"{source}; zerocore does not see the training arguments, so give the value")
+
+    # From the model's hidden size, as the Trainer does.
+    for name, (formula, derive) in _FROM_HIDDEN.items():
+        if _is_auto(zero.get(name)):
+            if hidden_size is None:
+                problems.append(
+                    f'zero_optimization.{name}: "auto" is a Hugging Face Trainer placeholder, derived from the '
+                    f"model's hidden size h ({formula}), and no hidden size is known: the model has no "
+                    "config.hidden_size (nor config.hidden_sizes) (ZeroConfig.from_deepspeed takes hidden_size=); "
+                    "give an integer")
+                reported.add(f"zero_optimization.{name}")
+            else:
+                zero[name] = derive(_int(hidden_size, "hidden_size (the model's config.hidden_size)", 1))
+
+    # Batch sizes: DeepSpeed's rule, an "auto" counting as absent; what needs the world size waits for it.
+    auto_batch = [name for name in _BATCH_KEYS if _is_auto(plain.get(name))]
+    if auto_batch:
+        for name in auto_batch:
+            del plain[name]
+        given = [name for name in ("train_batch_size", "train_micro_batch_size_per_gpu") if name in plain]
+        if "gradient_accumulation_steps" in auto_batch:
+            if len(given) == 2:
+                auto_batch.remove("gradient_accumulation_steps")  # derived by derive_accumulation_steps
+            elif len(given) == 1:
+                plain["gradient_accumulation_steps"] = 1  # DeepSpeed's rule with one batch size given
+            else:
+                auto_batch.remove("gradient_accumulation_steps")
+                problems.append(
+                    'gradient_accumulation_steps: "auto" is a Hugging Face Trainer placeholder, filled from '
+                    "TrainingArguments.gradient_accumulation_steps; zerocore derives it (DeepSpeed's rule) only "
+                    "from a numeric train_batch_size or train_micro_batch_size_per_gpu, and neither is given: "
+                    "give gradient_accumulation_steps, or the batch sizes")
+        plain["auto_batch_sizes"] = tuple(auto_batch)
+
+    # The scheduler's: warmup_min_lr is 0 and warmup_max_lr the optimizer's lr, as the Trainer sets them.
+    if scheduler is not None:
+        sched_params = scheduler["params"]
+        if _is_auto(sched_params.get("warmup_min_lr")):
+            sched_params["warmup_min_lr"] = 0.0
+        lr = params.get("lr")
+        if _is_auto(sched_params.get("warmup_max_lr")) and lr is not None and not _is_auto(lr):
+            sched_params["warmup_max_lr"] = lr
+
+    # Everything else: named, with the training argument it stands for.
+    sections = [("", plain), ("optimizer.", optimizer), ("optimizer.params.", params), ("fp16.", fp16),
+                ("bf16.", bf16), ("zero_optimization.", zero)]
+    if scheduler is not None:
+        sections += [("scheduler.", scheduler), ("scheduler.params.", scheduler["params"])]
+    for prefix, section in sections:
+        for key, value in section.items():
+            if _is_auto(value):
+                needs_value(prefix + key)
+    if len(problems) > 1:
+        problems.insert(0, f'{len(problems)} "auto" values that zerocore cannot fill in:')
+    if problems:
+        raise ValueError("\n".join(problems))
 
 
 def _load_json(path: str | os.PathLike[str]) -> Any:
