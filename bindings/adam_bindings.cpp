@@ -8,6 +8,13 @@
 // writes the updated params into param_out (bf16/fp16, rounded to nearest even) when given. It returns a
 // 0-d bool tensor on param's device: true when check_finite was set and grad held an inf/NaN, in which
 // case nothing was written. On CUDA the verdict never leaves the device, so the op needs no host sync.
+// Like torch's in-place ops (and torch.optim's updates), a call bumps the autograd version counter of every
+// tensor it may write (param, exp_avg, exp_avg_sq, param_out), so a backward through a graph that saved the
+// old values raises instead of using the new ones: the op's ADInplaceOrView kernel does it for adam_step_,
+// multi_tensor_adam_step_py for its lists. A lazily negated (x.neg() view, torch._neg_view) argument is
+// rejected by name (the op's Negative kernel) instead of reaching torch's math-bit fallback, which cannot
+// handle an op whose result is not its mutated input.
+#include <cmath>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -16,6 +23,8 @@
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "bindings.hpp"
 #include "tensor_checks.hpp"
@@ -78,6 +87,12 @@ AdamHyper make_hyper(double step, double lr, double beta1, double beta2, double 
                      bool adamw, bool bias_correction, double grad_scale) {
   ZC_CHECK_ARG(step >= 1 && step == static_cast<double>(static_cast<int64_t>(step)),
                "step must be a whole number >= 1, got ", step);
+  // Checked here for the CPU and CUDA kernels alike (NaN fails every comparison).
+  ZC_CHECK_ARG(lr >= 0 && std::isfinite(lr), "lr must be a finite number >= 0, got ", lr);
+  ZC_CHECK_ARG(std::isfinite(grad_scale), "grad_scale must be finite, got ", grad_scale);
+  ZC_CHECK_ARG(eps >= 0 && std::isfinite(eps), "eps must be a finite number >= 0, got ", eps);
+  ZC_CHECK_ARG(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay must be a finite number >= 0, got ",
+               weight_decay);
   AdamHyper hyper;
   hyper.step = static_cast<int64_t>(step);
   hyper.lr = lr;
@@ -105,6 +120,24 @@ struct SpanNames {
   }
 };
 
+// A tensor the kernels write must take a version-counter bump afterwards, as torch's in-place ops require:
+// an inference tensor (made under torch.inference_mode()) can only be updated inside inference mode. Checked
+// before anything is written.
+void check_version_bumpable(const at::Tensor& t, const std::string& name) {
+  ZC_CHECK_ARG(!t.is_inference() || c10::InferenceMode::is_enabled(), name,
+               " is an inference tensor (created under torch.inference_mode()); updating it in place is only "
+               "allowed inside torch.inference_mode(), as for torch's in-place ops");
+}
+
+// Bumps the autograd version counter of each written tensor, once per call (see Note [Adam op contract]).
+void bump_versions(const std::vector<NamedTensor>& written) {
+  for (const auto& named : written) {
+    // An inference tensor has no version counter (and check_version_bumpable admitted it only inside
+    // inference mode); every other tensor is bumped, in inference mode too, as torch's in-place ops do.
+    if (!named.tensor->is_inference()) torch::autograd::impl::bump_version(*named.tensor);
+  }
+}
+
 // Validates the op's tensors and turns them into spans; see Note [Adam op contract]. With check_overlap
 // false the caller checks the buffers for overlap itself (across several tuples).
 AdamSpans make_spans(const AdamOpArgs& args, const SpanNames& names = SpanNames{}, bool check_overlap = true) {
@@ -119,6 +152,9 @@ AdamSpans make_spans(const AdamOpArgs& args, const SpanNames& names = SpanNames{
   if (args.param_out) tensors.push_back({names.param_out.c_str(), &*args.param_out});
   check_flat_args(tensors, param.numel(), param.device(), names.param.c_str());
   if (check_overlap) check_no_overlap(tensors);
+  for (const auto& [name, t] : tensors) {
+    if (t != &args.grad) check_version_bumpable(*t, name);
+  }
 
   AdamSpans spans;
   spans.n = param.numel();
@@ -245,13 +281,14 @@ void multi_tensor_adam_step_py(const std::vector<at::Tensor>& params, const std:
       CpuKernelPool::instance().run([&](ThreadPool* pool) {
         multi_tensor_adam_step(spans.data(), static_cast<int64_t>(num), hyper, pool, path);
       });
-      return;
-    }
+    } else {
 #if defined(ZEROCORE_HAVE_CUDA)
-    const c10::DeviceGuard guard(device);
-    launch_multi_tensor_adam(spans.data(), static_cast<int64_t>(num), hyper, AdamDeviceScalars{},
-                             current_cuda_stream(device));
+      const c10::DeviceGuard guard(device);
+      launch_multi_tensor_adam(spans.data(), static_cast<int64_t>(num), hyper, AdamDeviceScalars{},
+                               current_cuda_stream(device));
 #endif
+    }
+    bump_versions(written);
   });
 }
 
@@ -297,6 +334,49 @@ py::object multi_tensor_all_finite_py(const std::vector<at::Tensor>& grads) {
   });
 }
 
+// The tensors the op's schema marks as written (Tensor(a!) and the like; a None optional is skipped).
+std::vector<at::Tensor> mutated_inputs(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const c10::FunctionSchema& schema = op.schema();
+  const size_t num_arguments = schema.arguments().size();
+  const size_t start = stack.size() - num_arguments;
+  std::vector<at::Tensor> mutated;
+  for (size_t i = 0; i < num_arguments; ++i) {
+    const c10::IValue& value = stack[start + i];
+    if (value.isTensor() && schema.is_mutable({c10::SchemaArgType::input, i})) mutated.push_back(value.toTensor());
+  }
+  return mutated;
+}
+
+// The op's autograd kernel (boxed, driven by the schema). The update has no derivative, so, as for torch's
+// in-place ops, a written tensor that requires grad is refused while grad mode is on (optimizers step under
+// torch.no_grad()); then the call goes on to the ADInplaceOrView kernel below.
+void adam_autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  if (at::GradMode::is_enabled()) {
+    const std::vector<at::Tensor> mutated = mutated_inputs(op, *stack);
+    for (const at::Tensor& t : mutated) {
+      TORCH_CHECK(!t.requires_grad(), op.schema().name(),
+                  " updates its tensors in place and has no derivative, but one of them requires grad and grad "
+                  "mode is on; call it under torch.no_grad(), as optimizers do (a leaf Variable that requires "
+                  "grad cannot be used in an in-place operation)");
+    }
+  }
+  at::AutoDispatchBelowAutograd guard;
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+// The op's ADInplaceOrView kernel: runs the op below this key, then bumps the version counter of every
+// written tensor (torch's stock ADInplaceOrView fallback bumps only written outputs; this op returns none).
+void adam_inplace_or_view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const std::vector<at::Tensor> mutated = mutated_inputs(op, *stack);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : mutated) {
+    if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+  }
+}
+
 }  // namespace
 
 void bind_adam(py::module_& m) {
@@ -336,6 +416,38 @@ TORCH_LIBRARY(zerocore, m) {
 }
 
 TORCH_LIBRARY_IMPL(zerocore, CPU, m) { m.impl("adam_step_", &zerocore::bindings::adam_step_cpu); }
+
+// Autograd bookkeeping of the in-place op, as for torch's own in-place ops: the version counter of every
+// argument the schema marks as written (param, exp_avg, exp_avg_sq, param_out) is bumped after the update,
+// and a written tensor that requires grad is refused in grad mode. torch's default autograd fallback for
+// custom ops skips the ADInplaceOrView key for an op that returns no written tensor, so the op has both.
+TORCH_LIBRARY_IMPL(zerocore, Autograd, m) {
+  m.impl("adam_step_", torch::CppFunction::makeFromBoxedFunction<&zerocore::bindings::adam_autograd_kernel>());
+}
+
+TORCH_LIBRARY_IMPL(zerocore, ADInplaceOrView, m) {
+  m.impl("adam_step_",
+         torch::CppFunction::makeFromBoxedFunction<&zerocore::bindings::adam_inplace_or_view_kernel>());
+}
+
+// A lazily negated argument routes the call here (torch's math-bit fallback would otherwise resolve it and
+// then hit an internal assert, since the op's result is not its mutated input): reject it by name.
+TORCH_LIBRARY_IMPL(zerocore, Negative, m) {
+  m.impl("adam_step_", [](const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                          const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, double, double,
+                          double, double, double, double, bool, bool, double, bool) -> at::Tensor {
+    const std::vector<std::pair<const char*, const at::Tensor*>> args{
+        {"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq},
+        {"param_out", param_out ? &*param_out : nullptr}};
+    for (const auto& [name, t] : args) {
+      TORCH_CHECK_VALUE(t == nullptr || !t->is_neg(), name,
+                        " is a lazily negated view (x.neg() view / torch._neg_view, is_neg() is True); pass ",
+                        name, ".resolve_neg() (a copy), or for a parameter, update it through a resolved copy "
+                        "and copy the result back");
+    }
+    TORCH_CHECK_VALUE(false, "adam_step_ was dispatched for a negated view, but no argument is one");
+  });
+}
 
 #if defined(ZEROCORE_HAVE_CUDA)
 TORCH_LIBRARY_IMPL(zerocore, CUDA, m) { m.impl("adam_step_", &zerocore::bindings::adam_step_cuda); }

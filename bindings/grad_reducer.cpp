@@ -90,13 +90,14 @@ at::Tensor& GradReducer::ensure_buffer(int64_t bucket) {
 }
 
 void GradReducer::mark_ready(int64_t param, const at::Tensor& grad) {
-  ZC_CHECK_ARG(param >= 0 && param < tracker_.num_params(), "parameter index must be in [0, ", tracker_.num_params(),
-               "), got ", param);
+  // Everything that can reject this call is checked before a buffer is taken or the gradient is copied: a
+  // rejected duplicate must not overwrite the gradient already in the slot.
+  tracker_.check_can_mark(param);
+  ZC_CHECK_ARG(!grad.defined() || grad.numel() == geometry_.param_numel[param], "gradient of parameter ", param,
+               " has ", grad.numel(), " elements, expected ", geometry_.param_numel[param]);
   const int64_t bucket = geometry_.param_bucket[param];
   at::Tensor& view = ensure_buffer(bucket);
   if (grad.defined()) {
-    ZC_CHECK_ARG(grad.numel() == geometry_.param_numel[param], "gradient of parameter ", param, " has ",
-                 grad.numel(), " elements, expected ", geometry_.param_numel[param]);
     at::Tensor slot = view.narrow(0, geometry_.param_offset[param], geometry_.param_numel[param]);
     if (grad.data_ptr() != slot.data_ptr()) slot.copy_(grad.reshape({-1}));  // in place: already there
   }

@@ -109,12 +109,16 @@ void validate_spans(const AdamSpans& spans, const std::string& where) {
 
 void validate_hyper(const AdamHyper& hyper, const char* caller) {
   ZC_CHECK_ARG(hyper.step >= 1, caller, ": step must be >= 1, got ", hyper.step);
-  // Comparisons with NaN are false, so a NaN fails these checks too.
-  ZC_CHECK_ARG(hyper.lr >= 0, caller, ": lr must be >= 0, got ", hyper.lr);
+  // Comparisons with NaN are false, so a NaN fails these checks too; an inf lr, grad_scale, eps or
+  // weight_decay would write inf/NaN into every parameter.
+  ZC_CHECK_ARG(hyper.lr >= 0 && std::isfinite(hyper.lr), caller, ": lr must be a finite number >= 0, got ", hyper.lr);
   ZC_CHECK_ARG(hyper.beta1 >= 0 && hyper.beta1 < 1, caller, ": beta1 must be in [0, 1), got ", hyper.beta1);
   ZC_CHECK_ARG(hyper.beta2 >= 0 && hyper.beta2 < 1, caller, ": beta2 must be in [0, 1), got ", hyper.beta2);
-  ZC_CHECK_ARG(hyper.eps >= 0, caller, ": eps must be >= 0, got ", hyper.eps);
-  ZC_CHECK_ARG(hyper.weight_decay >= 0, caller, ": weight_decay must be >= 0, got ", hyper.weight_decay);
+  ZC_CHECK_ARG(hyper.eps >= 0 && std::isfinite(hyper.eps), caller, ": eps must be a finite number >= 0, got ",
+               hyper.eps);
+  ZC_CHECK_ARG(hyper.weight_decay >= 0 && std::isfinite(hyper.weight_decay), caller,
+               ": weight_decay must be a finite number >= 0, got ", hyper.weight_decay);
+  ZC_CHECK_ARG(std::isfinite(hyper.grad_scale), caller, ": grad_scale must be finite, got ", hyper.grad_scale);
 }
 
 std::string tensor_prefix(const char* caller, int64_t index) {

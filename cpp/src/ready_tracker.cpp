@@ -7,26 +7,37 @@
 
 namespace zerocore {
 
-ReadyTracker::ReadyTracker(std::vector<int64_t> param_bucket, int64_t num_buckets, std::vector<int64_t> launch_order)
-    : param_bucket_(std::move(param_bucket)),
-      launch_order_(std::move(launch_order)),
-      expected_(num_buckets, 0),
-      marked_(param_bucket_.size(), 0) {
+namespace {
+
+// Checks the constructor's arguments before any per-bucket allocation: a huge or negative num_buckets must be
+// a ValueError naming it, not a std::length_error or a many-terabyte allocation.
+std::vector<int64_t> validated_param_bucket(std::vector<int64_t> param_bucket, int64_t num_buckets,
+                                            const std::vector<int64_t>& launch_order) {
   ZC_CHECK_ARG(num_buckets >= 0, "num_buckets must be >= 0, got ", num_buckets);
-  for (size_t i = 0; i < param_bucket_.size(); ++i) {
-    const int64_t bucket = param_bucket_[i];
-    ZC_CHECK_ARG(bucket >= 0 && bucket < num_buckets, "param_bucket[", i, "] must be in [0, ", num_buckets,
-                 "), got ", bucket);
-    ++expected_[bucket];
+  ZC_CHECK_ARG(static_cast<int64_t>(launch_order.size()) == num_buckets, "launch_order must list all ",
+               num_buckets, " buckets once, got ", launch_order.size(), " entries");
+  for (size_t i = 0; i < param_bucket.size(); ++i) {
+    ZC_CHECK_ARG(param_bucket[i] >= 0 && param_bucket[i] < num_buckets, "param_bucket[", i, "] must be in [0, ",
+                 num_buckets, "), got ", param_bucket[i]);
   }
-  ZC_CHECK_ARG(static_cast<int64_t>(launch_order_.size()) == num_buckets, "launch_order must list all ",
-               num_buckets, " buckets once, got ", launch_order_.size(), " entries");
+  return param_bucket;
+}
+
+}  // namespace
+
+ReadyTracker::ReadyTracker(std::vector<int64_t> param_bucket, int64_t num_buckets, std::vector<int64_t> launch_order)
+    : param_bucket_(validated_param_bucket(std::move(param_bucket), num_buckets, launch_order)),
+      launch_order_(std::move(launch_order)) {
+  // num_buckets == launch_order_.size() now: the vectors below are no larger than the caller's own.
   std::vector<uint8_t> seen(num_buckets, 0);
   for (int64_t bucket : launch_order_) {
     ZC_CHECK_ARG(bucket >= 0 && bucket < num_buckets && !seen[bucket],
                  "launch_order must be a permutation of the bucket indices; bad or repeated entry ", bucket);
     seen[bucket] = 1;
   }
+  expected_.assign(num_buckets, 0);
+  for (int64_t bucket : param_bucket_) ++expected_[bucket];
+  marked_.assign(param_bucket_.size(), 0);
   pending_ = expected_;
 }
 
@@ -37,7 +48,7 @@ void ReadyTracker::reset() {
   state_ = State::kIdle;
 }
 
-void ReadyTracker::mark_ready(int64_t param, std::vector<int64_t>& launch) {
+void ReadyTracker::check_can_mark(int64_t param) const {
   ZC_CHECK_ARG(param >= 0 && param < num_params(), "parameter index must be in [0, ", num_params(), "), got ",
                param);
   ZC_CHECK(state_ != State::kFinalized, "parameter ", param,
@@ -46,6 +57,10 @@ void ReadyTracker::mark_ready(int64_t param, std::vector<int64_t>& launch) {
            " was marked ready twice in one backward pass. This happens when a parameter's gradient is "
            "accumulated by two separate backward calls without a step in between, or when the model is run "
            "through two autograd graphs in one iteration");
+}
+
+void ReadyTracker::mark_ready(int64_t param, std::vector<int64_t>& launch) {
+  check_can_mark(param);
   state_ = State::kInBackward;
   marked_[param] = 1;
   --pending_[param_bucket_[param]];

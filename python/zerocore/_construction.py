@@ -19,9 +19,38 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+def check_launch_environment(environ: Mapping[str, str]) -> None:
+    """Raises when the launcher's variables describe a multi-process job that cannot be joined: WORLD_SIZE
+    without RANK (or the reverse), or a value that is not a whole number. Without this, such a job would run
+    as single-process copies that each train alone."""
+    values: dict[str, int] = {}
+    for name in ("WORLD_SIZE", "RANK"):
+        if name in environ:
+            try:
+                values[name] = int(environ[name])
+            except ValueError:
+                raise ValueError(f"environment variable {name}={environ[name]!r} is not a whole number") from None
+    world, rank = values.get("WORLD_SIZE"), values.get("RANK")
+    if world is not None and world < 1:
+        raise ValueError(f"environment variable WORLD_SIZE={world} must be >= 1")
+    if world is not None and world > 1 and rank is None:
+        raise ValueError(
+            f"WORLD_SIZE={world} is set but RANK is not, so this process cannot join the {world}-process job; "
+            "set RANK (and MASTER_ADDR, MASTER_PORT) for every process, launch with torchrun, or call "
+            "torch.distributed.init_process_group() yourself before zerocore.initialize()")
+    if rank is not None and world is None and rank != 0:
+        raise ValueError(
+            f"RANK={rank} is set but WORLD_SIZE is not, so this process cannot join its job; set WORLD_SIZE "
+            "(and MASTER_ADDR, MASTER_PORT), launch with torchrun, or call torch.distributed.init_process_group() "
+            "yourself before zerocore.initialize()")
+    if rank is not None and world is not None and not 0 <= rank < world:
+        raise ValueError(f"environment variable RANK={rank} must be in [0, WORLD_SIZE={world})")
+
+
 def default_process_group(device: torch.device) -> dist.ProcessGroup:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        check_launch_environment(os.environ)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)
         else:

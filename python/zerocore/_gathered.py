@@ -4,6 +4,7 @@ modifying them on one rank and writing the change back into every rank's shard."
 from __future__ import annotations
 
 import contextlib
+import numbers
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -52,8 +53,14 @@ def gathered(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int |
     shard (and fp32 master) on exit; changes on other ranks are discarded.
 
     Raises:
-        ValueError: when a parameter is not managed by a zerocore engine.
+        ValueError: when a parameter is not managed by a zerocore engine, or modifier_rank is out of range.
+        TypeError: when modifier_rank is neither an int nor None.
     """
+    if modifier_rank is not None:
+        if isinstance(modifier_rank, bool) or not isinstance(modifier_rank, numbers.Integral):
+            raise TypeError(f"zerocore.gathered(): modifier_rank must be an int rank or None, got "
+                            f"{type(modifier_rank).__name__} {modifier_rank!r}")
+        modifier_rank = int(modifier_rank)
     params = [params] if isinstance(params, nn.Parameter) else list(params)
     engines: dict[int, Engine] = {}
     for param in params:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -75,6 +77,40 @@ def _describe(entry: tuple[str, tuple[int, ...], str, bool] | None) -> str:
     return f"{name!r} shape={list(shape)} dtype={dtype} requires_grad={requires_grad}"
 
 
+def _group_number(value: Any, path: str, wanted: str, ok: Any) -> None:
+    number = value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        number = value.item()  # torch's optimizers accept a 1-element tensor lr
+    if isinstance(number, bool) or not isinstance(number, numbers.Real) or not math.isfinite(number) \
+            or not ok(float(number)):
+        raise ValueError(f"{path}: expected {wanted}, got {value!r}")
+
+
+def check_group_hyperparameters(groups: Sequence[Mapping[str, Any]], where: str = "param_groups") -> None:
+    """Raises ValueError, naming the group and key (``param_groups[1].lr``), when a group's Adam
+    hyper-parameters cannot be used: lr, eps or weight_decay negative, NaN or infinite, betas not two
+    numbers in [0, 1), adamw_mode or bias_correction not a bool. Changes nothing.
+
+    ``initialize`` checks the user's groups with it; the engine can call it on ``optimizer.param_groups``
+    before a step mutates anything, so a value set later (by an lr scheduler, or by hand) is caught too.
+    Keys a group does not hold are not checked.
+    """
+    for index, group in enumerate(groups):
+        prefix = f"{where}[{index}]."
+        for key in ("lr", "eps", "weight_decay"):
+            if key in group:
+                _group_number(group[key], prefix + key, "a finite number >= 0", lambda v: v >= 0.0)
+        if "betas" in group:
+            betas = group["betas"]
+            if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
+                raise ValueError(f"{prefix}betas: expected two numbers (beta1, beta2), each in [0, 1), got {betas!r}")
+            for i, beta in enumerate(betas):
+                _group_number(beta, f"{prefix}betas[{i}]", "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
+        for key in ("adamw_mode", "bias_correction"):
+            if key in group and not isinstance(group[key], bool):
+                raise ValueError(f"{prefix}{key}: expected True or False, got {group[key]!r}")
+
+
 def collect_trainable(
     model: nn.Module, param_groups: Iterable[Mapping[str, Any]] | None, defaults: OptimizerConfig
 ) -> list[dict[str, Any]]:
@@ -92,6 +128,7 @@ def collect_trainable(
         raw = [{"params": list(model.parameters())}]
     else:
         raw = [dict(g) if isinstance(g, Mapping) else {"params": [g]} for g in param_groups]
+    check_group_hyperparameters(raw)  # at initialize, not at the first step; the config's defaults are valid
     group_of: dict[int, int] = {}  # parameter id -> the group that lists it
     groups: list[dict[str, Any]] = []
     for index, group in enumerate(raw):

@@ -38,6 +38,7 @@ __all__ = ["OptimizerConfig", "FP16Config", "ZeroOptimizationConfig", "Scheduler
            "hidden_size_of"]
 
 _OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW"}
+_INT64_MAX = 2**63 - 1  # the largest element count the C++ core (int64_t) takes
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # weight_decay when a DeepSpeed JSON leaves it out, per optimizer type.
 _DEFAULT_WEIGHT_DECAY = {"Adam": 0.0, "AdamW": 0.0}  # DeepSpeed builds FusedAdam, whose default is 0.0
@@ -221,7 +222,8 @@ class ZeroOptimizationConfig:
                     "stage3_max_live_parameters": 1, "stage3_param_persistence_threshold": 0}
         for name, minimum in minimums.items():
             if getattr(self, name) is not None or name not in ("reduce_bucket_size", "allgather_bucket_size"):
-                object.__setattr__(self, name, _int(getattr(self, name), p + name, minimum))
+                # Element counts reach the C++ core as int64: a larger one must fail here, by name.
+                object.__setattr__(self, name, _int(getattr(self, name), p + name, minimum, _INT64_MAX))
         for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter"):
             object.__setattr__(self, name, _bool(getattr(self, name), p + name))
         if not self.contiguous_gradients:
@@ -821,3 +823,6 @@ def _load_json(path: str | os.PathLike[str]) -> Any:
             return json.load(f, object_pairs_hook=no_duplicates)
         except json.JSONDecodeError as e:
             raise ValueError(f"{os.fspath(path)}: not valid JSON: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{os.fspath(path)}: not a JSON text file (not valid UTF-8 at byte {e.start}); pass the "
+                             "path of a DeepSpeed JSON config") from e

@@ -9,6 +9,7 @@ the concatenation of its bucket shards.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -126,10 +127,21 @@ class FlatLayout:
         return [Piece(*row) for row in self.pieces_tensor(rank, bucket).tolist()]
 
     def shard_range(self, bucket: int, rank: int) -> tuple[int, int]:
-        """``rank``'s shard of ``bucket`` as a ``[start, end)`` range of the flat buffer."""
-        b = self.buckets[bucket]
+        """``rank``'s shard of ``bucket`` as a ``[start, end)`` range of the flat buffer.
+
+        Raises:
+            IndexError: ``bucket`` outside ``[0, num_buckets)`` (a negative one does not count from the end).
+            ValueError: ``rank`` outside ``[0, world_size)``, or either is not an int.
+        """
+        for name, value in (("bucket", bucket), ("rank", rank)):
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        bucket, rank = operator.index(bucket), operator.index(rank)
+        if not 0 <= bucket < self.num_buckets:
+            raise IndexError(f"bucket must be in [0, {self.num_buckets}), got {bucket}")
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        b = self.buckets[bucket]
         start = b.flat_start + rank * b.shard_size
         return start, start + b.shard_size
 

@@ -69,8 +69,14 @@ def adam_step(
     Returns:
         True when the step was skipped because of a non-finite gradient (only with ``check_finite``).
 
+    Like torch's in-place ops, a call bumps the autograd version counter of ``param``, ``exp_avg``,
+    ``exp_avg_sq`` and ``param_out``, so a backward through a graph that saved their old values raises.
+
     Raises:
-        ValueError: naming the argument, for a wrong dtype, device, size, layout or overlapping buffers.
+        ValueError: naming the argument, for a wrong dtype, device, size, layout, overlapping buffers, a lazily
+            negated view (``x.neg()`` view; pass ``x.resolve_neg()``), an inference tensor outside inference
+            mode, or a hyper-parameter out of range (lr, eps, weight_decay and grad_scale must be finite).
+        RuntimeError: a written tensor requires grad while grad mode is on (step under ``torch.no_grad()``).
     """
     skipped = torch.ops.zerocore.adam_step_(
         param,
@@ -133,9 +139,12 @@ def multi_tensor_adam_step(
         step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, bias_correction: as in :func:`adam_step`,
             shared by every tuple.
 
+    Like :func:`adam_step`, it bumps the autograd version counter of every tensor it writes, once per call.
+
     Raises:
-        ValueError: before anything is written, for lists of different lengths, or naming the offending
-            element (e.g. ``grads[3]``) for a wrong dtype, device, size, layout or overlapping buffers.
+        ValueError: before anything is written, for lists of different lengths, a hyper-parameter out of range,
+            or naming the offending element (e.g. ``grads[3]``) for a wrong dtype, device, size, layout,
+            a lazily negated view or overlapping buffers.
     """
     _C.multi_tensor_adam_step(
         list(params),

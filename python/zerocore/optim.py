@@ -12,8 +12,8 @@ pass (see Note [Adam arithmetic] in ``cpp/include/zerocore/adam_types.hpp``):
 * bfloat16/float16 parameters keep a float32 master copy in ``state["master_param"]``; the op updates the
   master and writes the rounded parameter (round to nearest even, as ``master.to(dtype)``) in the same
   pass. Unlike ``torch.optim.AdamW``, which then computes in the 16-bit dtype, the moments stay float32;
-* a non-contiguous parameter (a transposed or sliced view) is updated through a contiguous copy that is
-  written back afterwards.
+* a non-contiguous parameter (a transposed or sliced view) or a lazily negated one (an ``x.neg()`` view,
+  ``is_neg()``) is updated through a contiguous copy that is written back afterwards.
 
 State per parameter, as in torch: ``step`` (a 0-d float32 CPU tensor), ``exp_avg`` and ``exp_avg_sq``
 (float32, the parameter's shape, contiguous, on its device), plus ``master_param`` for 16-bit parameters.
@@ -281,14 +281,17 @@ class _ZerocoreAdam(torch.optim.Optimizer):
         if not math.isfinite(step) or step != int(step):
             raise ValueError(f"param {index}: state['step'] = {step} is not a whole number")
 
-        grad = grad if grad.is_contiguous() else grad.contiguous()
+        # The op takes dense, plainly stored tensors: a non-contiguous or lazily negated (x.neg() view) gradient
+        # is resolved into a copy, and such a param is updated through one and written back.
+        grad = grad if grad.is_contiguous() and not grad.is_neg() else grad.resolve_neg().contiguous()
+        direct = param.is_contiguous() and not param.is_neg()
         if param.dtype == torch.float32:
-            target = param if param.is_contiguous() else param.contiguous()
+            target = param if direct else param.resolve_neg().contiguous()
             ops.adam_step(target, grad, state["exp_avg"], state["exp_avg_sq"], step=int(step), **hyper)
             if target is not param:
                 param.copy_(target)
         else:
-            out = param if param.is_contiguous() else torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            out = param if direct else torch.empty(param.shape, dtype=param.dtype, device=param.device)
             ops.adam_step(state["master_param"], grad, state["exp_avg"], state["exp_avg_sq"], step=int(step),
                           param_out=out, **hyper)
             if out is not param:

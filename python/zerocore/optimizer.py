@@ -22,6 +22,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__([dict(g) for g in groups], defaults)
         self._engine = engine
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once the engine is built: its parameters' shards, gradient buckets and optimizer state are
+        laid out at ``zerocore.initialize``, so a group added later would never be updated.
+
+        Raises:
+            RuntimeError: always, after construction, naming ``param_groups=`` of ``zerocore.initialize``.
+        """
+        if getattr(self, "_engine", None) is None:  # torch.optim.Optimizer.__init__ adds the initial groups
+            super().add_param_group(param_group)
+            return
+        raise RuntimeError(
+            "optimizer.add_param_group() is not supported by a zerocore engine: its param groups are fixed at "
+            "zerocore.initialize(), where each parameter's shard and optimizer state are laid out. Pass every group "
+            "up front with zerocore.initialize(model, config, param_groups=[{'params': [...], 'lr': ...}, ...]) "
+            "(a group that should not train yet can start with lr=0.0 and be raised later through "
+            "optimizer.param_groups[i]['lr'])"
+        )
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Applies the sharded update. Called by ``engine.step()`` at the accumulation boundary."""

@@ -22,7 +22,8 @@ class ReadyTracker {
   enum class State { kIdle, kInBackward, kFinalized };
 
   // param_bucket[i]: the bucket of parameter i. launch_order: a permutation of [0, num_buckets).
-  // Throws InvalidArgument when a bucket index is out of range or launch_order is not a permutation.
+  // Throws InvalidArgument when a bucket index is out of range or launch_order is not a permutation; the
+  // sizes are checked before anything of num_buckets entries is allocated.
   ReadyTracker(std::vector<int64_t> param_bucket, int64_t num_buckets, std::vector<int64_t> launch_order);
 
   int64_t num_params() const { return static_cast<int64_t>(param_bucket_.size()); }
@@ -36,6 +37,10 @@ class ReadyTracker {
   // Marks parameter `param` ready and appends to `launch` the buckets that may launch now, in order.
   // Throws std::runtime_error when the parameter was already marked in this backward, or after finalize().
   void mark_ready(int64_t param, std::vector<int64_t>& launch);
+
+  // Throws what mark_ready(param, ...) would throw for a bad index or a second mark, changing nothing: a
+  // caller that copies the gradient before marking checks first.
+  void check_can_mark(int64_t param) const;
 
   // Ends the backward: appends the buckets still to launch (in order) to `launch`, and the parameters
   // never marked to `unmarked`. Throws std::runtime_error if called twice without reset().
