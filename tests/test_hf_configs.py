@@ -538,7 +538,7 @@ def overflow_worker(rank: int, world: int) -> list[tuple[int, float]]:
     seen = []
     for step in range(5):
         x, y = batch("mlp", torch.Generator().manual_seed(step + 10 * rank))
-        loss = loss_fn("mlp", engine(x), y)
+        loss = loss_fn("mlp", engine(x.half()), y)  # fp16 inputs for the fp16 model, as in DeepSpeed
         if step == 2 and rank == 0:
             loss = loss * float("inf")  # one rank overflows: every rank skips the step
         engine.backward(loss)
