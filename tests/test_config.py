@@ -236,12 +236,12 @@ UNSUPPORTED = {
     "activation_checkpointing": {"partition_activations": True},
     "zero_allow_untested_optimizer": True,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-    "fp16": {"enabled": True, "auto_cast": False},
+    "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
                           "stage3_gather_16bit_weights_on_model_save": True, "sub_group_size": 1e9},
 }
 UNSUPPORTED_PATHS = ["flops_profiler", "activation_checkpointing", "zero_allow_untested_optimizer",
-                     "optimizer.params.torch_adam", "fp16.auto_cast", "zero_optimization.offload_optimizer",
+                     "optimizer.params.torch_adam", "fp16.fp16_master_weights_and_grads", "zero_optimization.offload_optimizer",
                      "zero_optimization.offload_param", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
                      "zero_optimization.sub_group_size"]
 

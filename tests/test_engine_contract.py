@@ -67,7 +67,7 @@ def memory_worker(rank: int, world: int, stage: int) -> dict:
     # Every parameter is a multiple of 64 * world elements, so the layout adds no padding and Psi is exact.
     model = nn.Sequential(nn.Linear(128, 128, bias=False), nn.Linear(128, 256, bias=False))
     engine = zerocore.initialize(model, _config(stage, bucket=20_000, bf16={"enabled": True}))
-    engine.backward(engine(torch.randn(2, 128)).float().square().mean())
+    engine.backward(engine(torch.randn(2, 128).bfloat16()).float().square().mean())
     engine.step()
     return engine.memory_report()
 

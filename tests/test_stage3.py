@@ -295,7 +295,7 @@ def bf16_memory_worker(rank: int, world: int) -> dict:
     # Every parameter is a multiple of 64 * world elements, so Psi is exact (no layout padding).
     model = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(3)])
     engine = zerocore.initialize(model, {**config(), "bf16": {"enabled": True}})
-    engine.backward(engine(torch.randn(2, 128)).float().square().mean())
+    engine.backward(engine(torch.randn(2, 128).bfloat16()).float().square().mean())
     engine.step()
     # no root unit here (the model's own module has no parameters): the schedule is still recorded
     assert engine.stage3.recorded_order == [u.index for u in engine.stage3.units]

@@ -23,6 +23,10 @@ from typing import Any
 import torch
 
 
+class RanksDivergedError(RuntimeError):
+    """Ranks ran different modules: they are out of lockstep, so no further collective may be issued."""
+
+
 class DivergenceCheck:
     def __init__(self, engine: Any, names: dict[int, str], strict: bool) -> None:
         self.engine = engine
@@ -74,7 +78,7 @@ class DivergenceCheck:
         if diverged:
             for tag in tags:
                 self._verify(tag, step)
-            raise RuntimeError(f"ranks diverged at step {step}: another rank gathered different modules than "
+            raise RanksDivergedError(f"ranks diverged at step {step}: another rank gathered different modules than "
                                f"rank {self.rank} (this rank's tags all matched; see the other ranks' errors). "
                                "Under ZeRO stage 3 every rank must run the same modules in the same order (SPMD).")
 
@@ -83,7 +87,7 @@ class DivergenceCheck:
         mine = rows[self.rank]
         for other, row in enumerate(rows):
             if row != mine:
-                raise RuntimeError(
+                raise RanksDivergedError(
                     f"ranks diverged at step {step}: rank {other} gathered module "
                     f"{self.names.get(row[0], row[0])!r} (call {row[1]}) while rank {self.rank} gathered "
                     f"{self.names.get(mine[0], mine[0])!r} (call {mine[1]}). Under ZeRO stage 3 every rank must run "

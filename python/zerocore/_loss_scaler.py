@@ -8,9 +8,13 @@ from .config import FP16Config
 class LossScaler:
     """Static (``loss_scale > 0``) or dynamic loss scale.
 
-    Dynamic: starts at ``2**initial_scale_power``; an overflow lowers the scale by 2 (not below
-    ``min_loss_scale``) once ``hysteresis`` overflows have been seen since the last raise, as in DeepSpeed;
-    ``loss_scale_window`` steps without an overflow double it.
+    Dynamic, DeepSpeed's rule (``DynamicLossScaler.update_scale`` as of mid-2025): starts at
+    ``2**initial_scale_power``; an overflow halves the scale (not below ``min_loss_scale``) once ``hysteresis``
+    overflows have been absorbed, and raises when the scale is already at its minimum (DeepSpeed's
+    ``raise_error_at_min_scale``: an fp16 run overflowing every step would otherwise skip every update
+    forever); ``loss_scale_window`` stable steps after the last overflow (``iteration - last_overflow - 1``,
+    so one step later than before that release) double it and restore the hysteresis. With
+    ``consecutive_hysteresis`` every overflow-free step restores the hysteresis.
     """
 
     def __init__(self, config: FP16Config) -> None:
@@ -24,6 +28,7 @@ class LossScaler:
         self.min_scale = float(config.min_loss_scale)
         self.window = config.loss_scale_window
         self.hysteresis = config.hysteresis
+        self.consecutive_hysteresis = config.consecutive_hysteresis
         self._hysteresis_left = config.hysteresis
         self._iteration = 0
         self._last_overflow = -1
@@ -35,14 +40,25 @@ class LossScaler:
             self.overflows += 1
         if self.dynamic:
             if overflow:
-                if self._hysteresis_left <= 1:
+                if self.hysteresis == 1 or self._hysteresis_left == 1:
+                    if self.scale == self.min_scale:
+                        raise RuntimeError(
+                            f"fp16 gradients overflowed at the minimum loss scale ({self.min_scale:g}), "
+                            f"{self.overflows} overflows so far: every update would be skipped from here on. Lower "
+                            "the learning rate, clip gradients (gradient_clipping), train in bf16, or lower "
+                            "fp16.min_loss_scale")
                     self.scale = max(self.scale / 2.0, self.min_scale)
                 else:
                     self._hysteresis_left -= 1
                 self._last_overflow = self._iteration
-            elif (self._iteration - self._last_overflow) % self.window == 0:
-                self._hysteresis_left = self.hysteresis
-                self.scale *= 2.0
+            else:
+                if self.consecutive_hysteresis:
+                    self._hysteresis_left = self.hysteresis
+                stable = self._iteration - self._last_overflow - 1
+                if stable > 0 and stable % self.window == 0:
+                    if not self.consecutive_hysteresis:
+                        self._hysteresis_left = self.hysteresis
+                    self.scale *= 2.0
         self._iteration += 1
 
     def state_dict(self) -> dict[str, float | int]:

@@ -156,3 +156,15 @@ def collect_trainable(
             "requires_grad=False"
         )
     return groups
+
+
+def check_trainable_dtypes(model: nn.Module) -> None:
+    """The optimizer keeps fp32 master weights and the compute dtype comes from the config: a float64 (or
+    complex) trainable parameter would be silently cast to fp32, so it is refused before anything changes."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"parameter {name!r} is {param.dtype}: zerocore trains fp32 master weights (bf16/fp16 compute when "
+                "the config enables it) and would silently cast it to fp32; call model.float() before "
+                "zerocore.initialize(), or freeze it (requires_grad=False)")
+

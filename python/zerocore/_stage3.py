@@ -27,6 +27,18 @@ the gather is waited for (Note [Divergence tags]): if ranks run different units 
 branch), the first divergent gather raises on every rank with the rank, the step and both modules,
 instead of hanging or mixing one unit's shards into another's silently.
 
+Note [External parameters]
+--------------------------
+A module may use a parameter of another unit outside that unit's forward: a parent calling
+``F.linear(x, self.child.weight)``, a head reading a tied embedding, a bias a submodule returns and its
+parent adds (DeepSpeed calls these external parameters). Every module that owns stage-3 parameters gets an
+``_ExternalAccess`` dict as its ``_parameters``: during a forward (or a recomputation in backward), reading
+a parameter whose unit is not gathered gathers that unit on the spot (every rank runs the same forward, so
+every rank gathers it at the same point) and pins it; so does a unit whose forward returns one of its own
+parameters. A pinned unit stays gathered through the backward, which needs the same values, and is
+released when the backward ends (at the end of the forward when it runs without grad). Reads outside a
+forward gather nothing (Note [Sharded placeholders]).
+
 Prefetch: step 1 records the sequence of units gathered in forward; later steps gather the next unit of
 that sequence while the current one computes (and the previous one in backward), never holding more than
 ``stage3_max_live_parameters`` gathered elements through prefetching. A step that deviates from the
@@ -35,6 +47,7 @@ recorded sequence warns once, naming the expected and the seen module, and gathe
 
 from __future__ import annotations
 
+import copy
 import enum
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -76,6 +89,7 @@ class Unit:
         self.calls = 0  # gathers of this unit in the current step (for the divergence tag)
         self.grads_left = 0  # parameters of this unit still waiting for their gradient in this backward
         self.persistent = False
+        self.pinned = False  # used outside its own forward: gathered until the backward ends (Note [External parameters])
         self.in_backward = False
         self._tag_check: Any = None
 
@@ -156,6 +170,10 @@ class Stage3Runtime:
                 unit.build_from([p.detach() for p in unit.params])
         for unit in self.units:
             unit.persistent = unit.spec.parent is None or unit.numel < zo.stage3_param_persistence_threshold
+        self._unit_of_param = {id(p): unit for unit in self.units for p in unit.params}
+        self.in_forward = False  # between the model's forward pre-hook and its forward hook
+        self._any_pinned = False
+        self._forward_done = False
         self.step = 0
         self.recorded_order: list[int] | None = None
         self._order: list[int] = []
@@ -177,7 +195,11 @@ class Stage3Runtime:
         for handle in self.hook_handles:
             handle.remove()
         self.hook_handles = []
+        for module in self.engine.module.modules():
+            if isinstance(module._parameters, _ExternalAccess):
+                module._parameters = dict(module._parameters)
         for unit in self.units:
+            unit.pinned = False
             self.ensure_gathered(unit, "all_gather_close")
             whole = [param.detach().clone() for param in unit.params]
             self.release(unit)
@@ -189,12 +211,16 @@ class Stage3Runtime:
         # A forward of the whole model starts here, whether or not the root module owns parameters.
         self.hook_handles.append(self.engine.module.register_forward_pre_hook(
             lambda m, args: None if self._in_backward() else self._begin_forward(), prepend=True))
+        self.hook_handles.append(self.engine.module.register_forward_hook(lambda m, args, out: self._end_forward()))
         for unit in self.units:
             module = unit.spec.module
             self.hook_handles.append(module.register_forward_pre_hook(lambda m, args, unit=unit: self.pre_forward(unit)))
             self.hook_handles.append(
                 module.register_forward_hook(lambda m, args, out, unit=unit: self.post_forward(unit, out)))
         self._register_sharded_access_checks()
+        for module in self.engine.module.modules():
+            if any(id(p) in self._unit_of_param for p in module._parameters.values() if p is not None):
+                module._parameters = _ExternalAccess(module._parameters, self)
 
     def _register_sharded_access_checks(self) -> None:
         """A module run while its parameters are sharded (called directly, outside its unit's forward)
@@ -256,15 +282,46 @@ class Stage3Runtime:
         self._prefetch_next()
 
     def post_forward(self, unit: Unit, output: Any) -> Any:
+        outputs = tree_flatten(output)[0]
+        if any(id(t) in self._unit_of_param for t in outputs if isinstance(t, nn.Parameter)):
+            for t in outputs:  # a parameter handed out: its parent uses it later (Note [External parameters])
+                if isinstance(t, nn.Parameter) and id(t) in self._unit_of_param:
+                    self._pin(self._unit_of_param[id(t)])
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads, unit=unit: self.pre_backward(unit), mode="any"
                 )
-        if not self._in_backward() and not unit.persistent:
+        if not self._in_backward() and not unit.persistent and not unit.pinned:
             self.release(unit)
         return None
+
+    def access_external(self, unit: Unit) -> None:
+        """A parameter of ``unit`` is read outside its unit's forward (Note [External parameters])."""
+        if self.in_forward or self._in_backward():
+            self.ensure_gathered(unit, "all_gather_external")
+            self._pin(unit)
+
+    def _pin(self, unit: Unit) -> None:
+        unit.pinned = True
+        self._any_pinned = True
+
+    def _unpin_all(self) -> None:
+        if self._any_pinned:
+            self._any_pinned = False
+            for unit in self.units:
+                if unit.pinned:
+                    unit.pinned = False
+                    if not unit.persistent and not unit.in_backward:
+                        self.release(unit)
+
+    def _end_forward(self) -> None:
+        if not self._in_backward():
+            self.in_forward = False
+            self._forward_done = True
+            if not torch.is_grad_enabled():  # no backward will need the pinned units
+                self._unpin_all()
 
     def pre_backward(self, unit: Unit) -> None:
         self.ensure_gathered(unit, "all_gather_backward")
@@ -275,12 +332,14 @@ class Stage3Runtime:
         """A forward of the whole model starts: several per step with gradient accumulation or inference."""
         self._end_order_record()
         self._whole_forward = True
+        self._forward_done = False  # a forward that raises part-way never becomes the recorded order
+        self.in_forward = True
         self._prefetch_enabled = self.recorded_order is not None and not self._warned
 
     def _end_order_record(self) -> None:
         """The first whole forward (one that began at the model, not a unit called on its own) becomes the
         schedule that later steps prefetch by."""
-        if self.recorded_order is None and self._order and self._whole_forward:
+        if self.recorded_order is None and self._order and self._whole_forward and self._forward_done:
             self.recorded_order = list(self._order)
             self._recorded_slots = [self._slot_of[index] for index in self.recorded_order]
         self._order = []
@@ -305,7 +364,7 @@ class Stage3Runtime:
         """A parameter of the unit that owns ``buffer`` got its gradient; the last one releases the unit."""
         unit = self.unit_of_buffer(buffer)
         unit.grads_left -= 1
-        if unit.grads_left == 0 and not unit.persistent:
+        if unit.grads_left == 0 and not unit.persistent and not unit.pinned:
             self.release(unit)
 
     # ---- gather / release -----------------------------------------------------------------------------
@@ -381,14 +440,18 @@ class Stage3Runtime:
     def end_backward(self) -> None:
         for unit in self.units:
             unit.in_backward = False
+            unit.pinned = False
             if not unit.persistent:
                 self.release(unit)
+        self._any_pinned = False
 
     def end_forward_backward_step(self) -> None:
         """After the optimizer step: shards changed, so every gathered copy is stale."""
         for unit in self.units:
+            unit.pinned = False
             self.release(unit)
             unit.calls = 0
+        self._any_pinned = False
         self._end_order_record()
         self._whole_forward = False
         self._warned = False
@@ -405,3 +468,27 @@ class Stage3Runtime:
     # ---- outside forward ------------------------------------------------------------------------------
     def unit_of_buffer(self, buffer: ShardedBuffer) -> Unit:
         return self._unit_of_buffer[id(buffer)]
+
+
+class _ExternalAccess(dict):
+    """A module's ``_parameters`` under stage 3: reading a parameter whose unit is not gathered, during a
+    forward, gathers and pins that unit (Note [External parameters]). ``nn.Module.__getattr__`` reads
+    parameters through ``__getitem__``; iteration (``parameters()``, ``state_dict()``) does not."""
+
+    def __init__(self, params: dict[str, Any], runtime: Stage3Runtime) -> None:
+        super().__init__(params)
+        self._runtime = runtime
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        return copy.deepcopy(dict(self), memo)  # a copied module is a plain module, not this engine's
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)
+
+    def __getitem__(self, name: str) -> Any:
+        param = dict.__getitem__(self, name)
+        if param is not None:
+            unit = self._runtime._unit_of_param.get(id(param))
+            if unit is not None and unit.state is not UnitState.GATHERED:
+                self._runtime.access_external(unit)
+        return param

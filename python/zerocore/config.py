@@ -151,7 +151,10 @@ class FP16Config:
         initial_scale_power: the dynamic scaler starts at ``2**initial_scale_power`` (0..127).
         loss_scale_window: overflow-free steps before the dynamic scale doubles (>= 1).
         hysteresis: overflows tolerated before the dynamic scale halves (>= 1).
+        consecutive_hysteresis: every overflow-free step restores the hysteresis (not only a scale raise).
         min_loss_scale: the dynamic scale never drops below this (> 0).
+        auto_cast: the engine casts floating-point positional inputs to fp16 before the forward (DeepSpeed's
+            rule; keyword arguments are never cast).
 
     Raises:
         ValueError: naming the key path of the first invalid value.
@@ -163,14 +166,18 @@ class FP16Config:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    auto_cast: bool = False
+    consecutive_hysteresis: bool = False
 
     def __post_init__(self) -> None:
         set_, p = object.__setattr__, "fp16."
         set_(self, "enabled", _bool(self.enabled, p + "enabled"))
+        set_(self, "auto_cast", _bool(self.auto_cast, p + "auto_cast"))
         set_(self, "loss_scale", _float(self.loss_scale, p + "loss_scale", 0.0))
         set_(self, "initial_scale_power", _int(self.initial_scale_power, p + "initial_scale_power", 0, 127))
         set_(self, "loss_scale_window", _int(self.loss_scale_window, p + "loss_scale_window", 1))
         set_(self, "hysteresis", _int(self.hysteresis, p + "hysteresis", 1))
+        set_(self, "consecutive_hysteresis", _bool(self.consecutive_hysteresis, p + "consecutive_hysteresis"))
         set_(self, "min_loss_scale", _float(self.min_loss_scale, p + "min_loss_scale", 0.0, above=True))
 
 
@@ -637,7 +644,7 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
     "optimizer.params": (frozenset({"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}), {},
                          frozenset(), frozenset({"torch_adam", "amsgrad"})),
     "fp16": (frozenset(f.name for f in dataclasses.fields(FP16Config)), {}, frozenset(),
-             frozenset({"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"})),
+             frozenset({"fp16_master_weights_and_grads"})),
     "bf16": (frozenset({"enabled"}), {}, frozenset(), frozenset({"immediate_grad_update"})),
     "scheduler": (frozenset({"type", "params"}), {}, frozenset(), frozenset()),
     "zero_optimization": (

@@ -38,6 +38,7 @@ import contextlib
 import logging
 import math
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -51,17 +52,20 @@ from ._construction import (broadcast_module_state, build_reducer, cast_untracke
                             default_process_group, sync_buffers)
 from ._full_state import full_state_dict, gather_for_user, release_for_user
 from ._gathered import engine_for, unregister
+from ._divergence import RanksDivergedError
 from ._gathered import register as register_managed
 from ._lifecycle import EngineState, Lifecycle
 from ._loss_scaler import LossScaler
-from ._model_checks import check_same_model_on_all_ranks, collect_trainable, model_device
+from ._model_checks import (check_group_hyperparameters, check_same_model_on_all_ranks, check_trainable_dtypes,
+                            collect_trainable, model_device)
 from ._native import _C
 from ._optimizer_state import OptimizerState
 from ._policy import StagePolicy
 from ._sharded_buffer import ShardedBuffer
 from ._stage3 import Stage3Runtime
 from ._units import resolve_units
-from .config import ZeroConfig
+from .config import ZeroConfig, hidden_size_of
+from .lr_schedules import build_lr_scheduler
 from .optimizer import ZeroOptimizer
 
 __all__ = ["Engine", "EngineState", "initialize"]
@@ -82,6 +86,7 @@ def initialize(
     init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
     strict_spmd: bool = False,
+    strict: bool = True,
 ) -> Engine:
     """Wraps ``model`` for ZeRO data-parallel training.
 
@@ -104,9 +109,12 @@ def initialize(
         strict_spmd: stage 3: before every gather, wait for a check that every rank gathers the same unit
             (one blocking exchange per gather) instead of checking when the gather lands (Note [Divergence
             tags]); stages 1-2 issue no per-module collectives, so there is nothing to check.
+        strict: a DeepSpeed config's keys that zerocore does not support yet raise if True; if False they are
+            ignored with one warning (``ZeroConfig.from_deepspeed``). ``"auto"`` bucket sizes are derived from
+            ``model.config.hidden_size`` (Note [Hugging Face "auto" values] in config.py).
     """
     if not isinstance(config, ZeroConfig):
-        config = ZeroConfig.from_deepspeed(config)
+        config = ZeroConfig.from_deepspeed(config, strict=strict, hidden_size=hidden_size_of(model))
     return Engine(model, config, process_group, param_groups=param_groups, comm_algorithms=comm_algorithms,
                   units=units, init_fn=init_fn, device=device, strict_spmd=strict_spmd)
 
@@ -132,6 +140,7 @@ class Engine:
         self.module = model
         self.device = model_device(model)
         meta = self.device.type == "meta"
+        check_trainable_dtypes(model)  # before anything touches the model
         if meta:
             if not policy.params_sharded:
                 raise ValueError("a model on the meta device can only be materialized by ZeRO stage 3 "
@@ -166,9 +175,11 @@ class Engine:
             self.buffers = [self._whole_model_buffer([p for g in groups for p in g["params"]], group_of)]
         self.optimizer_state.build()
         self.optimizer = ZeroOptimizer(self, groups)
+        self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer)  # None without a scheduler
         register_managed(self, [p for group in groups for p in group["params"]])
         self.loss_scaler = LossScaler(config.fp16)
         self.reducer, self._param_slots = build_reducer(self)
+        self._grad_accumulators: list[Any] = []
         self._register_hooks()
 
         self.broadcast_buffers = True  # as DDP's default; set False to keep buffers rank-local
@@ -212,8 +223,23 @@ class Engine:
     def _register_hooks(self) -> None:
         engine_ref = weakref.ref(self)
         self._hook_handles = []
+
+        def before_accumulation(grad_outputs: Any) -> None:
+            engine = engine_ref()
+            if engine is not None and engine.lifecycle.state is not EngineState.BACKWARD:
+                raise RuntimeError(
+                    "a zerocore-managed parameter got a gradient outside engine.backward(); call "
+                    "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and "
+                    "sharded (nothing was accumulated: the engine's gradients are as they were)")
+
         for index, (owner, local) in enumerate(self._param_slots):
             param = owner.params[local]
+            # The parameter's gradient accumulator runs only when a backward accumulates into .grad (not for
+            # torch.autograd.grad); its pre-hook rejects a stray loss.backward() before anything accumulates.
+            with torch.enable_grad():
+                accumulator = param.view_as(param).grad_fn.next_functions[0][0]
+            self._hook_handles.append(accumulator.register_prehook(before_accumulation))
+            self._grad_accumulators.append(accumulator)  # keeps the node (and so its hook) alive
 
             def hook(p: torch.Tensor, index: int = index) -> None:
                 engine = engine_ref()
@@ -227,13 +253,13 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the module. In bf16/fp16 training, floating-point tensor arguments are cast to the compute
-        dtype (integer inputs such as token ids are left alone)."""
+        """Runs the module. Inputs are passed as they are, as DeepSpeed does; with ``fp16.auto_cast`` the
+        floating-point positional inputs (also inside lists, tuples and dicts) are cast to fp16 first, as
+        DeepSpeed's auto_cast does (keyword arguments never are)."""
         life = self.lifecycle
         life.require("forward()", *_USABLE)
-        if self.compute_dtype != torch.float32:
-            args = tuple(self._cast_input(a) for a in args)
-            kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args = _cast_floating(args, torch.float16)
         training = torch.is_grad_enabled()
         if self.broadcast_buffers and training:
             sync_buffers(self.comm, self.module, self.world_size)
@@ -243,11 +269,6 @@ class Engine:
             if life.state is EngineState.IDLE:
                 life.to(EngineState.FORWARD)
         return out
-
-    def _cast_input(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(self.compute_dtype)
-        return value
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -275,20 +296,52 @@ class Engine:
         life.to(EngineState.BACKWARD)
         try:
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        finally:
-            life.to(EngineState.NO_SYNC if no_sync else EngineState.AWAITING_STEP)
+        except RanksDivergedError:
+            life.to(EngineState.NO_SYNC if no_sync else EngineState.AWAITING_STEP)  # no collective may follow
+            raise
+        except BaseException as error:
+            self._abandon_backward(no_sync)
+            error.add_note("zerocore: this accumulation window's gradients were dropped and the engine is ready "
+                           "for the window's first forward again")
+            raise
+        life.to(EngineState.NO_SYNC if no_sync else EngineState.AWAITING_STEP)
         if not self._finalized:  # no parameter got a gradient in this backward
             self._finalize_backward()
         life.forward_pending = False
         life.local_grads = no_sync or (life.local_grads and not self._reducing)
 
+    def _abandon_backward(self, no_sync: bool) -> None:
+        """A backward raised part-way: the reductions it started complete (every rank that raised at the same
+        point issued the same ones, in the same order), and the accumulation window starts over."""
+        if self._reducing and not self._finalized:
+            self._finalized = True
+            self.reducer.finalize()
+            if not self.policy.params_sharded:
+                self._exchange_backward_outcome(failed_here=True)  # the peers' finalize waits for this
+        if self.stage3 is not None:
+            self.stage3.end_backward()
+        self._finalized = True
+        self.zero_grad()
+        self.micro_steps -= self.micro_steps % self.config.gradient_accumulation_steps
+        life = self.lifecycle
+        life.forward_pending = False
+        life.local_grads = False
+        life.to(EngineState.NO_SYNC if no_sync else EngineState.IDLE)
+
+    def _exchange_backward_outcome(self, failed_here: bool) -> list[int]:
+        """Every reducing backward ends with one tiny all-reduce of which ranks raised in it (Note [Backward
+        outcome]); returns those ranks. A rank that raised issued the same reductions (finalize launches the
+        buckets it never filled), so the sequences match and every rank learns of the failure instead of
+        the next collectives mismatching (Gloo aborts the process on that)."""
+        flags = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
+        if failed_here:
+            flags[self.rank] = 1.0
+        self.comm.all_reduce(flags, False).wait()
+        if self.device.type != "cpu":
+            self.host_syncs += 1
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
+
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        if self.lifecycle.state is not EngineState.BACKWARD:
-            raise RuntimeError(
-                "a zerocore-managed parameter got a gradient outside engine.backward(); call "
-                "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and "
-                "sharded"
-            )
         buffer, local = self._param_slots[index]
         if buffer.grad_buffer is not None:
             # .grad accumulates in place in the gradient buffer across micro-steps; when autograd made a fresh
@@ -309,8 +362,6 @@ class Engine:
         end-of-backward finalize."""
         if self._finalized:
             raise RuntimeError(f"parameter {index} produced a gradient after the backward was finalized")
-        if not self.reducer.in_backward:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.reducer.mark_ready(index, param.grad)
 
     def _finalize_backward(self) -> None:
@@ -322,6 +373,15 @@ class Engine:
         if self.stage3 is not None:
             self.stage3.end_backward()
         self._finalized = True
+        if self._reducing and not self.policy.params_sharded:  # stage 3: the unit tags (Note [Divergence tags])
+            failed = self._exchange_backward_outcome(failed_here=False)
+            if failed:
+                self._abandon_backward(no_sync=False)
+                raise RuntimeError(
+                    f"rank(s) {failed} raised an exception in this backward, so their gradients are missing from "
+                    "the reduction: this backward's gradients (and its accumulation window's) were dropped on every "
+                    "rank and the engine is ready for the window's first forward again. If a rank skips a batch "
+                    "after an error, every rank must skip it (catch the error on every rank).")
 
     def _reduce_accumulated_gradients(self) -> None:
         """A parameter that got no gradient in this reducing backward may still hold one accumulated
@@ -362,10 +422,15 @@ class Engine:
             raise RuntimeError("step() was called before backward(); call engine.backward(loss) first")
         life.require("step()", EngineState.AWAITING_STEP)
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary:  # a scheduler may have set anything since initialize: refuse before anything moves
+            check_group_hyperparameters(self.optimizer.param_groups, where="optimizer.param_groups")
         self.micro_steps += 1
         life.to(EngineState.IDLE)
         if boundary:
+            skipped = self.skipped_steps
             self.optimizer.step()
+            if self.lr_scheduler is not None and self.skipped_steps == skipped:
+                self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip
             self.zero_grad()
             life.local_grads = False
 
@@ -400,12 +465,17 @@ class Engine:
                 "Write on every rank, or write on one inside `with zerocore.gathered(params, modifier_rank=r):`, "
                 "which sends rank r's values to every rank; then reload the model's state on every rank.")
         total = values[0]
-        overflow = fp16 and not math.isfinite(total)
+        overflow = (fp16 or self.config.reduce_dtype == torch.float16) and not math.isfinite(total)
         if fp16:
             self.loss_scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
             self._last_grad_norm = float("inf")
+            if not fp16:  # no loss scale to lower: say why the update was skipped
+                warnings.warn(
+                    f"step {self.global_steps + self.skipped_steps}: gradients overflowed in the fp16 reduction "
+                    "(communication_data_type: fp16, max 65504), so the update was skipped; with bf16 or fp32 "
+                    "compute set communication_data_type to bf16 or fp32", RuntimeWarning, stacklevel=3)
         else:
             norm = math.sqrt(total) * grad_scale
             self._last_grad_norm = norm
@@ -487,6 +557,7 @@ class Engine:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        self._grad_accumulators = []
         if self.stage3 is not None:
             self.stage3.close()
         for buffer in self.buffers:  # stage 1's .grad are views of the engine's gradient buffer
@@ -536,3 +607,16 @@ class Engine:
         """Leaving ``zerocore.gathered(params)``: ``modifier_rank``'s values reach every rank's shard and
         the fp32 master."""
         release_for_user(self, params, modifier_rank)
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """DeepSpeed's auto_cast rule: floating tensors, recursively through lists, tuples and dicts."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_cast_floating(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    return value

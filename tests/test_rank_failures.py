@@ -1,0 +1,95 @@
+"""One rank's failure reaches every rank as a Python exception (issue 9, item 19; Note [Backward outcome] in
+engine.py): a rank that raised in backward and skips the batch no longer makes its peers' next collectives
+mismatch (Gloo aborts the process on that); and frozen parameters pass through zerocore.gathered (item 14)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zerocore
+from _dist import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class RaiseOnRank(torch.autograd.Function):
+    rank_to_fail: int | None = None
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rank: int) -> torch.Tensor:
+        ctx.rank = rank
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.rank == RaiseOnRank.rank_to_fail:
+            raise RuntimeError("simulated out-of-memory on this rank")
+        return grad, None
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 64)
+        self.rest = nn.Sequential(*(nn.Linear(64, 64) for _ in range(3)))
+        self.rank = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(RaiseOnRank.apply(torch.tanh(self.first(x)), self.rank))
+
+
+def _x(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def one_rank_fails_worker(rank: int, world: int, stage: int, accumulation: int) -> list[str]:
+    torch.manual_seed(0)
+    model = Net()
+    model.rank = rank
+    engine = zerocore.initialize(model, {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_accumulation_steps": accumulation,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000}})
+    seen = []
+    for step in range(4 * accumulation):
+        RaiseOnRank.rank_to_fail = 0 if step == accumulation else None  # only rank 0, once
+        try:  # what a user does: catch the error, skip the batch, go on
+            engine.backward(engine(_x(step, rank)).square().mean())
+            engine.step()
+        except RuntimeError as error:
+            seen.append(str(error).splitlines()[0])
+    # training went on in lockstep afterwards: every rank holds the same parameters
+    state = engine.full_state_dict(rank0_only=False)
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, {k: v.sum().item() for k, v in state.items()})
+    assert all(g == gathered[0] for g in gathered)
+    return seen
+
+
+@pytest.mark.parametrize("stage,accumulation", [(1, 1), (2, 1), (2, 2)])
+def test_a_backward_error_on_one_rank_raises_on_every_rank(stage, accumulation):
+    seen = run_ranks(one_rank_fails_worker, 2, stage, accumulation, timeout=120)
+    assert seen[0] == ["simulated out-of-memory on this rank"], seen
+    assert len(seen[1]) == 1 and "rank(s) [0] raised an exception in this backward" in seen[1][0], seen
+
+
+def frozen_worker(rank: int, world: int, stage: int) -> bool:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model[0].requires_grad_(False)
+    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                         "zero_optimization": {"stage": stage}})
+    with zerocore.gathered(model.parameters(), modifier_rank=0):  # DeepSpeed's idiom passes every parameter
+        weights = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.isfinite(w).all() for w in weights)
+    with pytest.raises(ValueError, match="no zerocore engine manages"):
+        with zerocore.gathered([nn.Parameter(torch.zeros(3))]):
+            pass
+    engine.close()
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gathered_passes_frozen_parameters_over(stage):
+    assert all(run_ranks(frozen_worker, 2, stage))

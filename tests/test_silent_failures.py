@@ -1,0 +1,296 @@
+"""Paths that used to end in a silently wrong result (issue 9): a rejected loss.backward() leaves no gradient
+behind (item 7), an fp16 gradient reduction that overflows skips the update instead of writing NaN (item 8),
+a float64 model is refused and only what DeepSpeed casts is cast (item 10)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zerocore
+from _dist import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _config(stage: int, **extra) -> dict:
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": stage}, **extra}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        return out if scale is None else out * scale
+
+
+def _x(step: int, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank)).to(dtype)
+
+
+# ---- item 7 -----------------------------------------------------------------------------------------
+def rejected_backward_worker(rank: int, world: int, stage: int) -> bool:
+    torch.manual_seed(0)
+    model, twin = Net(), Net()
+    twin.load_state_dict(model.state_dict())
+    engine = zerocore.initialize(model, _config(stage))
+    other = zerocore.initialize(twin, _config(stage))
+    for step in range(3):
+        if step == 1:  # the user calls loss.backward() by mistake, reads the error, and goes on
+            with pytest.raises(RuntimeError, match="engine.backward"):
+                engine(_x(step, rank)).square().mean().backward()
+            assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+        engine.backward(engine(_x(step, rank)).square().mean())
+        engine.step()
+        other.backward(other(_x(step, rank)).square().mean())
+        other.step()
+    mine, theirs = engine.full_state_dict(rank0_only=False), other.full_state_dict(rank0_only=False)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine), "the rejected gradient was counted"
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_rejected_loss_backward_leaves_no_gradient_behind(stage):
+    assert all(run_ranks(rejected_backward_worker, 2, stage))
+
+
+def autograd_grad_worker(rank: int, world: int, stage: int) -> bool:
+    """torch.autograd.grad accumulates nothing, so it is not an engine.backward() misuse: it works."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(stage))
+    x = _x(0, rank).requires_grad_()
+    (grad_x,) = torch.autograd.grad(engine(x).square().mean(), x)
+    assert torch.isfinite(grad_x).all()
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_autograd_grad_through_the_engine_still_works(stage):
+    assert all(run_ranks(autograd_grad_worker, 2, stage))
+
+
+# ---- item 8 -----------------------------------------------------------------------------------------
+def fp16_reduce_worker(rank: int, world: int, stage: int) -> tuple[int, bool]:
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(stage, bf16={"enabled": True}, communication_data_type="fp16"))
+    before = engine.full_state_dict(rank0_only=False)
+    # a loss whose gradients are finite in bf16 (max ~3e38) but overflow fp16 (max 65504)
+    engine.backward(engine(_x(0, rank, torch.bfloat16)).float().sum() * 1e8)
+    with pytest.warns(RuntimeWarning, match="communication_data_type"):
+        engine.step()
+    after = engine.full_state_dict(rank0_only=False)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    engine.backward(engine(_x(1, rank, torch.bfloat16)).float().mean())
+    engine.step()
+    finite = all(bool(torch.isfinite(v).all()) for v in engine.full_state_dict(rank0_only=False).values())
+    return engine.skipped_steps, unchanged and finite
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_fp16_reduction_overflow_skips_the_update_instead_of_writing_nan(stage):
+    assert run_ranks(fp16_reduce_worker, 2, stage) == [(1, True), (1, True)]
+
+
+# ---- item 10 ----------------------------------------------------------------------------------------
+def float64_worker(rank: int, world: int, stage: int) -> bool:
+    model = Net().double()
+    with pytest.raises(ValueError, match=r"fc1.weight.*float64.*model.float\(\)"):
+        zerocore.initialize(model, _config(stage))
+    assert next(model.parameters()).dtype == torch.float64  # the user's model is left as it was
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_float64_model_is_refused_not_cast(stage):
+    assert all(run_ranks(float64_worker, 2, stage))
+
+
+def cast_worker(rank: int, world: int, stage: int) -> bool:
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(stage, bf16={"enabled": True}))
+    scale = torch.tensor([1.0 + 2**-12])  # not representable in bf16: a cast would make it exactly 1.0
+    out = engine(_x(0, rank, torch.bfloat16), scale=scale)
+    plain = engine(_x(0, rank, torch.bfloat16))
+    assert out.dtype == torch.float32  # bf16 output times an fp32 keyword argument: not cast (DeepSpeed casts none)
+    assert not torch.equal(out, plain.float())
+    # fp16 with auto_cast casts the positional floating inputs, as DeepSpeed does
+    torch.manual_seed(0)
+    half = zerocore.initialize(Net(), _config(stage, fp16={"enabled": True, "auto_cast": True}))
+    assert half(_x(0, rank)).dtype == torch.float16
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_only_what_deepspeed_casts_is_cast(stage):
+    assert all(run_ranks(cast_worker, 2, stage))
+
+
+# ---- item 18 ----------------------------------------------------------------------------------------
+class FailingBackward(torch.autograd.Function):
+    """Identity forward; its backward raises when told to (after later layers' gradients were reduced)."""
+
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if FailingBackward.fail:
+            raise RuntimeError("simulated failure in backward")
+        return grad
+
+
+class Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 64)
+        self.rest = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(FailingBackward.apply(torch.tanh(self.first(x))))
+
+
+def backward_failure_worker(rank: int, world: int, stage: int) -> bool:
+    torch.manual_seed(0)
+    model, twin = Deep(), Deep()
+    twin.load_state_dict(model.state_dict())
+    config = _config(stage, zero_optimization={"stage": stage, "reduce_bucket_size": 5000})
+    engine, other = zerocore.initialize(model, config), zerocore.initialize(twin, config)
+    for step in range(3):
+        if step == 1:  # every rank fails at the same point, with buckets of later layers already in flight
+            FailingBackward.fail = True
+            with pytest.raises(RuntimeError, match="simulated failure") as caught:
+                engine.backward(engine(_x(step, rank)).square().mean())
+            FailingBackward.fail = False
+            assert "gradients were dropped" in "".join(getattr(caught.value, "__notes__", []))
+            assert engine.state.value == "idle", engine.state
+        engine.backward(engine(_x(step, rank)).square().mean())
+        engine.step()
+        other.backward(other(_x(step, rank)).square().mean())
+        other.step()
+    mine, theirs = engine.full_state_dict(rank0_only=False), other.full_state_dict(rank0_only=False)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine), "the failed backward left something behind"
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_exception_in_backward_leaves_the_engine_usable(stage):
+    assert all(run_ranks(backward_failure_worker, 2, stage))
+
+
+# ---- item 20 ----------------------------------------------------------------------------------------
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        return self.out(h)
+
+
+def reentrant_worker(rank: int, world: int, stage: int) -> bool:
+    from _parity import ReferencePair
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0,
+                                                                 foreach=False))
+    engine = zerocore.initialize(model, _config(stage, zero_optimization={"stage": stage,
+                                                                           "reduce_bucket_size": 300}))
+    for step in range(3):
+        engine.backward(engine(_x(step, rank)).square().mean())
+        engine.step()
+        reference.train_step(lambda module, dtype: sum(module(_x(step, r).to(dtype)).square().mean()
+                                                       for r in range(world)) / world)
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"stage {stage}")
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reentrant_activation_checkpointing_trains_like_ddp(stage):
+    assert all(run_ranks(reentrant_worker, 2, stage))
+
+
+# ---- item 24 ----------------------------------------------------------------------------------------
+class MaybeFails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.fail_at: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i == self.fail_at:
+                raise RuntimeError("simulated failure in forward")
+            x = torch.tanh(block(x))
+        return x
+
+
+def failed_forward_worker(rank: int, world: int) -> int:
+    torch.manual_seed(0)
+    model = MaybeFails()
+    engine = zerocore.initialize(model, _config(3, zero_optimization={"stage": 3}), units=[nn.Linear])
+    model.fail_at = 2  # the very first forward fails half-way
+    with pytest.raises(RuntimeError, match="simulated failure in forward"):
+        engine(_x(0, rank))
+    model.fail_at = None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a recorded half order would warn "the forward order changed"
+        for step in range(3):
+            engine.backward(engine(_x(step, rank)).square().mean())
+            engine.step()
+    return len(engine.stage3.recorded_order)
+
+
+def test_a_failed_forward_does_not_become_the_prefetch_order():
+    assert run_ranks(failed_forward_worker, 2) == [4, 4]
+
+
+# ---- item 22 ----------------------------------------------------------------------------------------
+def step_error_worker(rank: int, world: int, stage: int) -> bool:
+    torch.manual_seed(0)
+    model, twin = Net(), Net()
+    twin.load_state_dict(model.state_dict())
+    engine, other = zerocore.initialize(model, _config(stage)), zerocore.initialize(twin, _config(stage))
+    for step in range(3):
+        engine.backward(engine(_x(step, rank)).square().mean())
+        if step == 1:  # a scheduler (or the user) drove the learning rate negative
+            engine.optimizer.param_groups[0]["lr"] = -1e-2
+            before = engine.full_state_dict(rank0_only=False)
+            with pytest.raises(ValueError, match=r"param_groups\[0\]\.lr"):
+                engine.step()
+            after = engine.full_state_dict(rank0_only=False)
+            assert all(torch.equal(before[k], after[k]) for k in before)
+            assert (engine.global_steps, engine.micro_steps, engine.state.value) == (1, 1, "gradients reduced, awaiting step()")
+            engine.optimizer.param_groups[0]["lr"] = 1e-2  # fixed: the same step goes through
+        engine.step()
+        other.backward(other(_x(step, rank)).square().mean())
+        other.step()
+    mine, theirs = engine.full_state_dict(rank0_only=False), other.full_state_dict(rank0_only=False)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_step_that_raises_changes_nothing(stage):
+    assert all(run_ranks(step_error_worker, 2, stage))
