@@ -14,6 +14,7 @@ from torch import nn
 from .config import ZeroConfig
 
 from ._native import _C
+from ._transforms import outside_transforms
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -86,6 +87,7 @@ def broadcast_module_state(comm: Any, module: nn.Module) -> None:
                 tensor.data.copy_(dense)
 
 
+@outside_transforms  # the broadcast writes the module's own buffers (Note [torch.func transforms])
 def sync_buffers(comm: Any, module: nn.Module, world_size: int) -> None:
     """Rank 0's buffers (BatchNorm running statistics, ...) before every training forward, as DDP's
     default ``broadcast_buffers=True`` does: one broadcast per buffer dtype."""

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ._transforms import outside_transforms
+
 
 class RanksDivergedError(RuntimeError):
     """Ranks ran different modules: they are out of lockstep, so no further collective may be issued."""
@@ -44,6 +46,7 @@ class DivergenceCheck:
         tag[3 * self.rank : 3 * self.rank + 3] = torch.tensor([unit, call, step])
         return tag
 
+    @outside_transforms  # tags are the engine's tensors, never a transform's (Note [torch.func transforms])
     def before_gather(self, unit: int, call: int, step: int) -> Any:
         """Issues the tag exchange for one gather; what the unit hands to :meth:`after_gather` at its wait."""
         tag = self._tag(unit, call, step)
@@ -55,6 +58,7 @@ class DivergenceCheck:
             return None
         return work, tag, step
 
+    @outside_transforms
     def after_gather(self, pending: Any) -> None:
         if pending is None:
             return
@@ -71,6 +75,7 @@ class DivergenceCheck:
         """Non-zero when a deferred (accelerator) comparison of this step found ranks apart."""
         return self.flag
 
+    @outside_transforms
     def end_step(self, diverged: bool, step: int) -> None:
         """Called by the step after its one host sync; raises when any rank saw ranks apart."""
         tags, self.step_tags = self.step_tags, []
