@@ -77,3 +77,30 @@ def test_bf16_trains_and_stays_finite_on_cuda(stage):
     assert all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())
     assert engine.memory_report() and engine.comm_report()  # the reports run on CUDA too
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_checkpoint_resume_is_bit_exact_on_cuda(stage, tmp_path):
+    def train(engine, first: int, steps: int) -> list[float]:
+        losses = []
+        for step in range(first, first + steps):
+            inputs, target = (t.cuda() for t in batch("transformer", torch.Generator().manual_seed(step)))
+            loss = loss_fn("transformer", engine(inputs), target)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    engine = zerocore.initialize(build("transformer").cuda(), make_config(stage, bf16={"enabled": True}))
+    train(engine, 0, 3)
+    engine.save_checkpoint(tmp_path)
+    expected = train(engine, 3, 3)
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    fresh = zerocore.initialize(build("transformer", seed=7).cuda(), make_config(stage, bf16={"enabled": True}))
+    fresh.load_checkpoint(tmp_path)
+    assert train(fresh, 3, 3) == expected
+    after = fresh.full_state_dict(rank0_only=False)
+    assert all(torch.equal(after[k], state[k]) for k in state)
+    fresh.close()

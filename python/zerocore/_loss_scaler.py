@@ -64,3 +64,10 @@ class LossScaler:
     def state_dict(self) -> dict[str, float | int]:
         return {"scale": self.scale, "hysteresis_left": self._hysteresis_left, "iteration": self._iteration,
                 "last_overflow": self._last_overflow, "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self._iteration = int(state["iteration"])
+        self._last_overflow = int(state["last_overflow"])
+        self.overflows = int(state["overflows"])

@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten
 from ._divergence import DivergenceCheck
 from ._native import _C
 from ._sharded_buffer import ShardedBuffer
+from ._transforms import outside_transforms, wrapped_values
 from ._units import UnitSpec
 from .layout import FlatLayout
 
@@ -164,7 +165,7 @@ class Stage3Runtime:
         if meta:
             from ._meta_init import materialize_units
 
-            materialize_units(engine.module, self.units, engine.device, init_fn)
+            materialize_units(engine.module, self.units, engine.device, init_fn, comm=engine.comm)
         else:
             for unit in self.units:
                 unit.build_from([p.detach() for p in unit.params])
@@ -289,6 +290,7 @@ class Stage3Runtime:
                     self._pin(self._unit_of_param[id(t)])
         if torch.is_grad_enabled():
             tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors += wrapped_values(outputs)  # under torch.func transforms (Note [torch.func transforms])
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads, unit=unit: self.pre_backward(unit), mode="any"
@@ -368,11 +370,13 @@ class Stage3Runtime:
             self.release(unit)
 
     # ---- gather / release -----------------------------------------------------------------------------
+    @outside_transforms  # gathers and releases are the engine's, never a transform's (Note [torch.func transforms])
     def ensure_gathered(self, unit: Unit, label: str) -> None:
         if unit.state is UnitState.SHARDED:
             self._gather(unit, label)
         unit.wait()
 
+    @outside_transforms
     def _gather(self, unit: Unit, label: str) -> None:
         unit.calls += 1
         tag = self.divergence.before_gather(unit.index, unit.calls, self.step)
@@ -380,6 +384,7 @@ class Stage3Runtime:
         self.live_elements += unit.numel
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
 
+    @outside_transforms
     def release(self, unit: Unit) -> None:
         if unit.state is not UnitState.SHARDED:
             unit.release()
@@ -422,6 +427,7 @@ class Stage3Runtime:
         """Every gather in flight lands (and its divergence tag is checked)."""
         self._drain_prefetched()
 
+    @outside_transforms
     def _drain_prefetched(self) -> None:
         """Lands every gather in flight, so none is left behind when prefetching stops mid-step; the
         landed units are released by the usual post-forward and post-backward rules."""

@@ -597,6 +597,60 @@ class Engine:
         self.lifecycle.require("full_state_dict()", *_USABLE)
         return full_state_dict(self, dtype, rank0_only)
 
+    # ---- checkpoints (Note [Checkpoint format] in checkpoint.py) ----------------------------------------
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: Mapping[str, Any] | None = None) -> str:
+        """Writes this rank's optimizer state (fp32 master, moments), the model's buffers and frozen
+        parameters, counters, loss scaler, lr scheduler, RNG states and ``client_state`` (JSON) to
+        ``save_dir/tag`` (default ``global_step<N>``) atomically, then points ``save_dir/latest`` at it.
+        A collective: every rank calls it, at an accumulation boundary. Returns the checkpoint's path."""
+        from .checkpoint import save_checkpoint
+
+        self.lifecycle.require("save_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
+        if self.micro_steps % self.config.gradient_accumulation_steps:
+            raise RuntimeError("save_checkpoint() inside an accumulation window would lose its gradients; save "
+                               "after the step() that ends the window")
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True) -> tuple[str | None, dict[str, Any]]:
+        """Loads a checkpoint written by :meth:`save_checkpoint` at any world size and stage (each rank reads
+        the parameter ranges its shards hold); ``tag`` defaults to the one ``latest`` names. Returns
+        ``(path, client_state)``. Everything is validated before the engine changes. A collective."""
+        from .checkpoint import load_checkpoint
+
+        self.lifecycle.require("load_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+
+    def absorb_param_writes(self) -> None:
+        """Parameters written in place since the last step reach the fp32 master now (Note [Writes to
+        parameters]), e.g. before the optimizer state is saved."""
+        if self.stage3 is not None:
+            self.stage3.land_gathers()
+        for buffer in self.buffers:
+            if buffer.params_written():
+                buffer.absorb_param_writes()
+
+    def restore_counters(self, global_steps: int, skipped_steps: int, micro_steps: int) -> None:
+        self.optimizer_state.step_count = global_steps
+        self.skipped_steps = skipped_steps
+        self.micro_steps = micro_steps
+
+    def reload_params_from_shards(self) -> None:
+        """The optimizer shards were overwritten (a checkpoint load): the parameters follow them, every rank
+        issuing the same all-gathers (stages 1-2) or releasing every unit (stage 3, gathered again on use)."""
+        if self.stage3 is not None:
+            self.stage3.land_gathers()
+            for unit in self.stage3.units:
+                unit.pinned = False
+                self.stage3.release(unit)
+            return
+        for buffer in self.buffers:
+            for bucket in range(len(buffer.buckets)):
+                buffer.gather(self.comm, bucket, "all_gather_load").wait()
+            buffer.note_param_versions()
+
     # ---- zerocore.gathered --------------------------------------------------------------------------
     def gather_for_user(self, params: list[nn.Parameter]) -> None:
         """Entering ``zerocore.gathered(params)``: the parameters hold their full values."""

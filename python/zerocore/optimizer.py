@@ -40,6 +40,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "optimizer.param_groups[i]['lr'])"
         )
 
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Refused: torch's format would hold no moments or master weights (they are sharded across ranks),
+        a silently partial state. Use ``engine.save_checkpoint(dir)`` / ``engine.load_checkpoint(dir)``."""
+        raise RuntimeError(
+            "engine.optimizer.state_dict() would hold none of the sharded Adam state (moments and fp32 master "
+            "weights live in shards across ranks): use engine.save_checkpoint(save_dir) and "
+            "engine.load_checkpoint(load_dir), which save and restore it (at any world size and stage)")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        raise RuntimeError(
+            "engine.optimizer.load_state_dict() cannot restore the sharded Adam state: use "
+            "engine.load_checkpoint(load_dir) on a checkpoint written by engine.save_checkpoint(save_dir)")
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Applies the sharded update. Called by ``engine.step()`` at the accumulation boundary."""

@@ -1,0 +1,433 @@
+"""Sharded checkpoints: ``engine.save_checkpoint`` / ``engine.load_checkpoint``, safetensors and JSON only.
+
+Note [Checkpoint format]
+------------------------
+A checkpoint is a directory ``save_dir/<tag>`` (``tag`` defaults to ``global_step<N>``) holding
+
+* ``rank<r>.safetensors`` per rank: for every optimizer shard ``i`` of that rank (Note [Optimizer state
+  ownership]) the flat fp32 ``i.master``, ``i.exp_avg`` and ``i.exp_avg_sq``, plus the rank's RNG states;
+* ``model.safetensors`` (rank 0): what the optimizer does not own: buffers and frozen parameters, by name;
+* ``index.json`` (rank 0, written last inside the directory): zerocore's version, world size, stage, the
+  trainable parameters' names and shapes, for every rank and shard the *pieces* (which elements of which
+  parameter each shard range holds), step counters, the loss scaler's and the lr scheduler's state, the
+  param groups' hyper-parameters, ``client_state``, and a SHA-256 per file.
+
+Nothing is pickled, so loading an untrusted checkpoint cannot run code. The compute-dtype parameters are
+not stored: they are the master's rounding (the fused Adam writes them so), recomputed at load.
+
+Atomic: every rank writes into ``save_dir/.<tag>.tmp``, files are fsynced, rank 0 writes the index,
+renames the directory to ``<tag>`` and only then replaces ``latest`` (written to a temporary file, fsynced
+and renamed), so a process killed at any moment leaves the previous checkpoint loadable and named by
+``latest``.
+
+Reshard at load: a rank loading at any world size and stage walks its own shards' pieces and copies each
+from the saved pieces that cover the same parameter elements, reading only those byte ranges (safetensors
+slices). Everything is validated (index, files, checksums, names and shapes) before the engine changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+FORMAT = "zerocore-checkpoint/1"
+_STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None,
+                    client_state: Mapping[str, Any] | None = None) -> str:
+    """See :meth:`Engine.save_checkpoint`."""
+    from safetensors.torch import save_file
+
+    group = engine.process_group
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    _check_tag(tag)
+    client = dict(client_state or {})
+    try:
+        json.dumps(client)
+    except TypeError as error:
+        raise ValueError(f"save_checkpoint(client_state=...) must be JSON-serializable (nothing is pickled): "
+                         f"{error}") from None
+    engine.absorb_param_writes()
+    save_dir = os.fspath(save_dir)
+    tmp = os.path.join(save_dir, f".{tag}.tmp")
+    if engine.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier(group=group)
+
+    tensors: dict[str, torch.Tensor] = {}
+    ranks_pieces = []
+    for i, shard in enumerate(engine.optimizer_state.shards):
+        for name in _STATES:
+            tensors[f"{i}.{name}"] = getattr(shard, name).detach().float().cpu().contiguous()
+        ranks_pieces.append({"numel": shard.numel, "pieces": [
+            [p.name, p.tensor_offset, p.shard_offset, p.length] for p in shard.pieces]})
+    tensors["rng.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available() and engine.device.type == "cuda":
+        tensors["rng.cuda"] = torch.cuda.get_rng_state(engine.device)
+    rank_file = f"rank{engine.rank}.safetensors"
+    save_file(tensors, os.path.join(tmp, rank_file))
+    mine = {"file": rank_file, "sha256": _sha256(os.path.join(tmp, rank_file)), "shards": ranks_pieces,
+            "python_rng": _json_rng(random.getstate())}
+    everyone: list[Any] = [None] * engine.world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
+    # parameters are replicated), rank 0 writes it
+    untracked = _untracked_state(engine)
+    shapes = _trainable_shapes(engine)
+    if engine.rank == 0:
+        save_file({k: v.detach().cpu().contiguous() for k, v in untracked.items()}, os.path.join(tmp, "model.safetensors"))
+        index = {
+            "format": FORMAT,
+            "zerocore_version": _version(),
+            "world_size": engine.world_size,
+            "stage": engine.stage,
+            "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+            "params": {name: list(shape) for name, shape in shapes.items()},
+            "untracked": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                          for k, v in untracked.items()},
+            "model_file": {"file": "model.safetensors", "sha256": _sha256(os.path.join(tmp, "model.safetensors"))},
+            "ranks": everyone,
+            "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+                         "micro_steps": engine.micro_steps},
+            "loss_scaler": engine.loss_scaler.state_dict(),
+            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                             for g in engine.optimizer.param_groups],
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "client_state": client,
+        }
+        _write_durably(os.path.join(tmp, "index.json"), json.dumps(index, indent=1).encode())
+    dist.barrier(group=group)  # every rank's file is written (save_file closes it) before the rename
+    _fsync_file(os.path.join(tmp, rank_file))
+    dist.barrier(group=group)
+    final = os.path.join(save_dir, tag)
+    if engine.rank == 0:
+        _fsync_dir(tmp)
+        old = os.path.join(save_dir, f".{tag}.old")
+        if os.path.exists(final):  # re-saving a tag: the old copy goes only once the new one is complete
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(save_dir)
+        _write_durably(os.path.join(save_dir, "latest"), tag.encode())
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group=group)
+    return final
+
+
+def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str | None = None,
+                    load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True) -> tuple[str | None, dict[str, Any]]:
+    """See :meth:`Engine.load_checkpoint`."""
+    from safetensors import safe_open
+
+    problem: BaseException | None = None
+    try:
+        path, index, sources, files, untracked = _open_validated(engine, os.fspath(load_dir), tag)
+    except (OSError, ValueError) as error:
+        problem = error
+    # every rank learns whether every rank validated, so all go on or all raise (none is left in a collective)
+    verdicts: list[Any] = [None] * engine.world_size
+    dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}",
+                           group=engine.process_group)
+    if problem is not None:
+        raise problem
+    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        raise ValueError(f"load_checkpoint: rank {rank} refused the checkpoint ({message}); nothing was changed")
+    try:  # everything is validated on every rank: from here on the engine changes
+        _load_shards(engine, index, sources, files, load_optimizer_states)
+        with torch.no_grad():
+            for name, tensor in untracked.items():
+                tensor.copy_(files["model.safetensors"].get_tensor(name))
+    finally:
+        files.clear()
+    counters = index["counters"]
+    engine.restore_counters(counters["global_steps"] if load_optimizer_states else 0,
+                            counters["skipped_steps"], counters["micro_steps"])
+    if load_optimizer_states:
+        engine.loss_scaler.load_state_dict(index["loss_scaler"])
+        for group, saved in zip(engine.optimizer.param_groups, index["param_groups"]):
+            for key, value in saved.items():
+                group[key] = tuple(value) if key == "betas" else value
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and index["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(index["lr_scheduler"])
+    if index["world_size"] == engine.world_size:  # RNG streams continue (another world size has other streams)
+        with safe_open(os.path.join(path, index["ranks"][engine.rank]["file"]), framework="pt", device="cpu") as f:
+            torch.set_rng_state(f.get_tensor("rng.cpu"))
+            if engine.device.type == "cuda" and "rng.cuda" in f.keys():
+                torch.cuda.set_rng_state(f.get_tensor("rng.cuda"), engine.device)
+        random.setstate(_python_rng(index["ranks"][engine.rank]["python_rng"]))
+    dist.barrier(group=engine.process_group)
+    return path, dict(index["client_state"])
+
+
+def _open_validated(engine: Engine, load_dir: str, tag: str | None) -> tuple[str, dict[str, Any], Any,
+                                                                              dict[str, Any], dict[str, torch.Tensor]]:
+    """Reads and checks the index, the model's names and shapes, and the files this rank reads (present,
+    matching their checksum, readable); changes nothing and issues no collective."""
+    from safetensors import safe_open
+
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.exists(latest):
+            raise FileNotFoundError(f"load_checkpoint: {latest} does not exist (no checkpoint was completed in "
+                                    f"{load_dir}); pass tag= to load a specific one")
+        tag = open(latest, encoding="utf-8").read().strip()
+    _check_tag(tag)
+    path = os.path.join(load_dir, tag)
+    index = _read_index(path)
+    _check_model(engine, index)
+    sources = _piece_sources(index)
+    needed = {index["ranks"][rank]["file"] for rank in _ranks_needed(engine, sources)}
+    if index["world_size"] == engine.world_size:
+        needed.add(index["ranks"][engine.rank]["file"])  # its RNG states
+    expected = {entry["file"]: entry["sha256"] for entry in index["ranks"]}
+    expected["model.safetensors"] = index["model_file"]["sha256"]
+    files: dict[str, Any] = {}
+    for name in sorted(needed) + ["model.safetensors"]:
+        full = os.path.join(path, name)
+        if not os.path.exists(full):
+            raise FileNotFoundError(f"checkpoint file {full} is missing")
+        if _sha256(full) != expected[name]:
+            raise ValueError(f"checkpoint file {full} does not match its checksum in index.json (truncated or "
+                             "changed after saving)")
+        try:
+            files[name] = safe_open(full, framework="pt", device="cpu")
+        except Exception as error:  # safetensors raises its own error types for a damaged header
+            raise ValueError(f"checkpoint file {full} cannot be read: {error}") from None
+    untracked = _untracked_state(engine)
+    _check_untracked(untracked, index, files["model.safetensors"], path)
+    return path, index, sources, files, untracked
+
+
+# ---- loading pieces ---------------------------------------------------------------------------------------
+def _piece_sources(index: Mapping[str, Any]) -> dict[str, list[tuple[int, int, int, int, int]]]:
+    """Per parameter name, the saved pieces ``(tensor_offset, length, rank, shard, shard_offset)`` by offset."""
+    sources: dict[str, list[tuple[int, int, int, int, int]]] = {}
+    for rank, entry in enumerate(index["ranks"]):
+        for shard, saved in enumerate(entry["shards"]):
+            for name, tensor_offset, shard_offset, length in saved["pieces"]:
+                sources.setdefault(name, []).append((tensor_offset, length, rank, shard, shard_offset))
+    for pieces in sources.values():
+        pieces.sort()
+    return sources
+
+
+def _covering(sources: dict[str, list[tuple[int, int, int, int, int]]], name: str, start: int, length: int):
+    """The saved pieces overlapping elements ``[start, start + length)`` of ``name``, with the overlap."""
+    pieces = sources[name]
+    i = max(bisect.bisect_right(pieces, (start, float("inf"))) - 1, 0)
+    end = start + length
+    covered = start
+    for tensor_offset, plen, rank, shard, shard_offset in pieces[i:]:
+        if tensor_offset >= end:
+            break
+        lo, hi = max(start, tensor_offset), min(end, tensor_offset + plen)
+        if lo >= hi:
+            continue
+        if lo != covered:
+            raise ValueError(f"checkpoint does not hold elements [{covered}, {lo}) of parameter {name!r}")
+        yield lo, hi, rank, shard, shard_offset + (lo - tensor_offset)
+        covered = hi
+    if covered != end:
+        raise ValueError(f"checkpoint does not hold elements [{covered}, {end}) of parameter {name!r}")
+
+
+def _ranks_needed(engine: Engine, sources: dict[str, list[tuple[int, int, int, int, int]]]) -> set[int]:
+    ranks = set()
+    for shard in engine.optimizer_state.shards:
+        for piece in shard.pieces:
+            for _, _, rank, _, _ in _covering(sources, piece.name, piece.tensor_offset, piece.length):
+                ranks.add(rank)
+    return ranks
+
+
+def _load_shards(engine: Engine, index: Mapping[str, Any], sources: Any, files: dict[str, Any],
+                 load_optimizer_states: bool) -> None:
+    names = [entry["file"] for entry in index["ranks"]]
+    with torch.no_grad():
+        for shard in engine.optimizer_state.shards:
+            master = torch.zeros(shard.numel, dtype=torch.float32)  # padding stays zero
+            moments = {k: torch.zeros(shard.numel, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+            for piece in shard.pieces:
+                for lo, hi, rank, saved_shard, saved_offset in _covering(sources, piece.name, piece.tensor_offset,
+                                                                         piece.length):
+                    f = files[names[rank]]
+                    at = piece.shard_offset + (lo - piece.tensor_offset)
+                    span = slice(saved_offset, saved_offset + hi - lo)
+                    master[at : at + hi - lo] = f.get_slice(f"{saved_shard}.master")[span]
+                    if load_optimizer_states:
+                        for key, target in moments.items():
+                            target[at : at + hi - lo] = f.get_slice(f"{saved_shard}.{key}")[span]
+            shard.master.copy_(master)
+            if shard.separate_master:
+                shard.params.copy_(master)  # the compute-dtype values are the master's rounding
+            shard.exp_avg.copy_(moments["exp_avg"])
+            shard.exp_avg_sq.copy_(moments["exp_avg_sq"])
+    engine.reload_params_from_shards()
+
+
+# ---- validation -------------------------------------------------------------------------------------------
+def _read_index(path: str) -> dict[str, Any]:
+    file = os.path.join(path, "index.json")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file} is missing: {path} is not a complete zerocore checkpoint")
+    try:
+        index = json.loads(open(file, "rb").read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON ({error}): the checkpoint is damaged") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a {FORMAT} index (format {index.get('format') if isinstance(index, dict) else None!r})")
+    return index
+
+
+def _check_model(engine: Engine, index: Mapping[str, Any]) -> None:
+    ours = _trainable_shapes(engine)
+    theirs = {name: tuple(shape) for name, shape in index["params"].items()}
+    for name in sorted(set(ours) | set(theirs)):
+        if name not in theirs:
+            raise ValueError(f"checkpoint has no trainable parameter {name!r}: it was saved from another model")
+        if name not in ours:
+            raise ValueError(f"checkpoint holds parameter {name!r}, which this model does not train: it was saved "
+                             "from another model")
+        if ours[name] != theirs[name]:
+            raise ValueError(f"parameter {name!r} has shape {list(theirs[name])} in the checkpoint but "
+                             f"{list(ours[name])} in this model")
+
+
+def _check_untracked(ours: dict[str, torch.Tensor], index: Mapping[str, Any], model_file: Any, path: str) -> None:
+    theirs = index["untracked"]
+    if set(ours) != set(theirs):
+        diff = sorted(set(ours) ^ set(theirs))
+        raise ValueError(f"buffers or frozen parameters differ between the checkpoint {path} and this model: {diff}")
+    for name, tensor in ours.items():
+        if list(tensor.shape) != theirs[name]["shape"] or name not in model_file.keys():
+            raise ValueError(f"{name!r}: shape {theirs[name]['shape']} in the checkpoint, {list(tensor.shape)} here")
+
+
+def _trainable_shapes(engine: Engine) -> dict[str, tuple[int, ...]]:
+    """The trainable parameters' names (as the optimizer state's pieces name them) and global shapes."""
+    trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    return dict(sorted((name, tuple(p.shape)) for name, p in engine.module.named_parameters() if id(p) in trainable))
+
+
+def _untracked_state(engine: Engine) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters by state-dict name (each tensor once)."""
+    trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, param in engine.module.named_parameters(remove_duplicate=True):
+        if id(param) not in trainable and id(param) not in seen:
+            seen.add(id(param))
+            out[name] = param.data
+    for name, buffer in engine.module.named_buffers(remove_duplicate=True):
+        if id(buffer) not in seen:
+            seen.add(id(buffer))
+            out[name] = buffer
+    return out
+
+
+# ---- files ------------------------------------------------------------------------------------------------
+def _check_tag(tag: str) -> None:
+    if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not starting with '.')")
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _json_rng(state: Any) -> Any:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _python_rng(saved: Any) -> Any:
+    version, internal, gauss = saved
+    return (version, tuple(internal), gauss)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+def _info(path: str, tag: str | None) -> None:
+    if tag is None and os.path.exists(os.path.join(path, "latest")):
+        tag = open(os.path.join(path, "latest"), encoding="utf-8").read().strip()
+    directory = os.path.join(path, tag) if tag else path
+    index = _read_index(directory)
+    total = sum(sum(s["numel"] for s in r["shards"]) for r in index["ranks"])
+    print(f"{directory}: zerocore {index['zerocore_version']}, stage {index['stage']}, world size "
+          f"{index['world_size']}, compute dtype {index['compute_dtype']}")
+    print(f"steps: {index['counters']}; loss scaler: {index['loss_scaler']}")
+    print(f"{len(index['params'])} trainable parameters, {total} shard elements (with padding), "
+          f"{len(index['untracked'])} buffers/frozen tensors; lr scheduler: "
+          f"{'yes' if index['lr_scheduler'] is not None else 'no'}; client_state keys: {sorted(index['client_state'])}")
+    for name, shape in index["params"].items():
+        print(f"  {name} {shape}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zerocore.checkpoint", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="print what a checkpoint holds")
+    info.add_argument("checkpoint_dir")
+    info.add_argument("--tag")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        _info(args.checkpoint_dir, args.tag)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

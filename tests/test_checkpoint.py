@@ -1,0 +1,215 @@
+"""Sharded checkpoints (issue 10; Note [Checkpoint format] in checkpoint.py): bit-exact resume at the same
+world size and stage, resharding to another world size and stage at load, atomic saves, and bad input that
+is refused before the engine changes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import zerocore
+from _dist import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(0.1)) for _ in range(3))
+        self.norm = nn.BatchNorm1d(16)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(16, 30)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens).mean(1)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.frozen(self.norm(h)))
+
+
+def _config(stage: int, dtype: str = "fp32", accumulation: int = 1) -> dict:
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                           "warmup_num_steps": 4}},
+              "gradient_accumulation_steps": accumulation,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
+                                    "stage3_param_persistence_threshold": 0}}
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+        if dtype == "fp16":
+            config["fp16"].update(initial_scale_power=8, loss_scale_window=2)
+    return config
+
+
+def _train(engine: zerocore.Engine, rank: int, first: int, steps: int) -> list[float]:
+    losses = []
+    for step in range(first, first + steps):
+        for micro in range(engine.config.gradient_accumulation_steps):
+            g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+            tokens, target = torch.randint(0, 30, (6, 5), generator=g), torch.randint(0, 30, (6,), generator=g)
+            loss = nn.functional.cross_entropy(engine(tokens).float(), target)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _optimizer_state(engine: zerocore.Engine) -> list[torch.Tensor]:
+    return [t.clone() for s in engine.optimizer_state.shards for t in (s.master, s.exp_avg, s.exp_avg_sq)]
+
+
+def resume_worker(rank: int, world: int, stage: int, dtype: str, accumulation: int, directory: str) -> bool:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(stage, dtype, accumulation))
+    _train(engine, rank, 0, 3)
+    engine.save_checkpoint(directory, client_state={"epoch": 1, "batch": 3})
+    expected_losses = _train(engine, rank, 3, 3)
+    expected_state = engine.full_state_dict(rank0_only=False)
+    expected_optimizer = _optimizer_state(engine)
+    expected = (engine.global_steps, engine.skipped_steps, engine.loss_scale, engine.lr_scheduler.get_last_lr())
+
+    torch.manual_seed(123)  # a different init and RNG stream: the checkpoint must restore all of it
+    fresh = zerocore.initialize(Net(), _config(stage, dtype, accumulation))
+    path, client = fresh.load_checkpoint(directory)
+    assert client == {"epoch": 1, "batch": 3} and path.endswith("global_step3")
+    assert _train(fresh, rank, 3, 3) == expected_losses
+    state = fresh.full_state_dict(rank0_only=False)
+    assert all(torch.equal(state[k], expected_state[k]) for k in expected_state), "parameters or buffers differ"
+    assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(fresh), expected_optimizer)), "Adam state differs"
+    assert (fresh.global_steps, fresh.skipped_steps, fresh.loss_scale, fresh.lr_scheduler.get_last_lr()) == expected
+    return True
+
+
+@pytest.mark.parametrize("stage,dtype,accumulation", [(1, "fp32", 2), (2, "bf16", 1), (3, "fp32", 1), (3, "bf16", 2),
+                                                      (2, "fp16", 1), (1, "bf16", 1)])
+def test_resume_is_bit_exact_at_the_same_world_size_and_stage(stage, dtype, accumulation, tmp_path):
+    assert all(run_ranks(resume_worker, 2, stage, dtype, accumulation, str(tmp_path)))
+
+
+def save_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(stage))
+    _train(engine, rank, 0, 3)
+    engine.save_checkpoint(directory)
+    state = engine.full_state_dict(rank0_only=False)
+    _train(engine, rank, 3, 2)
+    return {"saved": _plain(state)}
+
+
+def load_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+    torch.manual_seed(5)
+    engine = zerocore.initialize(Net(), _config(stage))
+    engine.load_checkpoint(directory)
+    return {"loaded": _plain(engine.full_state_dict(rank0_only=False)), "steps": engine.global_steps}
+
+
+def _plain(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, list]]:
+    """Tensors as plain values: results travel back from the rank processes by pickling."""
+    return {k: (str(v.dtype), v.flatten().tolist()) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("saved,loaded", [((2, 2), (1, 1)), ((2, 3), (3, 2)), ((1, 1), (2, 3)), ((3, 1), (2, 2))])
+def test_a_checkpoint_loads_at_another_world_size_and_stage(saved, loaded, tmp_path):
+    (save_world, save_stage), (load_world, load_stage) = saved, loaded
+    before = run_ranks(save_worker, save_world, save_stage, str(tmp_path))[0]
+    after = run_ranks(load_worker, load_world, load_stage, str(tmp_path))
+    for result in after:
+        assert result["steps"] == 3
+        for name, value in before["saved"].items():
+            assert result["loaded"][name] == value, name
+
+
+def bad_input_worker(rank: int, world: int, directory: str) -> list[str]:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(2))
+    _train(engine, rank, 0, 1)
+    engine.save_checkpoint(directory, tag="good")
+    before = engine.full_state_dict(rank0_only=False)
+    messages = []
+    with pytest.raises(RuntimeError, match="save_checkpoint"):
+        engine.optimizer.state_dict()
+    # another model: a parameter's shape differs
+    other = nn.Module()
+    other_engine = zerocore.initialize(_Wider(), _config(2))
+    with pytest.raises(ValueError, match=r"'head.(weight|bias)' has shape") as caught:
+        other_engine.load_checkpoint(directory, tag="good")
+    messages.append(str(caught.value))
+    torch.distributed.barrier()
+    if rank == 0:  # a damaged file
+        path = os.path.join(directory, "good", "rank1.safetensors")
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 2])
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match="rank1.safetensors") as caught:
+        engine.load_checkpoint(directory, tag="good")
+    messages.append(str(caught.value))
+    with pytest.raises(FileNotFoundError, match="nope does not exist"):
+        engine.load_checkpoint(directory, tag="nope")
+    after = engine.full_state_dict(rank0_only=False)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused load changed the engine"
+    _train(engine, rank, 1, 1)  # and it trains on
+    del other
+    return messages
+
+
+class _Wider(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 31)
+
+
+def test_bad_checkpoints_are_refused_before_anything_changes(tmp_path):
+    for messages in run_ranks(bad_input_worker, 2, str(tmp_path)):
+        assert len(messages) == 2, messages
+
+
+def interrupted_worker(rank: int, world: int, directory: str) -> bool:
+    """A save that dies part-way (here: an exception after this rank's file is written) leaves the previous
+    checkpoint complete and named by ``latest``."""
+    import zerocore.checkpoint as ckpt
+
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(1))
+    _train(engine, rank, 0, 1)
+    engine.save_checkpoint(directory)
+    real = ckpt._sha256
+
+    def dies(path: str) -> str:
+        raise KeyboardInterrupt("killed during the save")
+
+    ckpt._sha256 = dies
+    try:
+        _train(engine, rank, 1, 1)
+        with pytest.raises(KeyboardInterrupt):
+            engine.save_checkpoint(directory)
+    finally:
+        ckpt._sha256 = real
+    assert open(os.path.join(directory, "latest")).read() == "global_step1"
+    assert not os.path.exists(os.path.join(directory, "global_step2"))
+    torch.manual_seed(9)
+    fresh = zerocore.initialize(Net(), _config(1))
+    path, _ = fresh.load_checkpoint(directory)
+    assert path.endswith("global_step1") and fresh.global_steps == 1
+    return True
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    assert all(run_ranks(interrupted_worker, 2, str(tmp_path)))
+
+
+def test_info_prints_what_a_checkpoint_holds(tmp_path, capsys):
+    run_ranks(save_worker, 1, 1, str(tmp_path))
+    from zerocore.checkpoint import main
+
+    assert main(["info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "stage 1, world size 1" in out and "head.weight [30, 16]" in out
+    index = json.loads(open(os.path.join(tmp_path, "global_step3", "index.json")).read())
+    assert index["format"] == "zerocore-checkpoint/1"
