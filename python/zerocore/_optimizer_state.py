@@ -18,7 +18,7 @@ into C++ (``ops.multi_tensor_adam_step``). Each shard knows which param group ev
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +134,8 @@ class OptimizerState:
                 shard.master = self.master[master_offset : master_offset + n]
                 master_offset += n
                 shard.master.copy_(values if values is not None else shard.params)
-        self._slices_by_group = self._group_slices()
+        self._slices_by_group = self._group_slices(self.shards)
+        self._slices_by_shard = [self._group_slices([shard]) for shard in self.shards]
         self._built = True
 
     def reload_master(self, shard: Shard) -> None:
@@ -166,11 +167,23 @@ class OptimizerState:
                 total += torch.linalg.vector_norm(grads[whole:], dtype=torch.float32).double().square()
         return total
 
-    def step(self, param_groups: Sequence[dict[str, Any]], grad_scale: float) -> None:
-        """One Adam/AdamW update of every shard: one C++ call per param group, ``grad_scale`` multiplying
-        the gradients (loss-scale unscaling and clipping)."""
+    def step(self, param_groups: Sequence[dict[str, Any]], grad_scale: float,
+             after_shard: Callable[[int], None] | None = None) -> None:
+        """One Adam/AdamW update of every shard, ``grad_scale`` multiplying the gradients (loss-scale
+        unscaling and clipping): one C++ call per param group; or, with ``after_shard``, shard by shard
+        (one call per param group within it), calling ``after_shard(i)`` once shard ``i`` is updated, so the
+        caller can start sending it while the next shard computes."""
         self.step_count += 1
-        for group, (masters, grads, exp_avgs, exp_avg_sqs, outs) in self._slices_by_group:
+        if after_shard is None:
+            self._update(self._slices_by_group, param_groups, grad_scale)
+            return
+        for index, calls in enumerate(self._slices_by_shard):
+            self._update(calls, param_groups, grad_scale)
+            after_shard(index)
+
+    def _update(self, calls: list[tuple[int, tuple[list[torch.Tensor], ...]]],
+                param_groups: Sequence[dict[str, Any]], grad_scale: float) -> None:
+        for group, (masters, grads, exp_avgs, exp_avg_sqs, outs) in calls:
             hyper = param_groups[group]
             beta1, beta2 = hyper["betas"]
             ops.multi_tensor_adam_step(
@@ -178,11 +191,11 @@ class OptimizerState:
                 beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=hyper["adamw_mode"],
                 grad_scale=grad_scale, bias_correction=hyper["bias_correction"], param_outs=outs)
 
-    def _group_slices(self) -> list[tuple[int, tuple[list[torch.Tensor], ...]]]:
+    def _group_slices(self, shards: Sequence[Shard]) -> list[tuple[int, tuple[list[torch.Tensor], ...]]]:
         """Per param group, the views ``step()`` hands to C++ (every tensor behind them lives as long as this
         object, so they are made once): masters, grads, moments, and 16-bit outputs (None in fp32)."""
         per_group: dict[int, list[tuple[torch.Tensor | None, ...]]] = {}
-        for shard in self.shards:
+        for shard in shards:
             for run in shard.runs:
                 out = shard.params[run.start : run.end] if shard.separate_master else None
                 per_group.setdefault(run.group, []).append((

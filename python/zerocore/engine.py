@@ -482,30 +482,35 @@ class Engine:
             clip = self.config.gradient_clipping
             if clip > 0:
                 grad_scale *= min(1.0, clip / (norm + 1e-6))
-            self.optimizer_state.step(self.optimizer.param_groups, grad_scale)
-            self._gather_updated_params()
+            self._update_and_gather(grad_scale)
         if self.stage3 is not None:
             self.stage3.end_forward_backward_step()
         self._log_progress()
 
-    def _gather_updated_params(self) -> None:
-        """Stages 1-2: every rank's updated shard to every rank, per bucket, all landed on return (Note
-        [Engine lifecycle]); at most ``allgather_bucket_size`` elements in flight when it is set."""
+    def _update_and_gather(self, grad_scale: float) -> None:
+        """The Adam update of every shard; in stages 1-2 each bucket's all-gather starts as soon as its shard
+        is updated (so it travels while the next shard computes), all landed on return (Note [Engine
+        lifecycle]), with at most ``allgather_bucket_size`` elements in flight when it is set. Stage 3
+        gathers each unit when it is next used."""
         if self.policy.params_sharded:
-            return  # stage 3 gathers each unit when it is next used
+            self.optimizer_state.step(self.optimizer.param_groups, grad_scale)
+            return
+        (buffer,) = self.buffers  # stages 1-2: the whole model is one buffer, its shard i is bucket i
         cap = self.buckets.allgather_in_flight
         in_flight: collections.deque[tuple[Any, int]] = collections.deque()
         in_flight_elements = 0
-        for buffer in self.buffers:
-            for bucket in range(len(buffer.buckets)):
-                size = buffer.buckets[bucket].padded_size
-                while cap is not None and in_flight and in_flight_elements + size > cap:
-                    work, done = in_flight.popleft()
-                    work.wait()
-                    in_flight_elements -= done
-                work = buffer.gather(self.comm, bucket, "all_gather")
-                in_flight.append((work, size))
-                in_flight_elements += size
+
+        def gather(bucket: int) -> None:
+            nonlocal in_flight_elements
+            size = buffer.buckets[bucket].padded_size
+            while cap is not None and in_flight and in_flight_elements + size > cap:
+                work, done = in_flight.popleft()
+                work.wait()
+                in_flight_elements -= done
+            in_flight.append((buffer.gather(self.comm, bucket, "all_gather"), size))
+            in_flight_elements += size
+
+        self.optimizer_state.step(self.optimizer.param_groups, grad_scale, after_shard=gather)
         for work, _ in in_flight:
             work.wait()
 
