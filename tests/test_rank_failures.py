@@ -67,11 +67,37 @@ def one_rank_fails_worker(rank: int, world: int, stage: int, accumulation: int) 
     return seen
 
 
-@pytest.mark.parametrize("stage,accumulation", [(1, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize("stage,accumulation", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_a_backward_error_on_one_rank_raises_on_every_rank(stage, accumulation):
     seen = run_ranks(one_rank_fails_worker, 2, stage, accumulation, timeout=120)
     assert seen[0] == ["simulated out-of-memory on this rank"], seen
     assert len(seen[1]) == 1 and "rank(s) [0] raised an exception in this backward" in seen[1][0], seen
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_failures_in_no_sync_raise_only_where_they_happen(stage):
+    """Inside no_sync() nothing is exchanged (no communication, as documented): the failing rank raises."""
+    seen = run_ranks(no_sync_failure_worker, 2, stage)
+    assert seen == [["simulated out-of-memory on this rank"], []], seen
+
+
+def no_sync_failure_worker(rank: int, world: int, stage: int) -> list[str]:
+    torch.manual_seed(0)
+    model = Net()
+    model.rank = rank
+    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                         "zero_optimization": {"stage": stage}})
+    seen = []
+    RaiseOnRank.rank_to_fail = 0
+    with engine.no_sync():
+        try:
+            engine.backward(engine(_x(0, rank)).square().mean())
+        except RuntimeError as error:
+            seen.append(str(error).splitlines()[0])
+    RaiseOnRank.rank_to_fail = None
+    engine.backward(engine(_x(1, rank)).square().mean())
+    engine.step()
+    return seen
 
 
 def frozen_worker(rank: int, world: int, stage: int) -> bool:

@@ -29,6 +29,17 @@ update, so the write is trained from instead of reverted. Whether any rank absor
 norm all-reduce: a write made on some ranks only (``if rank == 0: model.load_state_dict(...)``) would leave
 the ranks' shards inconsistent, so it raises on every rank, naming ``zerocore.gathered(..., modifier_rank=)``.
 A sharded stage-3 parameter cannot be written (Note [Sharded placeholders]).
+
+Note [Backward outcome]
+-----------------------
+In stages 1-2 every backward outside ``no_sync()`` ends with one tiny all-reduce of which ranks raised in
+it. A rank whose backward raised still completes the reductions it started (finalize launches the buckets
+it never filled, so the bucket sequences match) and then sends its flag; so when one rank fails and skips
+the batch while its peers succeed, every rank learns it at the same point, all drop the accumulation
+window (micro-step counters stay equal), and the peers raise naming the rank, instead of the next
+collectives mismatching (Gloo aborts the process on that) or the accumulation boundaries drifting apart.
+On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward. Stage 3 has
+its unit tags instead (Note [Divergence tags]).
 """
 
 from __future__ import annotations
@@ -300,24 +311,34 @@ class Engine:
             life.to(EngineState.NO_SYNC if no_sync else EngineState.AWAITING_STEP)  # no collective may follow
             raise
         except BaseException as error:
-            self._abandon_backward(no_sync)
+            self._abandon_backward(no_sync, failed_here=True)
             error.add_note("zerocore: this accumulation window's gradients were dropped and the engine is ready "
                            "for the window's first forward again")
             raise
         life.to(EngineState.NO_SYNC if no_sync else EngineState.AWAITING_STEP)
         if not self._finalized:  # no parameter got a gradient in this backward
             self._finalize_backward()
+        if self._exchanges_outcome(no_sync):
+            failed = self._exchange_backward_outcome(failed_here=False)
+            if failed:
+                self._abandon_backward(no_sync, failed_here=False)
+                raise RuntimeError(
+                    f"rank(s) {failed} raised an exception in this backward, so their gradients are missing: this "
+                    "accumulation window's gradients were dropped on every rank and the engine is ready for the "
+                    "window's first forward again. If a rank skips a batch after an error, every rank must skip it "
+                    "(catch the error on every rank).")
         life.forward_pending = False
         life.local_grads = no_sync or (life.local_grads and not self._reducing)
 
-    def _abandon_backward(self, no_sync: bool) -> None:
-        """A backward raised part-way: the reductions it started complete (every rank that raised at the same
-        point issued the same ones, in the same order), and the accumulation window starts over."""
+    def _abandon_backward(self, no_sync: bool, failed_here: bool) -> None:
+        """A backward raised part-way (here, or on another rank: Note [Backward outcome]): the reductions it
+        started complete (every rank that raised at the same point issued the same ones, in the same order),
+        and the accumulation window starts over."""
         if self._reducing and not self._finalized:
             self._finalized = True
             self.reducer.finalize()
-            if not self.policy.params_sharded:
-                self._exchange_backward_outcome(failed_here=True)  # the peers' finalize waits for this
+        if failed_here and self._exchanges_outcome(no_sync):
+            self._exchange_backward_outcome(failed_here=True)  # the peers' backward waits for this
         if self.stage3 is not None:
             self.stage3.end_backward()
         self._finalized = True
@@ -328,11 +349,13 @@ class Engine:
         life.local_grads = False
         life.to(EngineState.NO_SYNC if no_sync else EngineState.IDLE)
 
+    def _exchanges_outcome(self, no_sync: bool) -> bool:
+        """Stages 1-2, every backward outside no_sync() (Note [Backward outcome]); stage 3 has its unit tags."""
+        return not no_sync and not self.policy.params_sharded
+
     def _exchange_backward_outcome(self, failed_here: bool) -> list[int]:
-        """Every reducing backward ends with one tiny all-reduce of which ranks raised in it (Note [Backward
-        outcome]); returns those ranks. A rank that raised issued the same reductions (finalize launches the
-        buckets it never filled), so the sequences match and every rank learns of the failure instead of
-        the next collectives mismatching (Gloo aborts the process on that)."""
+        """One tiny all-reduce of which ranks raised in this backward (Note [Backward outcome]); returns
+        those ranks."""
         flags = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
         if failed_here:
             flags[self.rank] = 1.0
@@ -373,15 +396,6 @@ class Engine:
         if self.stage3 is not None:
             self.stage3.end_backward()
         self._finalized = True
-        if self._reducing and not self.policy.params_sharded:  # stage 3: the unit tags (Note [Divergence tags])
-            failed = self._exchange_backward_outcome(failed_here=False)
-            if failed:
-                self._abandon_backward(no_sync=False)
-                raise RuntimeError(
-                    f"rank(s) {failed} raised an exception in this backward, so their gradients are missing from "
-                    "the reduction: this backward's gradients (and its accumulation window's) were dropped on every "
-                    "rank and the engine is ready for the window's first forward again. If a rank skips a batch "
-                    "after an error, every rank must skip it (catch the error on every rank).")
 
     def _reduce_accumulated_gradients(self) -> None:
         """A parameter that got no gradient in this reducing backward may still hold one accumulated
