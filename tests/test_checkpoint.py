@@ -213,3 +213,42 @@ def test_info_prints_what_a_checkpoint_holds(tmp_path, capsys):
     assert "stage 1, world size 1" in out and "head.weight [30, 16]" in out
     index = json.loads(open(os.path.join(tmp_path, "global_step3", "index.json")).read())
     assert index["format"] == "zerocore-checkpoint/1"
+
+
+def test_to_hf_writes_safetensors_that_load_strictly_into_the_plain_model(tmp_path):
+    before = run_ranks(save_worker, 2, 3, str(tmp_path / "ckpt"))[0]["saved"]
+    from safetensors.torch import load_file
+
+    from zerocore.checkpoint import main
+
+    assert main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    plain = Net()
+    plain.load_state_dict(state, strict=True)
+    assert _plain(plain.state_dict()) == before
+    # sharded output with an index, in bf16
+    assert main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf16"), "--dtype", "bf16",
+                 "--max-shard-size", "3KB"]) == 0
+    index = json.loads((tmp_path / "hf16" / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 1
+    merged = {}
+    for name in files:
+        merged.update(load_file(str(tmp_path / "hf16" / name)))
+    assert merged.keys() == state.keys() and merged["head.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(merged["head.weight"].float(), state["head.weight"], rtol=2**-8, atol=0)
+
+
+def no_optimizer_worker(rank: int, world: int, directory: str) -> bool:
+    torch.manual_seed(4)
+    engine = zerocore.initialize(Net(), _config(1))
+    engine.load_checkpoint(directory, load_optimizer_states=False)
+    assert engine.global_steps == 0
+    assert all(not s.exp_avg.any() and not s.exp_avg_sq.any() for s in engine.optimizer_state.shards)
+    _train(engine, rank, 3, 1)  # trains on from the loaded weights with a fresh optimizer
+    return True
+
+
+def test_load_without_optimizer_states_starts_a_fresh_optimizer(tmp_path):
+    run_ranks(save_worker, 2, 2, str(tmp_path))
+    assert all(run_ranks(no_optimizer_worker, 2, str(tmp_path)))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import ctypes
 import hashlib
 import json
 import os
@@ -91,6 +92,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     # parameters are replicated), rank 0 writes it
     untracked = _untracked_state(engine)
     shapes = _trainable_shapes(engine)
+    persistent = _persistent_names(engine)
     if engine.rank == 0:
         save_file({k: v.detach().cpu().contiguous() for k, v in untracked.items()}, os.path.join(tmp, "model.safetensors"))
         index = {
@@ -100,8 +102,8 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
             "stage": engine.stage,
             "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
             "params": {name: list(shape) for name, shape in shapes.items()},
-            "untracked": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                          for k, v in untracked.items()},
+            "untracked": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
+                              "persistent": k in persistent} for k, v in untracked.items()},
             "model_file": {"file": "model.safetensors", "sha256": _sha256(os.path.join(tmp, "model.safetensors"))},
             "ranks": everyone,
             "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
@@ -331,6 +333,16 @@ def _trainable_shapes(engine: Engine) -> dict[str, tuple[int, ...]]:
     return dict(sorted((name, tuple(p.shape)) for name, p in engine.module.named_parameters() if id(p) in trainable))
 
 
+def _persistent_names(engine: Engine) -> set[str]:
+    """Names a state dict holds: parameters and persistent buffers (not ``persistent=False`` ones)."""
+    names = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
+    for module_name, module in engine.module.named_modules(remove_duplicate=False):
+        for name in module._buffers:
+            if name not in module._non_persistent_buffers_set:
+                names.add(f"{module_name}.{name}" if module_name else name)
+    return names
+
+
 def _untracked_state(engine: Engine) -> dict[str, torch.Tensor]:
     """Buffers and frozen parameters by state-dict name (each tensor once)."""
     trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
@@ -400,6 +412,104 @@ def _version() -> str:
     return __version__
 
 
+# ---- consolidation to Hugging Face safetensors ---------------------------------------------------------------
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
+          max_shard_size: int = 5 * 10**9) -> list[str]:
+    """Writes the checkpoint's model (fp32 masters in ``dtype``; buffers and frozen parameters as saved) as
+    Hugging Face safetensors: ``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
+    ``max_shard_size`` bytes. One tensor at a time: each is assembled from the ranks' pieces, written and
+    dropped, so the peak memory is the largest tensor. Tied parameters are written once. Returns the files."""
+    from safetensors import safe_open
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if tag is None:
+        tag = open(os.path.join(checkpoint_dir, "latest"), encoding="utf-8").read().strip()
+    path = os.path.join(checkpoint_dir, tag)
+    index = _read_index(path)
+    for entry in index["ranks"] + [index["model_file"]]:
+        full = os.path.join(path, entry["file"])
+        if not os.path.exists(full) or _sha256(full) != entry["sha256"]:
+            raise ValueError(f"checkpoint file {full} is missing or does not match its checksum")
+    sources = _piece_sources(index)
+    target = _DTYPES[dtype]
+    entries: list[tuple[str, list[int], torch.dtype]] = [(n, s, target) for n, s in index["params"].items()]
+    entries += [(n, u["shape"], getattr(torch, u["dtype"])) for n, u in index["untracked"].items()
+                if u.get("persistent", True)]
+    shards: list[list[tuple[str, list[int], torch.dtype]]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = _numel(entry[1]) * torch.empty((), dtype=entry[2]).element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    os.makedirs(out_dir, exist_ok=True)
+    files = {entry["file"]: safe_open(os.path.join(path, entry["file"]), framework="pt", device="cpu")
+             for entry in index["ranks"] + [index["model_file"]]}
+    names = [entry["file"] for entry in index["ranks"]]
+
+    def tensor(name: str, shape: list[int], dt: torch.dtype) -> torch.Tensor:
+        if name not in index["params"]:
+            return files["model.safetensors"].get_tensor(name).to(dt)
+        flat = torch.empty(_numel(shape), dtype=torch.float32)
+        for lo, hi, rank, shard, offset in _covering(sources, name, 0, flat.numel()):
+            flat[lo:hi] = files[names[rank]].get_slice(f"{shard}.master")[offset : offset + hi - lo]
+        return flat.to(dt).view(shape)
+
+    written, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _stream_safetensors(os.path.join(out_dir, name), shard, tensor)
+        written.append(name)
+        weight_map.update({entry[0]: name for entry in shard})
+    if len(shards) > 1:
+        total = sum(_numel(s) * torch.empty((), dtype=d).element_size() for _, s, d in entries)
+        _write_durably(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
+        written.append("model.safetensors.index.json")
+    return written
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _stream_safetensors(path: str, entries: list[tuple[str, list[int], torch.dtype]], tensor: Any) -> None:
+    """The safetensors layout (an 8-byte little-endian header length, a JSON header of dtypes, shapes and
+    byte offsets, then the data), written one tensor at a time: the header is known from shapes alone."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dt in entries:
+        nbytes = _numel(shape) * torch.empty((), dtype=dt).element_size()
+        header[name] = {"dtype": _ST_DTYPE[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape, dt in entries:
+            value = tensor(name, shape, dt).contiguous()
+            if value.numel():  # the tensor's bytes (little-endian on every platform torch supports here)
+                f.write(ctypes.string_at(value.data_ptr(), value.numel() * value.element_size()))
+            del value
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 # ---- command line -----------------------------------------------------------------------------------------
 def _info(path: str, tag: str | None) -> None:
     if tag is None and os.path.exists(os.path.join(path, "latest")):
@@ -423,10 +533,27 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="print what a checkpoint holds")
     info.add_argument("checkpoint_dir")
     info.add_argument("--tag")
+    hf = sub.add_parser("to-hf", help="write the model as Hugging Face safetensors, one tensor at a time")
+    hf.add_argument("checkpoint_dir")
+    hf.add_argument("out_dir")
+    hf.add_argument("--tag")
+    hf.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
+    hf.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB, or bytes")
     args = parser.parse_args(argv)
     if args.command == "info":
         _info(args.checkpoint_dir, args.tag)
+    else:
+        written = to_hf(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, _parse_size(args.max_shard_size))
+        print("wrote " + ", ".join(os.path.join(args.out_dir, name) for name in written))
     return 0
+
+
+def _parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for unit, factor in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
 
 
 if __name__ == "__main__":
