@@ -252,3 +252,41 @@ def no_optimizer_worker(rank: int, world: int, directory: str) -> bool:
 def test_load_without_optimizer_states_starts_a_fresh_optimizer(tmp_path):
     run_ranks(save_worker, 2, 2, str(tmp_path))
     assert all(run_ranks(no_optimizer_worker, 2, str(tmp_path)))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 16)
+        self.hidden = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 30, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+def save_16bit_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    model = Tied()
+    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                         "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}})
+    tokens = torch.randint(0, 30, (4, 5), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(tokens).float().square().mean())
+    engine.step()
+    path = engine.save_16bit_model(directory)
+    return _plain(engine.full_state_dict(rank0_only=False)) if rank == 0 else {"path": path}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_16bit_model_writes_the_tied_weight_once(stage, tmp_path):
+    from safetensors.torch import load_file
+
+    expected = run_ranks(save_16bit_worker, 2, stage, str(tmp_path))[0]
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(saved) == ["embed.weight", "hidden.bias", "hidden.weight"]  # head.weight is embed.weight
+    assert all(v.dtype == torch.bfloat16 for v in saved.values())
+    plain = Tied()
+    missing, unexpected = plain.load_state_dict(saved, strict=False)
+    assert missing == ["head.weight"] and not unexpected and plain.head.weight is plain.embed.weight
+    assert _plain(saved) == {k: v for k, v in expected.items() if k != "head.weight"}

@@ -642,6 +642,25 @@ class Engine:
         self.lifecycle.require("load_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
+    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> str:
+        """Writes the model's whole weights in the compute dtype as one safetensors file on rank 0
+        (DeepSpeed's name; Hugging Face's layout: tied parameters once, under their first name, persistent
+        buffers included). A collective: stage 3 gathers unit by unit. Returns the file's path."""
+        from safetensors.torch import save_file
+
+        self.lifecycle.require("save_16bit_model()", *_USABLE)
+        state = self.full_state_dict(self.compute_dtype)
+        path = os.path.join(os.fspath(save_dir), save_filename)
+        if self.rank == 0:
+            first = {name for name, _ in self.module.named_parameters()}  # a tied parameter's first name
+            tied = {name for name, _ in self.module.named_parameters(remove_duplicate=False)} - first
+            kept = {k: v.contiguous() for k, v in state.items() if k not in tied}
+            os.makedirs(os.fspath(save_dir), exist_ok=True)
+            save_file(kept, path + ".tmp", metadata={"format": "pt"})
+            os.replace(path + ".tmp", path)
+        dist.barrier(group=self.process_group)
+        return path
+
     def absorb_param_writes(self) -> None:
         """Parameters written in place since the last step reach the fp32 master now (Note [Writes to
         parameters]), e.g. before the optimizer state is saved."""
