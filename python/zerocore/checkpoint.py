@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ._model_checks import _all_gather_json
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -52,8 +54,6 @@ _STATES = ("master", "exp_avg", "exp_avg_sq")
 def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None,
                     client_state: Mapping[str, Any] | None = None) -> str:
     """See :meth:`Engine.save_checkpoint`."""
-    from safetensors.torch import save_file
-
     group = engine.process_group
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     _check_tag(tag)
@@ -83,18 +83,17 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     if torch.cuda.is_available() and engine.device.type == "cuda":
         tensors["rng.cuda"] = torch.cuda.get_rng_state(engine.device)
     rank_file = f"rank{engine.rank}.safetensors"
-    save_file(tensors, os.path.join(tmp, rank_file))
+    write_safetensors(os.path.join(tmp, rank_file), tensors)
     mine = {"file": rank_file, "sha256": _sha256(os.path.join(tmp, rank_file)), "shards": ranks_pieces,
             "python_rng": _json_rng(random.getstate())}
-    everyone: list[Any] = [None] * engine.world_size
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = _all_gather_json(engine.comm, mine, engine.device)
     # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
     # parameters are replicated), rank 0 writes it
     untracked = _untracked_state(engine)
     shapes = _trainable_shapes(engine)
     persistent = _persistent_names(engine)
     if engine.rank == 0:
-        save_file({k: v.detach().cpu().contiguous() for k, v in untracked.items()}, os.path.join(tmp, "model.safetensors"))
+        write_safetensors(os.path.join(tmp, "model.safetensors"), untracked)
         index = {
             "format": FORMAT,
             "zerocore_version": _version(),
@@ -115,7 +114,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
             "client_state": client,
         }
         _write_durably(os.path.join(tmp, "index.json"), json.dumps(index, indent=1).encode())
-    dist.barrier(group=group)  # every rank's file is written (save_file closes it) before the rename
+    dist.barrier(group=group)  # every rank's file is written and closed before the rename
     _fsync_file(os.path.join(tmp, rank_file))
     dist.barrier(group=group)
     final = os.path.join(save_dir, tag)
@@ -145,9 +144,8 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
     except (OSError, ValueError) as error:
         problem = error
     # every rank learns whether every rank validated, so all go on or all raise (none is left in a collective)
-    verdicts: list[Any] = [None] * engine.world_size
-    dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}",
-                           group=engine.process_group)
+    verdicts = _all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
+                                engine.device)
     if problem is not None:
         raise problem
     failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
@@ -485,9 +483,17 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """``tensors`` as one safetensors file (see _stream_safetensors: no numpy needed, unlike
+    ``safetensors.torch.save_file``, which torch's CPU wheels do not bring along)."""
+    _stream_safetensors(path, [(name, list(t.shape), t.dtype) for name, t in tensors.items()],
+                        lambda name, shape, dt: tensors[name].detach().cpu())
+
+
 def _stream_safetensors(path: str, entries: list[tuple[str, list[int], torch.dtype]], tensor: Any) -> None:
     """The safetensors layout (an 8-byte little-endian header length, a JSON header of dtypes, shapes and
-    byte offsets, then the data), written one tensor at a time: the header is known from shapes alone."""
+    byte offsets, then the data), written one tensor at a time: the header is known from shapes alone.
+    Written under a temporary name, fsynced and renamed."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dt in entries:
