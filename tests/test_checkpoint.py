@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -290,3 +291,47 @@ def test_save_16bit_model_writes_the_tied_weight_once(stage, tmp_path):
     missing, unexpected = plain.load_state_dict(saved, strict=False)
     assert missing == ["head.weight"] and not unexpected and plain.head.weight is plain.embed.weight
     assert _plain(saved) == {k: v for k, v in expected.items() if k != "head.weight"}
+
+
+def saving_forever_worker(rank: int, world: int, directory: str, started: Any) -> None:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(2))
+    step = 0
+    while True:  # until killed
+        _train(engine, rank, step, 1)
+        step += 1
+        engine.save_checkpoint(directory)
+        if rank == 0:
+            started.set()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_rank_killed_at_a_random_moment_of_saving_leaves_latest_loadable(seed, tmp_path):
+    """SIGKILL one rank at a random moment while both ranks save checkpoint after checkpoint: ``latest``
+    always names a complete checkpoint, which loads (here at world size 1, stage 1: all files are read
+    and checked against their checksums)."""
+    import multiprocessing as mp
+    import random as stdlib_random
+    import signal
+    import time
+
+    from _dist import _worker, free_port
+
+    ctx = mp.get_context("spawn")
+    started, queue, port = ctx.Event(), ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_worker, args=(saving_forever_worker, r, 2, port, (str(tmp_path), started), queue,
+                                               30.0), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert started.wait(120), "no checkpoint was completed"
+        time.sleep(stdlib_random.Random(seed).uniform(0.0, 0.5))  # a save takes a few tens of milliseconds
+        os.kill(procs[seed % 2].pid, signal.SIGKILL)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    latest = open(os.path.join(tmp_path, "latest")).read()
+    assert os.path.exists(os.path.join(tmp_path, latest, "index.json"))
+    result = run_ranks(load_worker, 1, 1, str(tmp_path))[0]
+    assert result["steps"] == int(latest.removeprefix("global_step"))
