@@ -71,6 +71,17 @@ def _vjp_of_ones(model, x: torch.Tensor) -> torch.Tensor:
     return vjp_fn(torch.ones_like(out))[0]
 
 
+def _one_step_matches_reference(engine, reference: nn.Module, x: torch.Tensor, world: int) -> None:
+    """One training step of the engine equals the replicated model's (on the rank-averaged loss)."""
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    engine.backward(square_sum(engine, x))
+    engine.step()
+    (sum(square_sum(reference, inputs(r)) for r in range(world)) / world).backward()
+    optimizer.step()
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), reference(x), **TOL)
+
+
 TRANSFORMS = {
     "grad": lambda model, x: torch.func.grad(lambda x: square_sum(model, x))(x),
     "vjp": lambda model, x: _vjp_of_ones(model, x),
@@ -90,13 +101,7 @@ def transforms_worker(rank: int, world: int, stage: int) -> bool:
     for name, transform in TRANSFORMS.items():
         torch.testing.assert_close(transform(engine, x), transform(reference, x), **TOL, msg=name)
     # The engine is still a training engine afterwards: one step equals the replicated model's.
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
-    engine.backward(square_sum(engine, x))
-    engine.step()
-    (sum(square_sum(reference, inputs(r)) for r in range(world)) / world).backward()
-    optimizer.step()
-    with torch.no_grad():
-        torch.testing.assert_close(engine(x), reference(x), **TOL)
+    _one_step_matches_reference(engine, reference, x, world)
     if engine.stage3 is not None:  # every unit sharded again at the step
         assert all(unit.state.value == "sharded" or unit.persistent for unit in engine.stage3.units)
     return True
@@ -174,13 +179,7 @@ def per_sample_worker(rank: int, world: int, stage: int) -> bool:
     for name in grads:
         torch.testing.assert_close(grads[name], expected[name], **TOL, msg=name)
     # and the engine still trains as the replicated model afterwards
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
-    engine.backward(square_sum(engine, x))
-    engine.step()
-    (sum(square_sum(reference, inputs(r)) for r in range(world)) / world).backward()
-    optimizer.step()
-    with torch.no_grad():
-        torch.testing.assert_close(engine(x), reference(x), **TOL)
+    _one_step_matches_reference(engine, reference, x, world)
     return True
 
 

@@ -4,8 +4,6 @@ a float64 model is refused and only what DeepSpeed casts is cast (item 10)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -36,24 +34,36 @@ def _x(step: int, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank)).to(dtype)
 
 
+def _engine_and_twin(build: type[nn.Module], config: dict) -> tuple[nn.Module, zerocore.Engine, zerocore.Engine]:
+    """An engine on a fresh model and an engine on an identical twin: the twin takes the clean path, the
+    engine the one under test, and both must end in the same state."""
+    torch.manual_seed(0)
+    model, twin = build(), build()
+    twin.load_state_dict(model.state_dict())
+    return model, zerocore.initialize(model, config), zerocore.initialize(twin, config)
+
+
+def _train_step(engine: zerocore.Engine, step: int, rank: int) -> None:
+    engine.backward(engine(_x(step, rank)).square().mean())
+    engine.step()
+
+
+def _assert_same_state(engine: zerocore.Engine, other: zerocore.Engine, message: str = "") -> None:
+    mine, theirs = engine.full_state_dict(rank0_only=False), other.full_state_dict(rank0_only=False)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine), message
+
+
 # ---- item 7 -----------------------------------------------------------------------------------------
 def rejected_backward_worker(rank: int, world: int, stage: int) -> bool:
-    torch.manual_seed(0)
-    model, twin = Net(), Net()
-    twin.load_state_dict(model.state_dict())
-    engine = zerocore.initialize(model, _config(stage))
-    other = zerocore.initialize(twin, _config(stage))
+    model, engine, other = _engine_and_twin(Net, _config(stage))
     for step in range(3):
         if step == 1:  # the user calls loss.backward() by mistake, reads the error, and goes on
             with pytest.raises(RuntimeError, match="engine.backward"):
                 engine(_x(step, rank)).square().mean().backward()
             assert all(p.grad is None or not p.grad.any() for p in model.parameters())
-        engine.backward(engine(_x(step, rank)).square().mean())
-        engine.step()
-        other.backward(other(_x(step, rank)).square().mean())
-        other.step()
-    mine, theirs = engine.full_state_dict(rank0_only=False), other.full_state_dict(rank0_only=False)
-    assert all(torch.equal(mine[k], theirs[k]) for k in mine), "the rejected gradient was counted"
+        _train_step(engine, step, rank)
+        _train_step(other, step, rank)
+    _assert_same_state(engine, other, "the rejected gradient was counted")
     return True
 
 
@@ -164,11 +174,8 @@ class Deep(nn.Module):
 
 
 def backward_failure_worker(rank: int, world: int, stage: int) -> bool:
-    torch.manual_seed(0)
-    model, twin = Deep(), Deep()
-    twin.load_state_dict(model.state_dict())
-    config = _config(stage, zero_optimization={"stage": stage, "reduce_bucket_size": 5000})
-    engine, other = zerocore.initialize(model, config), zerocore.initialize(twin, config)
+    _, engine, other = _engine_and_twin(Deep, _config(stage, zero_optimization={"stage": stage,
+                                                                                  "reduce_bucket_size": 5000}))
     for step in range(3):
         if step == 1:  # every rank fails at the same point, with buckets of later layers already in flight
             FailingBackward.fail = True
@@ -177,12 +184,9 @@ def backward_failure_worker(rank: int, world: int, stage: int) -> bool:
             FailingBackward.fail = False
             assert "gradients were dropped" in "".join(getattr(caught.value, "__notes__", []))
             assert engine.state.value == "idle", engine.state
-        engine.backward(engine(_x(step, rank)).square().mean())
-        engine.step()
-        other.backward(other(_x(step, rank)).square().mean())
-        other.step()
-    mine, theirs = engine.full_state_dict(rank0_only=False), other.full_state_dict(rank0_only=False)
-    assert all(torch.equal(mine[k], theirs[k]) for k in mine), "the failed backward left something behind"
+        _train_step(engine, step, rank)
+        _train_step(other, step, rank)
+    _assert_same_state(engine, other, "the failed backward left something behind")
     return True
 
 
@@ -268,10 +272,7 @@ def test_a_failed_forward_does_not_become_the_prefetch_order():
 
 # ---- item 22 ----------------------------------------------------------------------------------------
 def step_error_worker(rank: int, world: int, stage: int) -> bool:
-    torch.manual_seed(0)
-    model, twin = Net(), Net()
-    twin.load_state_dict(model.state_dict())
-    engine, other = zerocore.initialize(model, _config(stage)), zerocore.initialize(twin, _config(stage))
+    _, engine, other = _engine_and_twin(Net, _config(stage))
     for step in range(3):
         engine.backward(engine(_x(step, rank)).square().mean())
         if step == 1:  # a scheduler (or the user) drove the learning rate negative
@@ -284,10 +285,8 @@ def step_error_worker(rank: int, world: int, stage: int) -> bool:
             assert (engine.global_steps, engine.micro_steps, engine.state.value) == (1, 1, "gradients reduced, awaiting step()")
             engine.optimizer.param_groups[0]["lr"] = 1e-2  # fixed: the same step goes through
         engine.step()
-        other.backward(other(_x(step, rank)).square().mean())
-        other.step()
-    mine, theirs = engine.full_state_dict(rank0_only=False), other.full_state_dict(rank0_only=False)
-    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+        _train_step(other, step, rank)
+    _assert_same_state(engine, other, "the refused step changed something")
     return True
 
 

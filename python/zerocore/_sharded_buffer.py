@@ -114,13 +114,18 @@ class ShardedBuffer:
         b = self.buckets[bucket]
         return self.full[b.flat_start : b.flat_start + b.padded_size]
 
+    def _own_region(self, flat: torch.Tensor, bucket: int) -> torch.Tensor:
+        """This rank's region of ``bucket`` in a full-size flat tensor (``full`` or ``grad_buffer``)."""
+        b = self.buckets[bucket]
+        start = b.flat_start + self.rank * b.shard_size
+        return flat[start : start + b.shard_size]
+
     def param_shard(self, bucket: int) -> torch.Tensor:
         """This rank's parameters of ``bucket`` (where the all-gather reads them from)."""
         b = self.buckets[bucket]
         if self.policy.params_sharded:
             return self.shard[b.shard_offset : b.shard_offset + b.shard_size]
-        start = b.flat_start + self.rank * b.shard_size
-        return self.full[start : start + b.shard_size]
+        return self._own_region(self.full, bucket)
 
     def grad_slice(self, bucket: int) -> torch.Tensor:
         """This rank's reduced gradient shard of ``bucket`` (valid after the reducing backward)."""
@@ -128,8 +133,7 @@ class ShardedBuffer:
         if self.grad_shard is not None:
             return self.grad_shard[b.shard_offset : b.shard_offset + b.shard_size]
         assert self.grad_buffer is not None
-        start = b.flat_start + self.rank * b.shard_size
-        return self.grad_buffer[start : start + b.shard_size]
+        return self._own_region(self.grad_buffer, bucket)
 
     def bucket_params(self, bucket: int) -> list[nn.Parameter]:
         """The parameters whose values live in ``bucket``."""
@@ -149,10 +153,14 @@ class ShardedBuffer:
             storage = self.full.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(self.numel * self.full.element_size())
-            b = self.buckets[bucket]
-            start = b.flat_start + self.rank * b.shard_size
-            self.full[start : start + b.shard_size].copy_(self.param_shard(bucket))
+            self._own_region(self.full, bucket).copy_(self.param_shard(bucket))
         return comm.all_gather(self.param_bucket(bucket), bucket, label)
+
+    def regather(self, comm: Any, label: str) -> None:
+        """Every bucket of ``full`` again from every rank's shard, landed on return (a collective)."""
+        for bucket in range(len(self.buckets)):
+            self.gather(comm, bucket, label).wait()
+        self.note_param_versions()
 
     def attach_views(self) -> None:
         for param, view in zip(self.params, self.views):
@@ -177,14 +185,16 @@ class ShardedBuffer:
         """The user wrote to parameters in place (``load_state_dict``, ``nn.init``, ``fill_``): this rank's
         shard and its fp32 master take the written values, so the next step updates them instead of
         reverting them. Elements whose value still equals the master's rounding keep the master's bits."""
-        if self.policy.params_sharded:
-            for b in range(len(self.buckets)):
-                bucket = self.buckets[b]
-                start = bucket.flat_start + self.rank * bucket.shard_size
-                self.param_shard(b).copy_(self.full[start : start + bucket.shard_size])
+        self._shard_from_full()
         for shard in self.optimizer_shards:
             self._optimizer_state.absorb_written(shard)
         self.note_param_versions()
+
+    def _shard_from_full(self) -> None:
+        """Parameters sharded: this rank's shard takes its region of ``full`` (otherwise it is that region)."""
+        if self.policy.params_sharded:
+            for b in range(len(self.buckets)):
+                self.param_shard(b).copy_(self._own_region(self.full, b))
 
     def free(self) -> None:
         """Parameters sharded: the full storage goes, the parameters hold placeholders."""
@@ -195,11 +205,7 @@ class ShardedBuffer:
     def take_shard_from_full(self) -> None:
         """``full`` was overwritten (``zerocore.gathered`` with a modifier rank): this rank's shard and the
         fp32 master follow it."""
-        if self.policy.params_sharded:
-            for b in range(len(self.buckets)):
-                bucket = self.buckets[b]
-                start = bucket.flat_start + self.rank * bucket.shard_size
-                self.param_shard(b).copy_(self.full[start : start + bucket.shard_size])
+        self._shard_from_full()
         for shard in self.optimizer_shards:
             self._optimizer_state.reload_master(shard)
         self.note_param_versions()
@@ -214,20 +220,14 @@ class ShardedBuffer:
         self._own_values = None
 
     def discard_param_writes(self, comm: Any) -> None:
-        """The parameters' full values come back from every rank's shard (a collective), undoing writes."""
-        for b, shard in enumerate(self.optimizer_shards):
-            bucket = self.buckets[b]
-            start = bucket.flat_start + self.rank * bucket.shard_size
-            own = self.full[start : start + bucket.shard_size]
-            if self.policy.params_sharded:
-                own.copy_(self.param_shard(b))
-            elif self._own_values is not None:
-                own.copy_(self._own_values[b])
-            else:
-                own.copy_(shard.master)  # 16-bit parameters are the master's rounding
-        for b in range(len(self.buckets)):
-            comm.all_gather(self.param_bucket(b), b, "all_gather_user").wait()
-        self.note_param_versions()
+        """The parameters' full values come back from every rank's shard (a collective), undoing writes.
+        Parameters sharded: ``gather`` copies each shard into ``full``; otherwise this rank's region first
+        gets back its values (the copy kept on entry, or the 16-bit rounding of the master)."""
+        if not self.policy.params_sharded:
+            for b, shard in enumerate(self.optimizer_shards):
+                own = self._own_region(self.full, b)
+                own.copy_(self._own_values[b] if self._own_values is not None else shard.master)
+        self.regather(comm, "all_gather_user")
 
     # ---- gradients ------------------------------------------------------------------------------------
     def zero_grad(self) -> None:

@@ -185,13 +185,7 @@ def _open_validated(engine: Engine, load_dir: str, tag: str | None) -> tuple[str
     matching their checksum, readable); changes nothing and issues no collective."""
     from safetensors import safe_open
 
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.exists(latest):
-            raise FileNotFoundError(f"load_checkpoint: {latest} does not exist (no checkpoint was completed in "
-                                    f"{load_dir}); pass tag= to load a specific one")
-        tag = open(latest, encoding="utf-8").read().strip()
-    _check_tag(tag)
+    tag = _resolve_tag(load_dir, tag)
     path = os.path.join(load_dir, tag)
     index = _read_index(path)
     _check_model(engine, index)
@@ -204,11 +198,7 @@ def _open_validated(engine: Engine, load_dir: str, tag: str | None) -> tuple[str
     files: dict[str, Any] = {}
     for name in sorted(needed) + ["model.safetensors"]:
         full = os.path.join(path, name)
-        if not os.path.exists(full):
-            raise FileNotFoundError(f"checkpoint file {full} is missing")
-        if _sha256(full) != expected[name]:
-            raise ValueError(f"checkpoint file {full} does not match its checksum in index.json (truncated or "
-                             "changed after saving)")
+        _check_file(full, expected[name])
         try:
             files[name] = safe_open(full, framework="pt", device="cpu")
         except Exception as error:  # safetensors raises its own error types for a damaged header
@@ -293,7 +283,7 @@ def _read_index(path: str) -> dict[str, Any]:
     if not os.path.exists(file):
         raise FileNotFoundError(f"{file} is missing: {path} is not a complete zerocore checkpoint")
     try:
-        index = json.loads(open(file, "rb").read().decode("utf-8"))
+        index = json.loads(_read_bytes(file).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{file} is not valid JSON ({error}): the checkpoint is damaged") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -358,9 +348,34 @@ def _untracked_state(engine: Engine) -> dict[str, torch.Tensor]:
 
 
 # ---- files ------------------------------------------------------------------------------------------------
+def _resolve_tag(directory: str, tag: str | None) -> str:
+    """``tag``, or the one ``directory/latest`` names; checked to be a plain directory name."""
+    if tag is None:
+        latest = os.path.join(directory, "latest")
+        if not os.path.exists(latest):
+            raise FileNotFoundError(f"{latest} does not exist (no checkpoint was completed in {directory}); pass "
+                                    "tag= to load a specific one")
+        tag = _read_bytes(latest).decode("utf-8").strip()
+    _check_tag(tag)
+    return tag
+
+
 def _check_tag(tag: str) -> None:
     if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not starting with '.')")
+
+
+def _check_file(path: str, sha256: str) -> None:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint file {path} is missing")
+    if _sha256(path) != sha256:
+        raise ValueError(f"checkpoint file {path} does not match its checksum in index.json (truncated or "
+                         "changed after saving)")
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _sha256(path: str) -> str:
@@ -427,14 +442,10 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
 
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    if tag is None:
-        tag = open(os.path.join(checkpoint_dir, "latest"), encoding="utf-8").read().strip()
-    path = os.path.join(checkpoint_dir, tag)
+    path = os.path.join(checkpoint_dir, _resolve_tag(checkpoint_dir, tag))
     index = _read_index(path)
     for entry in index["ranks"] + [index["model_file"]]:
-        full = os.path.join(path, entry["file"])
-        if not os.path.exists(full) or _sha256(full) != entry["sha256"]:
-            raise ValueError(f"checkpoint file {full} is missing or does not match its checksum")
+        _check_file(os.path.join(path, entry["file"]), entry["sha256"])
     sources = _piece_sources(index)
     target = _DTYPES[dtype]
     entries: list[tuple[str, list[int], torch.dtype]] = [(n, s, target) for n, s in index["params"].items()]
@@ -519,7 +530,7 @@ def _stream_safetensors(path: str, entries: list[tuple[str, list[int], torch.dty
 # ---- command line -----------------------------------------------------------------------------------------
 def _info(path: str, tag: str | None) -> None:
     if tag is None and os.path.exists(os.path.join(path, "latest")):
-        tag = open(os.path.join(path, "latest"), encoding="utf-8").read().strip()
+        tag = _read_bytes(os.path.join(path, "latest")).decode("utf-8").strip()
     directory = os.path.join(path, tag) if tag else path
     index = _read_index(directory)
     total = sum(sum(s["numel"] for s in r["shards"]) for r in index["ranks"])

@@ -61,9 +61,9 @@ from torch import nn
 from ._buckets import BucketSizes
 from ._construction import (broadcast_module_state, build_reducer, cast_untracked_tensors, comm_algorithms_for,
                             default_process_group, sync_buffers)
+from ._divergence import RanksDivergedError
 from ._full_state import full_state_dict, gather_for_user, release_for_user
 from ._gathered import engine_for, unregister
-from ._divergence import RanksDivergedError
 from ._gathered import register as register_managed
 from ._lifecycle import EngineState, Lifecycle
 from ._loss_scaler import LossScaler
@@ -457,11 +457,7 @@ class Engine:
         fp16 = self.config.fp16.enabled
         # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
         grad_scale = 1.0 / self.loss_scaler.scale if fp16 else 1.0
-        if self.stage3 is not None:
-            self.stage3.land_gathers()
-        written = [buffer for buffer in self.buffers if buffer.params_written()]  # Note [Writes to parameters]
-        for buffer in written:
-            buffer.absorb_param_writes()
+        written = self.absorb_param_writes()
         sum_of_squares = self.optimizer_state.grad_sum_of_squares()
         verdicts = torch.stack([sum_of_squares, torch.tensor(float(bool(written)), dtype=torch.float64,
                                                              device=sum_of_squares.device)])
@@ -660,14 +656,16 @@ class Engine:
         dist.barrier(group=self.process_group)
         return path
 
-    def absorb_param_writes(self) -> None:
+    def absorb_param_writes(self) -> list[ShardedBuffer]:
         """Parameters written in place since the last step reach the fp32 master now (Note [Writes to
-        parameters]), e.g. before the optimizer state is saved."""
+        parameters]): at every step, and before the optimizer state is saved. Returns the buffers that
+        absorbed a write."""
         if self.stage3 is not None:
             self.stage3.land_gathers()
-        for buffer in self.buffers:
-            if buffer.params_written():
-                buffer.absorb_param_writes()
+        written = [buffer for buffer in self.buffers if buffer.params_written()]
+        for buffer in written:
+            buffer.absorb_param_writes()
+        return written
 
     def restore_counters(self, global_steps: int, skipped_steps: int, micro_steps: int) -> None:
         self.optimizer_state.step_count = global_steps
@@ -684,9 +682,7 @@ class Engine:
                 self.stage3.release(unit)
             return
         for buffer in self.buffers:
-            for bucket in range(len(buffer.buckets)):
-                buffer.gather(self.comm, bucket, "all_gather_load").wait()
-            buffer.note_param_versions()
+            buffer.regather(self.comm, "all_gather_load")
 
     # ---- zerocore.gathered --------------------------------------------------------------------------
     def gather_for_user(self, params: list[nn.Parameter]) -> None:
