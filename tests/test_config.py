@@ -5,13 +5,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import re
+import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from zerocore.config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
+from zerocore.config import (AioConfig, FP16Config, OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig,
+                             ZeroConfig, ZeroOptimizationConfig)
 
 # Every key zerocore supports, none at its default.
 FULL = {
@@ -25,7 +31,13 @@ FULL = {
     "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e8,
                           "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": False,
                           "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 1e8,
-                          "stage3_param_persistence_threshold": 1e4},
+                          "stage3_param_persistence_threshold": 1e4, "sub_group_size": 1e8,
+                          "offload_optimizer": {"device": "NVMe", "nvme_path": "/local_nvme", "pin_memory": False,
+                                                "buffer_count": 8, "fast_init": True, "ratio": 1.0},
+                          "offload_param": {"device": "cpu", "nvme_path": "/local_nvme/params", "pin_memory": False,
+                                            "buffer_count": 6, "buffer_size": 2e7, "max_in_cpu": 0}},
+    "aio": {"block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 4, "single_submit": True,
+            "overlap_events": False, "use_gds": False},
     "communication_data_type": "FP16",
     "train_batch_size": 64,
     "train_micro_batch_size_per_gpu": 2,
@@ -53,6 +65,14 @@ def test_defaults():
     assert (c.gradient_accumulation_steps, c.gradient_clipping, c.bf16, c.steps_per_print) == (1, 0.0, False, 10)
     assert c.communication_data_type is c.train_batch_size is c.train_micro_batch_size_per_gpu is None
     assert c.compute_dtype == c.reduce_dtype == torch.float32
+    # Offload and aio: DeepSpeed 0.19.8's defaults (test_defaults_are_deepspeeds checks them against it).
+    assert z.sub_group_size == 1_000_000_000
+    assert z.offload_optimizer == OffloadOptimizerConfig(device="none", nvme_path=None, pin_memory=True,
+                                                         buffer_count=4, fast_init=False, ratio=1.0)
+    assert z.offload_param == OffloadParamConfig(device="none", nvme_path=None, pin_memory=True, buffer_count=5,
+                                                 buffer_size=100_000_000, max_in_cpu=1_000_000_000)
+    assert c.aio == AioConfig(block_size=1048576, queue_depth=8, thread_count=1, single_submit=False,
+                              overlap_events=True)
     assert ZeroConfig.from_deepspeed({}) == c
     assert hash(c) == hash(ZeroConfig())
 
@@ -72,8 +92,12 @@ def test_full_round_trip(tmp_path):
     assert ZeroConfig.from_deepspeed(path) == ZeroConfig.from_deepspeed(str(path)) == c
     assert c.optimizer == OptimizerConfig("Adam", 3e-4, (0.8, 0.95), 1e-6, 0.1, False, False)
     assert c.fp16 == FP16Config(True, 0.0, 12, 500, 3, 0.5)
-    assert c.zero_optimization == ZeroOptimizationConfig(3, 50_000_000, 200_000_000, False, True, False,
-                                                         0, 100_000_000, 10_000)
+    assert c.zero_optimization == ZeroOptimizationConfig(
+        3, 50_000_000, 200_000_000, False, True, False, 0, 100_000_000, 10_000, sub_group_size=100_000_000,
+        offload_optimizer=OffloadOptimizerConfig("nvme", "/local_nvme", False, 8, True, 1.0),
+        offload_param=OffloadParamConfig("cpu", "/local_nvme/params", False, 6, 20_000_000, 0))
+    assert c.aio == AioConfig(block_size=262144, queue_depth=32, thread_count=4, single_submit=True,
+                              overlap_events=False)
     assert (c.gradient_accumulation_steps, c.gradient_clipping, c.communication_data_type) == (4, 1.0, "fp16")
     assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.steps_per_print) == (64, 2, 100)
     assert (c.compute_dtype, c.reduce_dtype) == (torch.float16, torch.float16)
@@ -150,6 +174,88 @@ BAD = [  # (DeepSpeed dict, key path named in the error, a fragment of the accep
     (ds(train_batch_size=0), "train_batch_size", ">= 1"),
     (ds(train_micro_batch_size_per_gpu=2.5), "train_micro_batch_size_per_gpu", ">= 1"),
     (ds(steps_per_print=0), "steps_per_print", ">= 1"),
+    # offload_optimizer / offload_param / sub_group_size / aio
+    (ds(zero_optimization={"offload_optimizer": {"device": "gpu"}}), "zero_optimization.offload_optimizer.device",
+     "'none', 'cpu' or 'nvme'"),
+    (ds(zero_optimization={"offload_optimizer": {"device": 1}}), "zero_optimization.offload_optimizer.device",
+     "'none', 'cpu' or 'nvme'"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"device": None}}), "zero_optimization.offload_param.device",
+     "'none', 'cpu' or 'nvme'"),
+    (ds(zero_optimization={"offload_optimizer": {"device": "nvme"}}), "zero_optimization.offload_optimizer.nvme_path",
+     "required when device is 'nvme'"),
+    (ds(zero_optimization={"offload_optimizer": {"device": "NVME", "nvme_path": None}}),
+     "zero_optimization.offload_optimizer.nvme_path", "required when device is 'nvme'"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}),
+     "zero_optimization.offload_param.nvme_path", "required when device is 'nvme'"),
+    (ds(zero_optimization={"offload_optimizer": {"device": "nvme", "nvme_path": ""}}),
+     "zero_optimization.offload_optimizer.nvme_path", "non-empty string"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"nvme_path": 7}}), "zero_optimization.offload_param.nvme_path",
+     "non-empty string"),
+    (ds(zero_optimization={"offload_optimizer": {"buffer_count": "4"}}),
+     "zero_optimization.offload_optimizer.buffer_count", ">= 1"),
+    (ds(zero_optimization={"offload_optimizer": {"buffer_count": True}}),
+     "zero_optimization.offload_optimizer.buffer_count", ">= 1"),
+    (ds(zero_optimization={"offload_optimizer": {"buffer_count": -1}}),
+     "zero_optimization.offload_optimizer.buffer_count", ">= 1"),
+    (ds(zero_optimization={"offload_optimizer": {"buffer_count": 2.5}}),
+     "zero_optimization.offload_optimizer.buffer_count", "integral"),
+    (ds(zero_optimization={"offload_optimizer": {"pin_memory": "true"}}),
+     "zero_optimization.offload_optimizer.pin_memory", "true or false"),
+    (ds(zero_optimization={"offload_optimizer": {"fast_init": 1}}), "zero_optimization.offload_optimizer.fast_init",
+     "true or false"),
+    (ds(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}),
+     "zero_optimization.offload_optimizer.ratio", "supports only ratio 1.0"),
+    (ds(zero_optimization={"offload_optimizer": {"ratio": 1.5}}), "zero_optimization.offload_optimizer.ratio",
+     "supports only ratio 1.0"),
+    (ds(zero_optimization={"offload_optimizer": {"ratio": "1"}}), "zero_optimization.offload_optimizer.ratio",
+     ">= 0"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"buffer_count": 0}}),
+     "zero_optimization.offload_param.buffer_count", ">= 1"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"buffer_size": -1}}),
+     "zero_optimization.offload_param.buffer_size", ">= 1"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"buffer_size": "1e8"}}),
+     "zero_optimization.offload_param.buffer_size", ">= 1"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"max_in_cpu": -1}}),
+     "zero_optimization.offload_param.max_in_cpu", ">= 0"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"max_in_cpu": False}}),
+     "zero_optimization.offload_param.max_in_cpu", ">= 0"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"pin_memory": None}}),
+     "zero_optimization.offload_param.pin_memory", "true or false"),
+    (ds(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}), "zero_optimization.offload_param",
+     "parameter offload needs stage 3"),
+    (ds(zero_optimization={"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}),
+     "zero_optimization.offload_param", "parameter offload needs stage 3"),
+    (ds(zero_optimization={"offload_optimizer": "none"}), "zero_optimization.offload_optimizer", "JSON object"),
+    (ds(zero_optimization={"offload_optimizer": True}), "zero_optimization.offload_optimizer", "JSON object"),
+    (ds(zero_optimization={"stage": 3, "offload_param": ["cpu"]}), "zero_optimization.offload_param", "JSON object"),
+    (ds(zero_optimization={"sub_group_size": 0}), "zero_optimization.sub_group_size", ">= 1"),
+    (ds(zero_optimization={"sub_group_size": 1.5}), "zero_optimization.sub_group_size", "integral"),
+    (ds(zero_optimization={"sub_group_size": "1e9"}), "zero_optimization.sub_group_size", ">= 1"),
+    (ds(zero_optimization={"sub_group_size": True}), "zero_optimization.sub_group_size", ">= 1"),
+    (ds(zero_optimization={"sub_group_size": 2**63}), "zero_optimization.sub_group_size", "<= "),
+    (ds(zero_optimization={"cpu_offload": "true"}), "zero_optimization.cpu_offload", "true or false"),
+    (ds(zero_optimization={"cpu_offload_param": 1}), "zero_optimization.cpu_offload_param", "true or false"),
+    (ds(zero_optimization={"cpu_offload_use_pin_memory": "no"}), "zero_optimization.cpu_offload_use_pin_memory",
+     "true or false"),
+    (ds(zero_optimization={"cpu_offload_param": True}), "zero_optimization.offload_param",
+     "parameter offload needs stage 3"),
+    (ds(aio={"block_size": 1000}), "aio.block_size", ">= 4096"),
+    (ds(aio={"block_size": 0}), "aio.block_size", ">= 4096"),
+    (ds(aio={"block_size": 6144}), "aio.block_size", "multiple of 4096"),
+    (ds(aio={"block_size": "1M"}), "aio.block_size", ">= 4096"),
+    (ds(aio={"block_size": True}), "aio.block_size", ">= 4096"),
+    (ds(aio={"queue_depth": 0}), "aio.queue_depth", ">= 1"),
+    (ds(aio={"queue_depth": 2**31}), "aio.queue_depth", "<= 2147483647"),
+    (ds(aio={"queue_depth": 8.5}), "aio.queue_depth", "integral"),
+    (ds(aio={"intra_op_parallelism": 0}), "aio.intra_op_parallelism", ">= 1"),
+    (ds(aio={"thread_count": -2}), "aio.intra_op_parallelism", ">= 1"),
+    (ds(aio={"thread_count": "4"}), "aio.intra_op_parallelism", ">= 1"),
+    (ds(aio={"single_submit": "false"}), "aio.single_submit", "true or false"),
+    (ds(aio={"overlap_events": None}), "aio.overlap_events", "true or false"),
+    (ds(aio={"use_gds": True}), "aio.use_gds", "GPUDirect Storage is not supported"),
+    (ds(aio={"use_gds": "no"}), "aio.use_gds", "true or false"),
+    (ds(aio=[]), "aio", "JSON object"),
+    (ds(aio={"thread_count": 2, "intra_op_parallelism": 2}), "aio.thread_count", "given twice"),
 ]
 
 
@@ -172,6 +278,19 @@ def test_bad_value_names_key_path(config, path, accepted):
     (lambda: ZeroConfig(bf16=1), "bf16.enabled"),
     (lambda: ZeroConfig(optimizer={"lr": 1.0}), "optimizer"),
     (lambda: ZeroConfig(zero_optimization={"stage": 2}), "zero_optimization"),
+    (lambda: OffloadOptimizerConfig(device="nvme"), "zero_optimization.offload_optimizer.nvme_path"),
+    (lambda: OffloadOptimizerConfig(ratio=0.5), "zero_optimization.offload_optimizer.ratio"),
+    (lambda: OffloadOptimizerConfig(device="disk"), "zero_optimization.offload_optimizer.device"),
+    (lambda: OffloadParamConfig(buffer_size=0), "zero_optimization.offload_param.buffer_size"),
+    (lambda: OffloadParamConfig(device="nvme", nvme_path=b"/nvme"), "zero_optimization.offload_param.nvme_path"),
+    (lambda: ZeroOptimizationConfig(stage=2, offload_param=OffloadParamConfig(device="cpu")),
+     "zero_optimization.offload_param"),
+    (lambda: ZeroOptimizationConfig(offload_optimizer={"device": "cpu"}), "zero_optimization.offload_optimizer"),
+    (lambda: ZeroOptimizationConfig(stage=3, offload_param=None), "zero_optimization.offload_param"),
+    (lambda: ZeroOptimizationConfig(sub_group_size=0), "zero_optimization.sub_group_size"),
+    (lambda: AioConfig(block_size=4095), "aio.block_size"),
+    (lambda: AioConfig(thread_count=0), "aio.intra_op_parallelism"),
+    (lambda: ZeroConfig(aio={"block_size": 4096}), "aio"),
 ])
 def test_direct_construction_validates(make, path):
     with pytest.raises(ValueError, match="^" + re.escape(path)):
@@ -212,6 +331,16 @@ def test_auto_placeholder_rejected():
     (ds(fp16={"loss_scale_windw": 10}), "fp16.loss_scale_windw", "loss_scale_window"),
     (ds(bf16={"enable": True}), "bf16.enable", "enabled"),
     (ds(gradient_acumulation_steps=2), "gradient_acumulation_steps", "gradient_accumulation_steps"),
+    (ds(zero_optimization={"offload_optimizer": {"device": "cpu", "pin_memroy": True}}),
+     "zero_optimization.offload_optimizer.pin_memroy", "pin_memory"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"buffer_sise": 10}}),
+     "zero_optimization.offload_param.buffer_sise", "buffer_size"),
+    (ds(zero_optimization={"stage": 3, "offload_param": {"ratio": 1.0}}), "zero_optimization.offload_param.ratio",
+     None),
+    (ds(zero_optimization={"sub_group_sise": 10}), "zero_optimization.sub_group_sise", "sub_group_size"),
+    (ds(zero_optimization={"cpu_ofload": True}), "zero_optimization.cpu_ofload", "cpu_offload"),
+    (ds(aio={"queue_dept": 4}), "aio.queue_dept", "queue_depth"),
+    (ds(aio={"intra_op_paralelism": 4}), "aio.intra_op_paralelism", "intra_op_parallelism"),
 ])
 def test_unknown_key(config, path, suggestion):
     for strict in (True, False):  # unknown keys are errors either way
@@ -222,7 +351,7 @@ def test_unknown_key(config, path, suggestion):
         assert "accepted keys here:" in message
         if suggestion is not None:
             assert f"did you mean {suggestion!r}" in message
-    if path.startswith("zero_optimization"):
+    if path.startswith("zero_optimization.") and path.count(".") == 1:
         assert "stage3_param_persistence_threshold" in message  # lists the accepted keys at that level
 
 
@@ -237,13 +366,13 @@ UNSUPPORTED = {
     "zero_allow_untested_optimizer": True,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
     "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
-    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": True},
                           "stage3_gather_16bit_weights_on_model_save": True, "sub_group_size": 1e9},
 }
 UNSUPPORTED_PATHS = ["flops_profiler", "activation_checkpointing", "zero_allow_untested_optimizer",
-                     "optimizer.params.torch_adam", "fp16.fp16_master_weights_and_grads", "zero_optimization.offload_optimizer",
-                     "zero_optimization.offload_param", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                     "zero_optimization.sub_group_size"]
+                     "optimizer.params.torch_adam", "fp16.fp16_master_weights_and_grads",
+                     "zero_optimization.offload_optimizer.pipeline_read",
+                     "zero_optimization.stage3_gather_16bit_weights_on_model_save"]
 
 
 def test_unsupported_keys_strict():
@@ -260,7 +389,8 @@ def test_unsupported_keys_non_strict_warns_once():
     assert len(caught) == 1 and caught[0].category is UserWarning
     assert all(path in str(caught[0].message) for path in UNSUPPORTED_PATHS)
     expected = ZeroConfig(optimizer=OptimizerConfig(type="AdamW", lr=1e-4), fp16=FP16Config(enabled=True),
-                          zero_optimization=ZeroOptimizationConfig(stage=3))
+                          zero_optimization=ZeroOptimizationConfig(
+                              stage=3, offload_optimizer=OffloadOptimizerConfig(device="cpu")))
     assert c == expected
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -282,7 +412,11 @@ def test_users_dict_not_mutated():
     for config, strict in [(FULL, True), (UNSUPPORTED, False),
                            (ds(bfloat16={"enabled": True}, zero_optimization={"prefetch_bucket_size": 1}), True),
                            (ds(optimizer={"type": "AdamW", "params": {"adam_w_mode": False}}), True),
-                           (ds(optimizer={"type": "adam"}), True)]:
+                           (ds(optimizer={"type": "adam"}), True),
+                           (ds(zero_optimization={"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+                                                  "cpu_offload_use_pin_memory": False,
+                                                  "offload_optimizer": {"device": "cpu"}},
+                               aio={"thread_count": 2, "use_gds": False}), True)]:
         before = copy.deepcopy(config)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -327,12 +461,16 @@ def test_check_batch_sizes():
 def test_frozen():
     c = ZeroConfig()
     for obj, name, value in [(c, "bf16", True), (c.optimizer, "lr", 1.0), (c.fp16, "enabled", True),
-                             (c.zero_optimization, "stage", 3)]:
+                             (c.zero_optimization, "stage", 3),
+                             (c.zero_optimization.offload_optimizer, "device", "cpu"),
+                             (c.zero_optimization.offload_param, "buffer_size", 1), (c.aio, "queue_depth", 1)]:
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, name, value)
     assert dataclasses.replace(c, bf16=True).bf16 and not c.bf16
     with pytest.raises(ValueError, match=r"^zero_optimization\.stage"):
         dataclasses.replace(c.zero_optimization, stage=7)  # replace() validates too
+    with pytest.raises(ValueError, match=r"^zero_optimization\.offload_optimizer\.nvme_path: required"):
+        dataclasses.replace(c.zero_optimization.offload_optimizer, device="nvme")
 
 
 def test_bad_sources(tmp_path):
@@ -367,3 +505,195 @@ def test_accumulation_steps_derived_from_batch_sizes_as_deepspeed_does():
     assert not explicit.derive_accumulation_steps
     with pytest.raises(ValueError, match="gradient_accumulation_steps = 4 would satisfy it"):
         explicit.for_world_size(2)
+
+
+# ---- offload_optimizer, offload_param, sub_group_size, aio (issue 11) ------------------------------------
+def _zero(**keys) -> ZeroOptimizationConfig:
+    return ZeroConfig.from_deepspeed({"zero_optimization": keys}).zero_optimization
+
+
+def test_offload_sections_parse():
+    z = _zero(stage=3, offload_optimizer={"device": "CPU", "pin_memory": False, "buffer_count": 6.0},
+              offload_param={"device": "Nvme", "nvme_path": "/local_nvme", "buffer_count": 2, "buffer_size": 1e7,
+                             "max_in_cpu": 5e8}, sub_group_size=1e9)
+    assert z.offload_optimizer == OffloadOptimizerConfig(device="cpu", pin_memory=False, buffer_count=6)
+    assert z.offload_param == OffloadParamConfig(device="nvme", nvme_path="/local_nvme", buffer_count=2,
+                                                 buffer_size=10_000_000, max_in_cpu=500_000_000)
+    assert z.sub_group_size == 1_000_000_000
+    for value in (z.sub_group_size, z.offload_optimizer.buffer_count, z.offload_param.buffer_size,
+                  z.offload_param.max_in_cpu):
+        assert type(value) is int  # integral floats (1e9) are stored as ints
+    ratio = _zero(offload_optimizer={"ratio": 1}).offload_optimizer.ratio
+    assert type(ratio) is float and ratio == 1.0
+    # Optimizer offload works at every stage; nvme takes an nvme_path (a str, or any os.PathLike when built directly).
+    for stage in (1, 2, 3):
+        z = _zero(stage=stage, offload_optimizer={"device": "nvme", "nvme_path": "/nvme", "fast_init": True})
+        assert z.offload_optimizer == OffloadOptimizerConfig("nvme", "/nvme", True, 4, True, 1.0)
+    assert OffloadParamConfig(device="nvme", nvme_path=Path("/nvme")).nvme_path == "/nvme"
+    # A section given as null (or false) is no offload; an nvme_path with device cpu is kept (and unused).
+    assert _zero(stage=3, offload_optimizer=None, offload_param=False) == ZeroOptimizationConfig(stage=3)
+    assert _zero(offload_optimizer={"device": "cpu", "nvme_path": "/x"}).offload_optimizer.nvme_path == "/x"
+
+
+@pytest.mark.parametrize("offload", [{"device": "none"}, {"device": "NONE"}, {}, None])
+def test_offload_device_none_is_still_accepted(offload):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        z = _zero(stage=3, offload_optimizer=offload, offload_param=offload, cpu_offload=False, cpu_offload_param=False)
+    assert z == ZeroOptimizationConfig(stage=3)
+    for stage in (1, 2):  # device none never needs stage 3
+        assert _zero(stage=stage, offload_param={"device": "none", "buffer_count": 3}).offload_param.device == "none"
+
+
+def test_legacy_cpu_offload_flags():
+    cpu_opt, cpu_param = OffloadOptimizerConfig(device="cpu"), OffloadParamConfig(device="cpu")
+    assert _zero(cpu_offload=True).offload_optimizer == cpu_opt
+    assert _zero(stage=2, cpu_offload=True) == ZeroOptimizationConfig(stage=2, offload_optimizer=cpu_opt)
+    assert _zero(stage=3, cpu_offload_param=True).offload_param == cpu_param
+    assert _zero(stage=3, cpu_offload=False, cpu_offload_param=None) == ZeroOptimizationConfig(stage=3)
+    z = _zero(stage=3, cpu_offload=True, cpu_offload_param=True, cpu_offload_use_pin_memory=False)
+    assert z.offload_optimizer == OffloadOptimizerConfig(device="cpu", pin_memory=False)
+    assert z.offload_param == OffloadParamConfig(device="cpu", pin_memory=False)
+    z = _zero(cpu_offload_use_pin_memory=False)  # pin_memory of both, offloaded or not
+    assert not z.offload_optimizer.pin_memory and not z.offload_param.pin_memory
+    # A flag and a section that agree: the section's other settings are kept.
+    z = _zero(stage=3, cpu_offload=True, offload_optimizer={"device": "CPU", "buffer_count": 7},
+              cpu_offload_param=False, offload_param={"device": "none", "pin_memory": True},
+              cpu_offload_use_pin_memory=True)
+    assert z.offload_optimizer == OffloadOptimizerConfig(device="cpu", buffer_count=7)
+    assert z.offload_param == OffloadParamConfig()
+    assert _zero(cpu_offload=True, offload_optimizer={"buffer_count": 3}).offload_optimizer == OffloadOptimizerConfig(
+        device="cpu", buffer_count=3)  # a section without a device takes the flag's
+
+
+@pytest.mark.parametrize("keys,flag,other", [
+    ({"cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}, "cpu_offload",
+     "zero_optimization.offload_optimizer.device 'nvme'"),
+    ({"cpu_offload": True, "offload_optimizer": {"device": "none"}}, "cpu_offload",
+     "zero_optimization.offload_optimizer.device 'none'"),
+    ({"cpu_offload": False, "offload_optimizer": {"device": "cpu"}}, "cpu_offload",
+     "zero_optimization.offload_optimizer.device 'cpu'"),
+    ({"stage": 3, "cpu_offload_param": True, "offload_param": {"device": "none"}}, "cpu_offload_param",
+     "zero_optimization.offload_param.device 'none'"),
+    ({"cpu_offload_use_pin_memory": True, "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+     "cpu_offload_use_pin_memory", "zero_optimization.offload_optimizer.pin_memory false"),
+    ({"stage": 3, "cpu_offload_use_pin_memory": False, "offload_param": {"pin_memory": True}},
+     "cpu_offload_use_pin_memory", "zero_optimization.offload_param.pin_memory true"),
+])
+def test_legacy_flag_and_section_that_disagree_are_named_together(keys, flag, other):
+    with pytest.raises(ValueError) as info:
+        ZeroConfig.from_deepspeed({"zero_optimization": keys})
+    message = str(info.value)
+    assert message.startswith(f"zero_optimization.{flag}: ") and "disagrees with " + other in message, message
+
+
+def test_aio_section():
+    assert ZeroConfig.from_deepspeed({"aio": None}).aio == AioConfig()
+    aio = ZeroConfig.from_deepspeed({"aio": {"block_size": 4096, "queue_depth": 64.0, "thread_count": 8,
+                                             "single_submit": True, "overlap_events": False, "use_gds": False}}).aio
+    assert aio == AioConfig(4096, 64, 8, True, False) and type(aio.queue_depth) is int
+    # DeepSpeed 0.19.8's name for thread_count is intra_op_parallelism: read either, write DeepSpeed's.
+    c = ZeroConfig.from_deepspeed({"aio": {"intra_op_parallelism": 3}})
+    assert c.aio.thread_count == 3
+    assert c.to_deepspeed()["aio"] == {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 3,
+                                       "single_submit": False, "overlap_events": True}
+    assert ZeroConfig.from_deepspeed(c.to_deepspeed()) == c
+    assert ZeroConfig.from_deepspeed({"aio": {"block_size": 2**40}}).aio.block_size == 2**40
+
+
+def test_offload_written_back():
+    c = ZeroConfig.from_deepspeed(FULL)
+    zero = c.to_deepspeed()["zero_optimization"]
+    assert zero["sub_group_size"] == 100_000_000
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": False,
+                                         "buffer_count": 8, "fast_init": True, "ratio": 1.0}
+    assert zero["offload_param"] == {"device": "cpu", "nvme_path": "/local_nvme/params", "pin_memory": False,
+                                     "buffer_count": 6, "buffer_size": 20_000_000, "max_in_cpu": 0}
+    assert "nvme_path" not in ZeroConfig().to_deepspeed()["zero_optimization"]["offload_optimizer"]  # unset: left out
+    for key in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
+        assert key not in zero  # the deprecated flags are read, never written
+
+
+_SIZES = st.integers(1, 2**63 - 1)
+_PATHS = st.text(min_size=1, max_size=12)
+
+
+@st.composite
+def _offload_optimizers(draw):
+    device = draw(st.sampled_from(["none", "cpu", "nvme", "NVMe", "Cpu"]))
+    path = draw(_PATHS if device.lower() == "nvme" else st.none() | _PATHS)
+    return OffloadOptimizerConfig(device, path, draw(st.booleans()), draw(_SIZES), draw(st.booleans()),
+                                  draw(st.sampled_from([1, 1.0])))
+
+
+@st.composite
+def _offload_params(draw, stage):
+    device = draw(st.sampled_from(["none", "cpu", "nvme", "NONE"] if stage == 3 else ["none", "None"]))
+    path = draw(_PATHS if device.lower() == "nvme" else st.none() | _PATHS)
+    return OffloadParamConfig(device, path, draw(st.booleans()), draw(_SIZES), draw(_SIZES),
+                              draw(st.integers(0, 2**63 - 1)))
+
+
+@st.composite
+def _configs(draw):
+    stage = draw(st.sampled_from([1, 2, 3]))
+    zero = ZeroOptimizationConfig(stage=stage, sub_group_size=draw(_SIZES | st.sampled_from([1e9, 5e8])),
+                                  offload_optimizer=draw(_offload_optimizers()),
+                                  offload_param=draw(_offload_params(stage)))
+    counts = st.integers(1, 2**31 - 1)
+    aio = AioConfig(draw(st.integers(1, 2**40)) * 4096, draw(counts), draw(counts), draw(st.booleans()),
+                    draw(st.booleans()))
+    return ZeroConfig(zero_optimization=zero, aio=aio, bf16=draw(st.booleans()))
+
+
+@given(_configs())
+def test_offload_and_aio_round_trip(c):
+    out = c.to_deepspeed()
+    assert ZeroConfig.from_deepspeed(out) == c
+    assert ZeroConfig.from_deepspeed(json.loads(json.dumps(out))) == c
+    assert hash(ZeroConfig.from_deepspeed(out)) == hash(c)
+
+
+_DEEPSPEED_PYTHON = Path(os.environ.get("ZEROCORE_DEEPSPEED_PYTHON",
+                                        Path(__file__).resolve().parents[1] / ".venv-ds" / "bin" / "python"))
+_DEEPSPEED_CHECK = r"""
+import json, sys
+from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
+written = json.loads(sys.stdin.read())
+zero = DeepSpeedZeroConfig(**written["zero_optimization"])  # zerocore's to_deepspeed(), as DeepSpeed reads it
+print(json.dumps({
+    "optimizer": DeepSpeedZeroOffloadOptimizerConfig().model_dump(mode="json"),
+    "param": DeepSpeedZeroOffloadParamConfig().model_dump(mode="json"),
+    "sub_group_size": DeepSpeedZeroConfig().sub_group_size,
+    "aio": get_aio_config({}),
+    "read_back": {"optimizer": zero.offload_optimizer.model_dump(mode="json"),
+                  "param": zero.offload_param.model_dump(mode="json"), "sub_group_size": zero.sub_group_size,
+                  "aio": get_aio_config(written)},
+}))
+"""
+
+
+@pytest.mark.skipif(not _DEEPSPEED_PYTHON.exists(), reason="no DeepSpeed venv (.venv-ds) to compare with")
+def test_defaults_are_deepspeeds():
+    """zerocore's offload / aio defaults are DeepSpeed's, and DeepSpeed reads zerocore's to_deepspeed() of them
+    (and of FULL's non-default ones) to the same values."""
+    fields = dataclasses.asdict
+    for config in (ZeroConfig(), ZeroConfig.from_deepspeed(FULL)):
+        written = config.to_deepspeed()
+        done = subprocess.run([str(_DEEPSPEED_PYTHON), "-c", _DEEPSPEED_CHECK], input=json.dumps(written), check=False,
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        theirs = json.loads(done.stdout.strip().splitlines()[-1])
+        z = ZeroConfig().zero_optimization
+        assert {k: theirs["optimizer"][k] for k in fields(z.offload_optimizer)} == fields(z.offload_optimizer)
+        assert {k: theirs["param"][k] for k in fields(z.offload_param)} == fields(z.offload_param)
+        assert theirs["sub_group_size"] == z.sub_group_size
+        assert theirs["aio"] == {**ZeroConfig().to_deepspeed()["aio"], "use_gds": False}
+        ours = config.zero_optimization
+        back = theirs["read_back"]
+        assert {k: back["optimizer"][k] for k in fields(ours.offload_optimizer)} == fields(ours.offload_optimizer)
+        assert {k: back["param"][k] for k in fields(ours.offload_param)} == fields(ours.offload_param)
+        assert back["sub_group_size"] == ours.sub_group_size
+        assert back["aio"] == {**written["aio"], "use_gds": False}

@@ -34,11 +34,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerConfig", "FP16Config", "ZeroOptimizationConfig", "SchedulerConfig", "ZeroConfig",
-           "hidden_size_of"]
+__all__ = ["OptimizerConfig", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
+           "ZeroOptimizationConfig", "AioConfig", "SchedulerConfig", "ZeroConfig", "hidden_size_of"]
 
 _OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW"}
 _INT64_MAX = 2**63 - 1  # the largest element count the C++ core (int64_t) takes
+_INT32_MAX = 2**31 - 1  # the largest queue depth / thread count the C++ I/O engine (int) takes
+_AIO_ALIGN = 4096  # aio.block_size must be a multiple of this (O_DIRECT-aligned I/O)
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # weight_decay when a DeepSpeed JSON leaves it out, per optimizer type.
 _DEFAULT_WEIGHT_DECAY = {"Adam": 0.0, "AdamW": 0.0}  # DeepSpeed builds FusedAdam, whose default is 0.0
@@ -181,6 +183,102 @@ class FP16Config:
         set_(self, "min_loss_scale", _float(self.min_loss_scale, p + "min_loss_scale", 0.0, above=True))
 
 
+def _offload_device(value: Any, path: str) -> str:
+    _no_auto(value, path)
+    if not isinstance(value, str) or value.lower() not in ("none", "cpu", "nvme"):
+        _fail(path, f"expected 'none', 'cpu' or 'nvme' (case-insensitive), got {value!r}")
+    return value.lower()
+
+
+def _nvme_path(value: Any, device: str, path: str) -> str | None:
+    if value is None:
+        if device == "nvme":
+            _fail(path, "required when device is 'nvme': the directory (on the NVMe drive) to swap to")
+        return None
+    _no_auto(value, path)
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        _fail(path, f"expected a directory path (a non-empty string) or null, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """Optimizer-state offload (DeepSpeed ``zero_optimization.offload_optimizer``); any ZeRO stage.
+    Defaults are DeepSpeed 0.19.8's.
+
+    Attributes:
+        device: ``"none"`` (no offload), ``"cpu"`` or ``"nvme"``; case-insensitive on input, stored lower case.
+        nvme_path: the directory to swap optimizer state to; required when ``device`` is ``"nvme"``.
+        pin_memory: keep the offloaded state in page-locked CPU memory (DeepSpeed's default: true).
+        buffer_count: buffers in the NVMe swap pool (>= 1).
+        fast_init: DeepSpeed's fast optimizer initialization when offloading to NVMe.
+        ratio: the fraction of the optimizer state offloaded; only 1.0 is accepted (DeepSpeed's partial
+            offload, ZeRO-3 only, is not supported).
+
+    Raises:
+        ValueError: naming the key path (``zero_optimization.offload_optimizer.nvme_path``) of the first invalid
+            value.
+    """
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = True
+    buffer_count: int = 4
+    fast_init: bool = False
+    ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        set_, p = object.__setattr__, "zero_optimization.offload_optimizer."
+        set_(self, "device", _offload_device(self.device, p + "device"))
+        set_(self, "nvme_path", _nvme_path(self.nvme_path, self.device, p + "nvme_path"))
+        set_(self, "pin_memory", _bool(self.pin_memory, p + "pin_memory"))
+        set_(self, "buffer_count", _int(self.buffer_count, p + "buffer_count", 1, _INT64_MAX))
+        set_(self, "fast_init", _bool(self.fast_init, p + "fast_init"))
+        ratio = _float(self.ratio, p + "ratio", 0.0)
+        if ratio != 1.0:
+            _fail(p + "ratio", f"zerocore supports only ratio 1.0 (the whole optimizer state offloaded), got "
+                  f"{self.ratio!r}; DeepSpeed's partial offload (ZeRO-3 only) is not supported")
+        set_(self, "ratio", ratio)
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """Parameter offload (DeepSpeed ``zero_optimization.offload_param``); stage 3 only. Defaults are
+    DeepSpeed 0.19.8's.
+
+    Attributes:
+        device: ``"none"`` (no offload), ``"cpu"`` or ``"nvme"``; case-insensitive on input, stored lower case.
+            Anything but ``"none"`` needs ``zero_optimization.stage`` 3.
+        nvme_path: the directory to swap parameters to; required when ``device`` is ``"nvme"``.
+        pin_memory: keep offloaded parameters in page-locked CPU memory (DeepSpeed's default: true).
+        buffer_count: buffers in the NVMe swap pool (>= 1).
+        buffer_size: elements per NVMe swap buffer (>= 1).
+        max_in_cpu: parameter elements kept in CPU memory when offloading to NVMe (>= 0).
+
+    Raises:
+        ValueError: naming the key path (``zero_optimization.offload_param.buffer_size``) of the first invalid
+            value.
+    """
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = True
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+    def __post_init__(self) -> None:
+        set_, p = object.__setattr__, "zero_optimization.offload_param."
+        set_(self, "device", _offload_device(self.device, p + "device"))
+        set_(self, "nvme_path", _nvme_path(self.nvme_path, self.device, p + "nvme_path"))
+        set_(self, "pin_memory", _bool(self.pin_memory, p + "pin_memory"))
+        set_(self, "buffer_count", _int(self.buffer_count, p + "buffer_count", 1, _INT64_MAX))
+        set_(self, "buffer_size", _int(self.buffer_size, p + "buffer_size", 1, _INT64_MAX))
+        set_(self, "max_in_cpu", _int(self.max_in_cpu, p + "max_in_cpu", 0, _INT64_MAX))
+
+
 @dataclass(frozen=True)
 class ZeroOptimizationConfig:
     """ZeRO stage and communication buckets (DeepSpeed ``zero_optimization``). Sizes count elements.
@@ -202,6 +300,13 @@ class ZeroOptimizationConfig:
         stage3_prefetch_bucket_size: stage 3: parameter elements fetched ahead of use (>= 0; 0 = no prefetch).
         stage3_max_live_parameters: stage 3: gathered parameter elements kept per GPU (>= 1).
         stage3_param_persistence_threshold: stage 3: parameters with fewer elements stay unpartitioned (>= 0).
+        sub_group_size: elements per optimizer sub-group, the tile the optimizer step (and its offload) works
+            through at a time (>= 1; DeepSpeed's default 1e9).
+        offload_optimizer: optimizer-state offload (:class:`OffloadOptimizerConfig`); also set by DeepSpeed's
+            deprecated ``cpu_offload: true`` (device ``"cpu"``).
+        offload_param: parameter offload, stage 3 only (:class:`OffloadParamConfig`); also set by DeepSpeed's
+            deprecated ``cpu_offload_param: true`` (device ``"cpu"``). ``cpu_offload_use_pin_memory`` sets the
+            ``pin_memory`` of both.
 
     Raises:
         ValueError: naming the key path of the first invalid value.
@@ -216,6 +321,9 @@ class ZeroOptimizationConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_param_persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
 
     def __post_init__(self) -> None:
         p = "zero_optimization."
@@ -236,6 +344,51 @@ class ZeroOptimizationConfig:
         if not self.contiguous_gradients:
             _fail(p + "contiguous_gradients", "zerocore always copies gradients into contiguous buckets as they "
                   "are produced; only true is accepted (remove the key or set it to true)")
+        object.__setattr__(self, "sub_group_size", _int(self.sub_group_size, p + "sub_group_size", 1, _INT64_MAX))
+        for name, cls in (("offload_optimizer", OffloadOptimizerConfig), ("offload_param", OffloadParamConfig)):
+            if not isinstance(getattr(self, name), cls):
+                _fail(p + name, f"expected an {cls.__name__}, got {type(getattr(self, name)).__name__} "
+                      "(use ZeroConfig.from_deepspeed to read a DeepSpeed dict)")
+        if self.offload_param.device != "none" and self.stage < 3:
+            _fail(p + "offload_param", f"parameter offload needs stage 3 (device is {self.offload_param.device!r}, "
+                  f"zero_optimization.stage is {self.stage}); use stage 3, or device 'none'")
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """The asynchronous file I/O engine used for NVMe offload and checkpoint reads (DeepSpeed's top-level
+    ``aio``). Defaults are DeepSpeed 0.19.8's.
+
+    Attributes:
+        block_size: bytes per I/O request, a positive multiple of 4096.
+        queue_depth: I/O requests in flight at once (>= 1).
+        thread_count: I/O worker threads (>= 1); DeepSpeed 0.19.8 calls it ``intra_op_parallelism``, older
+            versions ``thread_count``: both are read (not both at once), ``intra_op_parallelism`` is written.
+        single_submit: submit requests one at a time rather than in batches.
+        overlap_events: start the next request as soon as one completes, rather than in waves.
+
+    DeepSpeed's ``use_gds`` (GPUDirect Storage) is accepted only as false.
+
+    Raises:
+        ValueError: naming the key path (``aio.block_size``) of the first invalid value.
+    """
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    thread_count: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        block_size = _int(self.block_size, "aio.block_size", _AIO_ALIGN, _INT64_MAX)
+        if block_size % _AIO_ALIGN:
+            _fail("aio.block_size", f"expected a positive multiple of {_AIO_ALIGN} (bytes), got {self.block_size!r}")
+        set_(self, "block_size", block_size)
+        set_(self, "queue_depth", _int(self.queue_depth, "aio.queue_depth", 1, _INT32_MAX))
+        set_(self, "thread_count", _int(self.thread_count, "aio.intra_op_parallelism (thread_count)", 1, _INT32_MAX))
+        set_(self, "single_submit", _bool(self.single_submit, "aio.single_submit"))
+        set_(self, "overlap_events", _bool(self.overlap_events, "aio.overlap_events"))
 
 
 # scheduler.params per DeepSpeed schedule type: name -> (kind, minimum); kinds: "lr" (a number >= 0, or one per
@@ -398,6 +551,7 @@ class ZeroConfig:
             values]); :meth:`for_world_size` fills in ``train_batch_size`` / ``train_micro_batch_size_per_gpu``
             among them from the others and the world size (``gradient_accumulation_steps`` among them was
             already settled by ``from_deepspeed``; it is listed so ``to_deepspeed`` writes ``"auto"`` back).
+        aio: the asynchronous file I/O engine's settings (DeepSpeed ``aio``).
 
     Raises:
         ValueError: naming the key path of the first invalid value, or bf16 and fp16 both enabled.
@@ -416,10 +570,11 @@ class ZeroConfig:
     derive_accumulation_steps: bool = False
     scheduler: SchedulerConfig | None = None
     auto_batch_sizes: tuple[str, ...] = ()
+    aio: AioConfig = field(default_factory=AioConfig)
 
     def __post_init__(self) -> None:
         for name, cls in (("optimizer", OptimizerConfig), ("fp16", FP16Config),
-                          ("zero_optimization", ZeroOptimizationConfig)):
+                          ("zero_optimization", ZeroOptimizationConfig), ("aio", AioConfig)):
             if not isinstance(getattr(self, name), cls):
                 _fail(name, f"expected a {cls.__name__}, got {type(getattr(self, name)).__name__} "
                       "(use ZeroConfig.from_deepspeed to read a DeepSpeed dict)")
@@ -565,6 +720,10 @@ class ZeroConfig:
         fp16 = _section(top.get("fp16", {}), "fp16", unsupported)
         bf16 = _section(top.get("bf16", {}), "bf16", unsupported)
         zero = _section(top.get("zero_optimization", {}), "zero_optimization", unsupported)
+        offload = {name: _section(zero[name], f"zero_optimization.{name}", unsupported)
+                   for name in ("offload_optimizer", "offload_param")
+                   if zero.get(name) is not None and zero.get(name) is not False}  # null / false: no offload
+        aio = {} if top.get("aio") is None else _section(top["aio"], "aio", unsupported)
         scheduler = top.get("scheduler")
         if scheduler is not None:
             scheduler = _section(scheduler, "scheduler", unsupported)
@@ -578,7 +737,7 @@ class ZeroConfig:
             raise ValueError(f"DeepSpeed keys not supported yet by zerocore: {', '.join(unsupported)}; remove them, "
                              "or pass strict=False to ignore them with a warning")
         plain = {k: v for k, v in top.items()
-                 if k not in ("optimizer", "fp16", "bf16", "zero_optimization", "scheduler")}
+                 if k not in ("optimizer", "fp16", "bf16", "zero_optimization", "scheduler", "aio")}
         _fill_auto(plain=plain, optimizer=optimizer, params=params, fp16=fp16, bf16=bf16, zero=zero,
                    scheduler=scheduler, hidden_size=hidden_size)
 
@@ -591,9 +750,13 @@ class ZeroConfig:
                 and plain.get("train_micro_batch_size_per_gpu") is not None):
             plain["derive_accumulation_steps"] = True  # DeepSpeed derives it once the world size is known
         schedule = None if scheduler is None else SchedulerConfig(scheduler["type"], scheduler["params"])
+        zero.update(_offload_configs(zero, offload))
+        if _bool(aio.pop("use_gds", False), "aio.use_gds"):
+            _fail("aio.use_gds", "GPUDirect Storage is not supported: zerocore's NVMe I/O goes through (pinned) CPU "
+                  "memory; set it to false or remove it")
         config = cls(optimizer=OptimizerConfig(type=opt_type, **opt_kwargs), bf16=bf16.get("enabled", False),
                      fp16=FP16Config(**fp16), zero_optimization=ZeroOptimizationConfig(**zero), scheduler=schedule,
-                     **plain)
+                     aio=AioConfig(**aio), **plain)
         if unsupported:
             warnings.warn(f"zerocore ignores these DeepSpeed keys, not supported yet: {', '.join(unsupported)}",
                           UserWarning, stacklevel=2)
@@ -601,7 +764,10 @@ class ZeroConfig:
 
     def to_deepspeed(self) -> dict[str, Any]:
         """Returns a DeepSpeed config dict (JSON-serializable); ``from_deepspeed`` of it equals ``self``."""
-        o = self.optimizer
+        o, a = self.optimizer, self.aio
+        zero = {k: v for k, v in dataclasses.asdict(self.zero_optimization).items() if v is not None}
+        for name in ("offload_optimizer", "offload_param"):
+            zero[name] = {k: v for k, v in zero[name].items() if v is not None}  # nvme_path unset: left out
         out: dict[str, Any] = {
             "optimizer": {"type": o.type, "params": {
                 "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
@@ -610,9 +776,10 @@ class ZeroConfig:
             "gradient_clipping": self.gradient_clipping,
             "bf16": {"enabled": self.bf16},
             "fp16": dataclasses.asdict(self.fp16),
-            "zero_optimization": {k: v for k, v in dataclasses.asdict(self.zero_optimization).items()
-                                  if v is not None},
+            "zero_optimization": zero,
             "steps_per_print": self.steps_per_print,
+            "aio": {"block_size": a.block_size, "queue_depth": a.queue_depth, "intra_op_parallelism": a.thread_count,
+                    "single_submit": a.single_submit, "overlap_events": a.overlap_events},
         }
         for name in ("communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu"):
             if getattr(self, name) is not None:
@@ -626,6 +793,9 @@ class ZeroConfig:
         return out
 
 
+# DeepSpeed's deprecated zero_optimization flags -> what each one sets (cpu_offload*: true is device "cpu").
+_LEGACY_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
+                   "cpu_offload_use_pin_memory": "pin_memory"}
 # Per section (key path, "" = top level): supported keys, aliases DeepSpeed also accepts, keys accepted and
 # ignored, and real DeepSpeed keys that zerocore does not support yet.
 _Z3 = ("max_reuse_distance model_persistence_threshold gather_16bit_weights_on_model_save "
@@ -636,7 +806,7 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
              "activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger amp "
              "zero_allow_untested_optimizer zero_force_ds_cpu_optimizer elasticity autotuning prescale_gradients "
              "gradient_predivide_factor sparse_gradients sparse_attention pipeline data_efficiency "
-             "curriculum_learning compression_training checkpoint aio nebula data_types memory_breakdown "
+             "curriculum_learning compression_training checkpoint nebula data_types memory_breakdown "
              "dump_state disable_allgather torch_autocast compile hybrid_engine eigenvalue progressive_layer_drop "
              "quantize_training weight_quantization seq_parallel_communication_data_type dataloader_drop_last "
              "tensor_parallel").split())),
@@ -648,43 +818,60 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
     "bf16": (frozenset({"enabled"}), {}, frozenset(), frozenset({"immediate_grad_update"})),
     "scheduler": (frozenset({"type", "params"}), {}, frozenset(), frozenset()),
     "zero_optimization": (
-        frozenset(f.name for f in dataclasses.fields(ZeroOptimizationConfig)),
+        frozenset(f.name for f in dataclasses.fields(ZeroOptimizationConfig)) | frozenset(_LEGACY_OFFLOAD),
         {name: "stage3_" + name for name in ("prefetch_bucket_size", "max_live_parameters",
                                              "param_persistence_threshold")},
         frozenset(),
         frozenset((
-            "offload_optimizer offload_param sub_group_size cpu_offload cpu_offload_param cpu_offload_use_pin_memory "
             "load_from_fp32_weights elastic_checkpoint allgather_partitions use_multi_rank_bucket_allreduce "
             "ignore_unused_parameters legacy_stage1 round_robin_gradients zero_hpz_partition_size "
             "zero_quantized_weights zero_quantized_nontrainable_weights zero_quantized_gradients zeropp_loco_param "
             "mics_shard_size mics_hierarchical_params_gather memory_efficient_linear pipeline_loading_checkpoint "
             "override_module_apply log_trace_cache_warnings stage3_gather_fp16_weights_on_model_save zenflow "
             "leaf_module").split() + _Z3 + ["stage3_" + name for name in _Z3])),
+    "zero_optimization.offload_optimizer": (
+        frozenset(f.name for f in dataclasses.fields(OffloadOptimizerConfig)), {}, frozenset(),
+        frozenset({"pipeline_read", "pipeline_write", "super_offload", "cpuadam_cores_perc"})),
+    "zero_optimization.offload_param": (
+        frozenset(f.name for f in dataclasses.fields(OffloadParamConfig)), {}, frozenset(), frozenset()),
+    "aio": (frozenset(f.name for f in dataclasses.fields(AioConfig)) | {"use_gds"},
+            {"intra_op_parallelism": "thread_count"}, frozenset(), frozenset()),
 }
 _HINTS = {"optimizer.params.max_grad_norm": "DeepSpeed clips with the top-level gradient_clipping"}
 
 
-def _no_offload(value: Any, path: str) -> bool:
-    """Whether an offload setting asks for no offload (DeepSpeed's ``{"device": "none"}``, its default device,
-    or null; the deprecated ``cpu_offload*`` flags: false), which zerocore accepts and ignores."""
-    if value is None or value is False:
-        return True
-    if isinstance(value, bool):
-        return False  # cpu_offload: true
-    if not isinstance(value, Mapping):
-        _fail(path, f'expected a JSON object such as {{"device": "none"}}, got {value!r}')
-    device = value.get("device", "none")
-    if isinstance(device, str) and device.lower() == "none":
-        return True
-    if isinstance(device, str) and device.lower() in ("cpu", "nvme"):
-        return False  # a real offload: not supported yet
-    _fail(path + ".device", f"expected 'none', 'cpu' or 'nvme' (zerocore runs 'none': no offload), got {device!r}")
-    return False
+def _offload_configs(zero: dict[str, Any], sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ``offload_optimizer`` / ``offload_param`` configs from their sections (the ones given, already
+    key-checked) and DeepSpeed's deprecated ``cpu_offload*`` flags, which are popped from ``zero``.
 
-
-# Keys that are accepted (and ignored) when their value means "no offload", else not supported yet.
-_NO_OFFLOAD_KEYS = frozenset("zero_optimization." + key for key in
-                             ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param"))
+    ``cpu_offload: true`` is ``offload_optimizer`` device ``"cpu"`` (false: ``"none"``), likewise
+    ``cpu_offload_param`` for ``offload_param``; ``cpu_offload_use_pin_memory`` is ``pin_memory`` of both.
+    A flag and a section that disagree are an error naming both."""
+    z = "zero_optimization."
+    legacy = {key: zero.pop(key) for key in _LEGACY_OFFLOAD if key in zero}
+    legacy = {key: _bool(value, z + key) for key, value in legacy.items() if value is not None}
+    sections = {name: dict(sections.get(name, {})) for name in ("offload_optimizer", "offload_param")}
+    for key in ("cpu_offload", "cpu_offload_param"):
+        if key not in legacy:
+            continue
+        name = _LEGACY_OFFLOAD[key]
+        device = "cpu" if legacy[key] else "none"
+        if "device" in sections[name]:
+            given = _offload_device(sections[name]["device"], f"{z}{name}.device")
+            if given != device:
+                _fail(z + key, f"{str(legacy[key]).lower()} (deprecated; means {z}{name}.device {device!r}) "
+                      f"disagrees with {z}{name}.device {given!r}; remove {z}{key}")
+        sections[name]["device"] = device
+    if "cpu_offload_use_pin_memory" in legacy:
+        pin = legacy["cpu_offload_use_pin_memory"]
+        for name, section in sections.items():
+            if "pin_memory" in section and _bool(section["pin_memory"], f"{z}{name}.pin_memory") != pin:
+                _fail(z + "cpu_offload_use_pin_memory", f"{str(pin).lower()} (deprecated) disagrees with "
+                      f"{z}{name}.pin_memory {str(section['pin_memory']).lower()}; remove "
+                      f"{z}cpu_offload_use_pin_memory")
+            section["pin_memory"] = pin
+    return {"offload_optimizer": OffloadOptimizerConfig(**sections["offload_optimizer"]),
+            "offload_param": OffloadParamConfig(**sections["offload_param"])}
 
 
 def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
@@ -702,8 +889,6 @@ def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
             if name in out:
                 _fail(prefix + name, "given twice, under its name and under an alias DeepSpeed also accepts")
             out[name] = value
-        elif prefix + key in _NO_OFFLOAD_KEYS and _no_offload(value, prefix + key):
-            continue
         elif key in not_yet:
             unsupported.append(prefix + key)
         elif key not in ignored:
