@@ -6,6 +6,10 @@
 
 namespace py = pybind11;
 
+namespace zerocore::bindings {
+void bind_io(pybind11::module_& m);  // io_bindings.cpp: crc32c, AsyncIO
+}  // namespace zerocore::bindings
+
 namespace {
 
 std::string compiler_description() {
@@ -51,4 +55,5 @@ PYBIND11_MODULE(_C, m) {
   zerocore::bindings::bind_plan(m);
   zerocore::bindings::bind_adam(m);
   zerocore::bindings::bind_distributed(m);
+  zerocore::bindings::bind_io(m);
 }

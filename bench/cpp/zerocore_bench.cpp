@@ -8,6 +8,10 @@
 #include "bench_common.hpp"
 #include "zerocore/error.hpp"
 
+namespace zerocore_bench {
+int aio_command(int argc, char** argv);  // bench_aio.cpp
+}  // namespace zerocore_bench
+
 namespace {
 
 struct Subcommand {
@@ -20,6 +24,7 @@ constexpr Subcommand kSubcommands[] = {
     {"layout", "build a FlatLayout of many tensors and query rank pieces", zerocore_bench::layout_command},
     {"stream", "memory bandwidth: copy, triad and the Adam-shaped stream", zerocore_bench::stream_command},
     {"adam", "time zerocore::adam_step against the Adam-shaped stream roofline", zerocore_bench::adam_command},
+    {"aio", "file bandwidth of the AsyncIO engine against the disk's own, and crc32c", zerocore_bench::aio_command},
 };
 
 void print_usage(std::FILE* out) {
