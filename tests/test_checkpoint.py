@@ -180,18 +180,18 @@ def interrupted_worker(rank: int, world: int, directory: str) -> bool:
     engine = zerocore.initialize(Net(), _config(1))
     _train(engine, rank, 0, 1)
     engine.save_checkpoint(directory)
-    real = ckpt._sha256
+    real = ckpt._untracked_state
 
-    def dies(path: str) -> str:
+    def dies(engine):
         raise KeyboardInterrupt("killed during the save")
 
-    ckpt._sha256 = dies
+    ckpt._untracked_state = dies  # called once this rank's file is written
     try:
         _train(engine, rank, 1, 1)
         with pytest.raises(KeyboardInterrupt):
             engine.save_checkpoint(directory)
     finally:
-        ckpt._sha256 = real
+        ckpt._untracked_state = real
     assert open(os.path.join(directory, "latest")).read() == "global_step1"
     assert not os.path.exists(os.path.join(directory, "global_step2"))
     torch.manual_seed(9)
@@ -213,7 +213,7 @@ def test_info_prints_what_a_checkpoint_holds(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "stage 1, world size 1" in out and "head.weight [30, 16]" in out
     index = json.loads(open(os.path.join(tmp_path, "global_step3", "index.json")).read())
-    assert index["format"] == "zerocore-checkpoint/1"
+    assert index["format"] == "zerocore-checkpoint/2"
 
 
 def test_to_hf_writes_safetensors_that_load_strictly_into_the_plain_model(tmp_path):
@@ -335,3 +335,156 @@ def test_a_rank_killed_at_a_random_moment_of_saving_leaves_latest_loadable(seed,
     assert os.path.exists(os.path.join(tmp_path, latest, "index.json"))
     result = run_ranks(load_worker, 1, 1, str(tmp_path))[0]
     assert result["steps"] == int(latest.removeprefix("global_step"))
+
+
+@pytest.mark.parametrize("where", ["header", "data", "index"])
+def test_a_flipped_byte_is_refused_naming_the_file_and_bytes(where, tmp_path):
+    """A file of the right size whose content changed after saving (one flipped bit in its header, its
+    data, or a checksum in the index) is refused before the engine changes, naming the file and range."""
+    run_ranks(save_worker, 1, 2, str(tmp_path))
+    directory = tmp_path / "global_step3"
+    path = directory / "rank0.safetensors"
+    data = bytearray(path.read_bytes())
+    index = json.loads((directory / "index.json").read_text())
+    checksums = index["ranks"][0]["checksums"]
+    if where == "header":
+        data[20] ^= 0x01
+        path.write_bytes(bytes(data))
+        message = r"rank0.safetensors does not match its checksum in index.json in its header"
+    elif where == "data":
+        data[-3] ^= 0x10
+        path.write_bytes(bytes(data))
+        message = r"rank0.safetensors does not match its checksum in index.json in bytes \[\d+, \d+\)"
+    else:
+        first = checksums["crc32c"][0]
+        checksums["crc32c"] = ("1" if first != "1" else "2") + checksums["crc32c"][1:]
+        (directory / "index.json").write_text(json.dumps(index))
+        message = r"rank0.safetensors does not match its checksum in index.json in bytes \[\d+, \d+\)"
+    for result in run_ranks(refused_worker, 1, str(tmp_path), message):
+        assert result
+
+
+def refused_worker(rank: int, world: int, directory: str, message: str) -> bool:
+    torch.manual_seed(5)
+    engine = zerocore.initialize(Net(), _config(2))
+    before = engine.full_state_dict(rank0_only=False)
+    with pytest.raises(ValueError, match=message):
+        engine.load_checkpoint(directory)
+    after = engine.full_state_dict(rank0_only=False)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused load changed the engine"
+    return True
+
+
+def test_checkpoint_files_are_plain_safetensors(tmp_path):
+    """Every file of a checkpoint opens with the safetensors library and holds what the index says."""
+    from safetensors import safe_open
+
+    run_ranks(save_worker, 2, 3, str(tmp_path))
+    directory = tmp_path / "global_step3"
+    index = json.loads((directory / "index.json").read_text())
+    for entry in index["ranks"]:
+        with safe_open(str(directory / entry["file"]), framework="pt", device="cpu") as f:
+            for shard, saved in enumerate(entry["shards"]):
+                for state in ("master", "exp_avg", "exp_avg_sq"):
+                    assert f.get_tensor(f"{shard}.{state}").shape == (saved["numel"],)
+            assert f.get_tensor("rng.cpu").dtype == torch.uint8
+    with safe_open(str(directory / "model.safetensors"), framework="pt", device="cpu") as f:
+        assert set(f.keys()) == set(index["untracked"])
+
+
+# ---- measured memory: a load reads this rank's share, to-hf one tensor at a time --------------------------
+class Wide(nn.Module):
+    """32 square 1024x1024 layers (33.6M parameters, 134 MB in fp32; 403 MB of checkpoint with both
+    moments): big enough that reading more than a rank's share shows in its peak memory."""
+
+    def __init__(self, layers: int = 32, dim: int = 1024) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x) * 1e-3
+        return x
+
+
+def _peak_reset() -> int:
+    """Resets this process's peak RSS (VmHWM) and returns its current RSS, in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _wide_config(stage: int) -> dict:
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
+
+
+def wide_save_worker(rank: int, world: int, directory: str) -> int:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Wide(), _wide_config(1))
+    engine.backward(engine(torch.randn(4, 1024)).square().mean())
+    engine.step()
+    engine.save_checkpoint(directory)
+    return sum(p.numel() for p in engine.module.parameters())
+
+
+def wide_load_worker(rank: int, world: int, directory: str) -> dict:
+    torch.manual_seed(1)
+    engine = zerocore.initialize(Wide(), _wide_config(3))
+    own = sum(3 * 4 * shard.numel for shard in engine.optimizer_state.shards)
+    base = _peak_reset()
+    engine.load_checkpoint(directory)
+    return {"extra": _status("VmHWM") - base, "own": own}
+
+
+def test_a_resharding_load_reads_only_this_ranks_share(tmp_path):
+    """Saved at world 2 (stage 1), loaded at world 4 (stage 3): each rank's peak extra host memory during the
+    load is its own share of the state plus the checksum blocks around the byte ranges it reads and one
+    tensor, far below the checkpoint's size (403 MB)."""
+    import zerocore._safetensors_io as stio
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    numel = run_ranks(wide_save_worker, 2, str(tmp_path))[0]
+    total = 3 * 4 * numel
+    for result in run_ranks(wide_load_worker, 4, str(tmp_path), timeout=240):
+        # at most two saved files overlap one rank's share: a block at each end of each run read from them
+        bound = result["own"] + 2 * 2 * stio.BLOCK + 4 * 1024 * 1024 + 24 * 2**20
+        assert result["extra"] <= bound, (result, bound, total)
+        assert result["extra"] < total / 2, (result, total)
+
+
+def test_to_hf_holds_one_tensor_at_a_time(tmp_path):
+    """``to-hf`` of the same 134 MB model runs with a peak extra memory of a few times its largest tensor
+    (4 MiB) plus the checksum blocks around it, measured in a fresh process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    numel = run_ranks(wide_save_worker, 2, str(tmp_path / "ckpt"))[0]
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_checkpoint import _peak_reset, _status
+        from zerocore.checkpoint import to_hf
+        base = _peak_reset()
+        to_hf({str(tmp_path / "ckpt")!r}, {str(tmp_path / "hf")!r})
+        print(json.dumps({{"extra": _status("VmHWM") - base}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=True)
+    extra = json.loads(out.stdout.strip().splitlines()[-1])["extra"]
+    import zerocore._safetensors_io as stio
+
+    largest = 4 * 1024 * 1024
+    assert extra <= 3 * largest + 2 * 2 * stio.BLOCK + 24 * 2**20, extra
+    assert extra < 4 * numel / 2, (extra, 4 * numel)
+    assert os.path.getsize(tmp_path / "hf" / "model.safetensors") >= 4 * numel

@@ -10,7 +10,8 @@ A checkpoint is a directory ``save_dir/<tag>`` (``tag`` defaults to ``global_ste
 * ``index.json`` (rank 0, written last inside the directory): zerocore's version, world size, stage, the
   trainable parameters' names and shapes, for every rank and shard the *pieces* (which elements of which
   parameter each shard range holds), step counters, the loss scaler's and the lr scheduler's state, the
-  param groups' hyper-parameters, ``client_state``, and a SHA-256 per file.
+  param groups' hyper-parameters, ``client_state``, and for every file its size and a CRC-32C per 8 MiB
+  block (Note [Block checksums] in _safetensors_io.py).
 
 Nothing is pickled, so loading an untrusted checkpoint cannot run code. The compute-dtype parameters are
 not stored: they are the master's rounding (the fused Adam writes them so), recomputed at load.
@@ -22,15 +23,14 @@ and renamed), so a process killed at any moment leaves the previous checkpoint l
 
 Reshard at load: a rank loading at any world size and stage walks its own shards' pieces and copies each
 from the saved pieces that cover the same parameter elements, reading only those byte ranges (safetensors
-slices). Everything is validated (index, files, checksums, names and shapes) before the engine changes.
+blocks around them through the C++ I/O engine, each block checked). Everything is read and validated (index,
+files, checksums, names and shapes) on every rank before any rank changes its engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
-import ctypes
-import hashlib
 import json
 import os
 import random
@@ -42,12 +42,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from . import _safetensors_io as stio
 from ._model_checks import _all_gather_json
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-FORMAT = "zerocore-checkpoint/1"
+FORMAT = "zerocore-checkpoint/2"
+# Two reads in flight (the I/O engine runs one per thread): the disk stays busy while a chunk is checked.
+_CHECKPOINT_IO = {"block_size": 8 << 20, "queue_depth": 4, "thread_count": 2}
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -72,19 +75,33 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
         os.makedirs(tmp)
     dist.barrier(group=group)
 
-    tensors: dict[str, torch.Tensor] = {}
+    state = engine.optimizer_state
+    entries: list[tuple[str, list[int], torch.dtype]] = []
     ranks_pieces = []
-    for i, shard in enumerate(engine.optimizer_state.shards):
-        for name in _STATES:
-            tensors[f"{i}.{name}"] = getattr(shard, name).detach().float().cpu().contiguous()
+    for i, shard in enumerate(state.shards):
+        entries += [(f"{i}.{name}", [shard.numel], torch.float32) for name in _STATES]
         ranks_pieces.append({"numel": shard.numel, "pieces": [
             [p.name, p.tensor_offset, p.shard_offset, p.length] for p in shard.pieces]})
-    tensors["rng.cpu"] = torch.get_rng_state()
+    rng = {"rng.cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and engine.device.type == "cuda":
-        tensors["rng.cuda"] = torch.cuda.get_rng_state(engine.device)
+        rng["rng.cuda"] = torch.cuda.get_rng_state(engine.device)
+    entries += [(name, list(t.shape), t.dtype) for name, t in rng.items()]
+    current: dict[str, Any] = {}
+
+    def tensor(name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        if name in rng:
+            return rng[name]
+        index, key = name.split(".")
+        if current.get("index") != index:  # one shard's state at a time (read back from NVMe if it lives there)
+            current.clear()
+            with state.resident(state.shards[int(index)]) as values:
+                current.update(values, index=index)
+        return current[key].detach().float().cpu()
+
     rank_file = f"rank{engine.rank}.safetensors"
-    write_safetensors(os.path.join(tmp, rank_file), tensors)
-    mine = {"file": rank_file, "sha256": _sha256(os.path.join(tmp, rank_file)), "shards": ranks_pieces,
+    checksums = stio.write(os.path.join(tmp, rank_file), entries, tensor)
+    current.clear()
+    mine = {"file": rank_file, "checksums": checksums, "shards": ranks_pieces,
             "python_rng": _json_rng(random.getstate())}
     everyone = _all_gather_json(engine.comm, mine, engine.device)
     # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
@@ -93,7 +110,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     shapes = _trainable_shapes(engine)
     persistent = _persistent_names(engine)
     if engine.rank == 0:
-        write_safetensors(os.path.join(tmp, "model.safetensors"), untracked)
+        model_checksums = stio.write_tensors(os.path.join(tmp, "model.safetensors"), untracked)
         index = {
             "format": FORMAT,
             "zerocore_version": _version(),
@@ -103,7 +120,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
             "params": {name: list(shape) for name, shape in shapes.items()},
             "untracked": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
                               "persistent": k in persistent} for k, v in untracked.items()},
-            "model_file": {"file": "model.safetensors", "sha256": _sha256(os.path.join(tmp, "model.safetensors"))},
+            "model_file": {"file": "model.safetensors", "checksums": model_checksums},
             "ranks": everyone,
             "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
                          "micro_steps": engine.micro_steps},
@@ -136,14 +153,14 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
                     load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True) -> tuple[str | None, dict[str, Any]]:
     """See :meth:`Engine.load_checkpoint`."""
-    from safetensors import safe_open
-
     problem: BaseException | None = None
+    staged: _Staged | None = None
     try:
-        path, index, sources, files, untracked = _open_validated(engine, os.fspath(load_dir), tag)
+        staged = _read_validated(engine, os.fspath(load_dir), tag, load_optimizer_states)
     except (OSError, ValueError) as error:
         problem = error
-    # every rank learns whether every rank validated, so all go on or all raise (none is left in a collective)
+    # every rank learns whether every rank read and validated everything, so all go on or all raise (none is
+    # left in a collective) and no rank changes its engine unless every rank can
     verdicts = _all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
                                 engine.device)
     if problem is not None:
@@ -152,13 +169,22 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
     if failed:
         rank, message = failed[0]
         raise ValueError(f"load_checkpoint: rank {rank} refused the checkpoint ({message}); nothing was changed")
-    try:  # everything is validated on every rank: from here on the engine changes
-        _load_shards(engine, index, sources, files, load_optimizer_states)
-        with torch.no_grad():
-            for name, tensor in untracked.items():
-                tensor.copy_(files["model.safetensors"].get_tensor(name))
-    finally:
-        files.clear()
+    assert staged is not None
+    index = staged.index
+    with torch.no_grad():  # everything is read and checked on every rank: from here on the engine changes
+        state = engine.optimizer_state
+        for shard in state.shards:
+            with state.resident(shard, write=True) as values:
+                for key, at, source in staged.copies.get(shard.index, ()):
+                    values[key][at : at + source.numel()].copy_(source)
+                if not load_optimizer_states:  # a fresh optimizer: zero moments
+                    values["exp_avg"].zero_()
+                    values["exp_avg_sq"].zero_()
+                if shard.separate_master:  # the compute-dtype values are the master's rounding
+                    shard.params.copy_(values["master"])
+        for name, tensor in staged.untracked.items():
+            tensor.copy_(staged.untracked_values[name])
+    engine.reload_params_from_shards()
     counters = index["counters"]
     engine.restore_counters(counters["global_steps"] if load_optimizer_states else 0,
                             counters["skipped_steps"], counters["micro_steps"])
@@ -169,43 +195,89 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
                 group[key] = tuple(value) if key == "betas" else value
     if load_lr_scheduler_states and engine.lr_scheduler is not None and index["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(index["lr_scheduler"])
-    if index["world_size"] == engine.world_size:  # RNG streams continue (another world size has other streams)
-        with safe_open(os.path.join(path, index["ranks"][engine.rank]["file"]), framework="pt", device="cpu") as f:
-            torch.set_rng_state(f.get_tensor("rng.cpu"))
-            if engine.device.type == "cuda" and "rng.cuda" in f.keys():
-                torch.cuda.set_rng_state(f.get_tensor("rng.cuda"), engine.device)
+    if staged.rng is not None:  # RNG streams continue (another world size has other streams)
+        torch.set_rng_state(staged.rng["rng.cpu"])
+        if engine.device.type == "cuda" and "rng.cuda" in staged.rng:
+            torch.cuda.set_rng_state(staged.rng["rng.cuda"], engine.device)
         random.setstate(_python_rng(index["ranks"][engine.rank]["python_rng"]))
     dist.barrier(group=engine.process_group)
-    return path, dict(index["client_state"])
+    return staged.path, dict(index["client_state"])
 
 
-def _open_validated(engine: Engine, load_dir: str, tag: str | None) -> tuple[str, dict[str, Any], Any,
-                                                                              dict[str, Any], dict[str, torch.Tensor]]:
-    """Reads and checks the index, the model's names and shapes, and the files this rank reads (present,
-    matching their checksum, readable); changes nothing and issues no collective."""
-    from safetensors import safe_open
+class _Staged:
+    """Everything a load changes, read and checked, not yet applied: ``copies`` maps a shard's index to
+    (state name, element offset, checked fp32 values from the files); with the files' bytes held once, the
+    extra host memory is this rank's share of the checkpoint plus the blocks around it (Note [Block
+    checksums])."""
 
+    def __init__(self, path: str, index: dict[str, Any]) -> None:
+        self.path = path
+        self.index = index
+        self.copies: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
+        self.untracked: dict[str, torch.Tensor] = {}
+        self.untracked_values: dict[str, torch.Tensor] = {}
+        self.rng: dict[str, torch.Tensor] | None = None
+
+
+def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimizer_states: bool) -> _Staged:
+    """Reads and checks the index, the model's names and shapes and every byte this rank needs; changes
+    nothing and issues no collective."""
     tag = _resolve_tag(load_dir, tag)
     path = os.path.join(load_dir, tag)
     index = _read_index(path)
     _check_model(engine, index)
+    staged = _Staged(path, index)
     sources = _piece_sources(index)
-    needed = {index["ranks"][rank]["file"] for rank in _ranks_needed(engine, sources)}
-    if index["world_size"] == engine.world_size:
-        needed.add(index["ranks"][engine.rank]["file"])  # its RNG states
-    expected = {entry["file"]: entry["sha256"] for entry in index["ranks"]}
-    expected["model.safetensors"] = index["model_file"]["sha256"]
-    files: dict[str, Any] = {}
-    for name in sorted(needed) + ["model.safetensors"]:
-        full = os.path.join(path, name)
-        _check_file(full, expected[name])
-        try:
-            files[name] = safe_open(full, framework="pt", device="cpu")
-        except Exception as error:  # safetensors raises its own error types for a damaged header
-            raise ValueError(f"checkpoint file {full} cannot be read: {error}") from None
-    untracked = _untracked_state(engine)
-    _check_untracked(untracked, index, files["model.safetensors"], path)
-    return path, index, sources, files, untracked
+    states = _STATES if load_optimizer_states else _STATES[:1]
+    # per saved file, the (shard, state, element offset, saved tensor, saved offset, length) this rank takes
+    wanted: dict[int, list[tuple[int, str, int, str, int, int]]] = {}
+    for shard in engine.optimizer_state.shards:
+        for piece in shard.pieces:
+            for lo, hi, rank, saved_shard, saved_offset in _covering(sources, piece.name, piece.tensor_offset,
+                                                                     piece.length):
+                at = piece.shard_offset + (lo - piece.tensor_offset)
+                for state in states:
+                    wanted.setdefault(rank, []).append((shard.index, state, at, f"{saved_shard}.{state}",
+                                                        saved_offset, hi - lo))
+    same_world = index["world_size"] == engine.world_size
+    if same_world:
+        wanted.setdefault(engine.rank, [])  # its RNG states
+    io = stio.open_io(_CHECKPOINT_IO)
+    files: list[stio.VerifiedFile] = []
+    try:
+        for rank in sorted(wanted):
+            entry = index["ranks"][rank]
+            f = _open_file(io, path, entry)
+            files.append(f)
+            ranges = []
+            for _, _, _, name, offset, length in wanted[rank]:
+                start, dtype, shape = f.tensor_range(name)
+                if dtype != torch.float32 or len(shape) != 1 or offset + length > shape[0]:
+                    raise ValueError(f"checkpoint file {f.path}: tensor {name!r} ({dtype}, {shape}) does not hold "
+                                     f"the elements [{offset}, {offset + length}) its index.json entry promises")
+                ranges.append((start + 4 * offset, 4 * length))
+            for (shard_index, state, at, *_), data in zip(wanted[rank], f.read(ranges)):
+                staged.copies.setdefault(shard_index, []).append((state, at, data.view(torch.float32)))
+            if same_world and rank == engine.rank:
+                staged.rng = {name: f.tensor(name).clone() for name in ("rng.cpu", "rng.cuda") if name in f.header}
+        model = _open_file(io, path, index["model_file"])
+        files.append(model)
+        staged.untracked = _untracked_state(engine)
+        _check_untracked(staged.untracked, index, model, path)
+        staged.untracked_values = {name: model.tensor(name) for name in staged.untracked}
+    finally:
+        for f in files:
+            f.close()
+    return staged
+
+
+def _open_file(io: Any, path: str, entry: Mapping[str, Any]) -> stio.VerifiedFile:
+    name = entry.get("file")
+    if not isinstance(name, str) or "/" in name or name.startswith("."):
+        raise ValueError(f"{path}/index.json names an invalid file {name!r}: the index is damaged")
+    if "checksums" not in entry:
+        raise ValueError(f"{path}/index.json has no checksums for {name}: the index is damaged")
+    return stio.VerifiedFile(io, os.path.join(path, name), entry["checksums"])
 
 
 # ---- loading pieces ---------------------------------------------------------------------------------------
@@ -239,40 +311,6 @@ def _covering(sources: dict[str, list[tuple[int, int, int, int, int]]], name: st
         covered = hi
     if covered != end:
         raise ValueError(f"checkpoint does not hold elements [{covered}, {end}) of parameter {name!r}")
-
-
-def _ranks_needed(engine: Engine, sources: dict[str, list[tuple[int, int, int, int, int]]]) -> set[int]:
-    ranks = set()
-    for shard in engine.optimizer_state.shards:
-        for piece in shard.pieces:
-            for _, _, rank, _, _ in _covering(sources, piece.name, piece.tensor_offset, piece.length):
-                ranks.add(rank)
-    return ranks
-
-
-def _load_shards(engine: Engine, index: Mapping[str, Any], sources: Any, files: dict[str, Any],
-                 load_optimizer_states: bool) -> None:
-    names = [entry["file"] for entry in index["ranks"]]
-    with torch.no_grad():
-        for shard in engine.optimizer_state.shards:
-            master = torch.zeros(shard.numel, dtype=torch.float32)  # padding stays zero
-            moments = {k: torch.zeros(shard.numel, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
-            for piece in shard.pieces:
-                for lo, hi, rank, saved_shard, saved_offset in _covering(sources, piece.name, piece.tensor_offset,
-                                                                         piece.length):
-                    f = files[names[rank]]
-                    at = piece.shard_offset + (lo - piece.tensor_offset)
-                    span = slice(saved_offset, saved_offset + hi - lo)
-                    master[at : at + hi - lo] = f.get_slice(f"{saved_shard}.master")[span]
-                    if load_optimizer_states:
-                        for key, target in moments.items():
-                            target[at : at + hi - lo] = f.get_slice(f"{saved_shard}.{key}")[span]
-            shard.master.copy_(master)
-            if shard.separate_master:
-                shard.params.copy_(master)  # the compute-dtype values are the master's rounding
-            shard.exp_avg.copy_(moments["exp_avg"])
-            shard.exp_avg_sq.copy_(moments["exp_avg_sq"])
-    engine.reload_params_from_shards()
 
 
 # ---- validation -------------------------------------------------------------------------------------------
@@ -311,7 +349,7 @@ def _check_untracked(ours: dict[str, torch.Tensor], index: Mapping[str, Any], mo
         diff = sorted(set(ours) ^ set(theirs))
         raise ValueError(f"buffers or frozen parameters differ between the checkpoint {path} and this model: {diff}")
     for name, tensor in ours.items():
-        if list(tensor.shape) != theirs[name]["shape"] or name not in model_file.keys():
+        if list(tensor.shape) != theirs[name]["shape"] or name not in model_file.header:
             raise ValueError(f"{name!r}: shape {theirs[name]['shape']} in the checkpoint, {list(tensor.shape)} here")
 
 
@@ -365,25 +403,9 @@ def _check_tag(tag: str) -> None:
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not starting with '.')")
 
 
-def _check_file(path: str, sha256: str) -> None:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint file {path} is missing")
-    if _sha256(path) != sha256:
-        raise ValueError(f"checkpoint file {path} does not match its checksum in index.json (truncated or "
-                         "changed after saving)")
-
-
 def _read_bytes(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_file(path: str) -> None:
@@ -427,25 +449,19 @@ def _version() -> str:
 
 # ---- consolidation to Hugging Face safetensors ---------------------------------------------------------------
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
 
 
 def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
           max_shard_size: int = 5 * 10**9) -> list[str]:
     """Writes the checkpoint's model (fp32 masters in ``dtype``; buffers and frozen parameters as saved) as
     Hugging Face safetensors: ``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
-    ``max_shard_size`` bytes. One tensor at a time: each is assembled from the ranks' pieces, written and
-    dropped, so the peak memory is the largest tensor. Tied parameters are written once. Returns the files."""
-    from safetensors import safe_open
-
+    ``max_shard_size`` bytes. One tensor at a time: each is assembled from the ranks' pieces (reading only
+    the blocks that hold them, each checked), written and dropped, so the peak memory is a small multiple of
+    the largest tensor. Tied parameters are written once. Returns the files."""
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     path = os.path.join(checkpoint_dir, _resolve_tag(checkpoint_dir, tag))
     index = _read_index(path)
-    for entry in index["ranks"] + [index["model_file"]]:
-        _check_file(os.path.join(path, entry["file"]), entry["sha256"])
     sources = _piece_sources(index)
     target = _DTYPES[dtype]
     entries: list[tuple[str, list[int], torch.dtype]] = [(n, s, target) for n, s in index["params"].items()]
@@ -454,77 +470,54 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
     shards: list[list[tuple[str, list[int], torch.dtype]]] = [[]]
     size = 0
     for entry in entries:
-        nbytes = _numel(entry[1]) * torch.empty((), dtype=entry[2]).element_size()
+        nbytes = stio.nbytes(entry[1], entry[2])
         if shards[-1] and size + nbytes > max_shard_size:
             shards.append([])
             size = 0
         shards[-1].append(entry)
         size += nbytes
-    os.makedirs(out_dir, exist_ok=True)
-    files = {entry["file"]: safe_open(os.path.join(path, entry["file"]), framework="pt", device="cpu")
-             for entry in index["ranks"] + [index["model_file"]]}
-    names = [entry["file"] for entry in index["ranks"]]
+    io = stio.open_io(_CHECKPOINT_IO)
+    files = [_open_file(io, path, entry) for entry in index["ranks"]]  # every file is checked before writing
+    model = _open_file(io, path, index["model_file"])
+    try:
+        def tensor(name: str, shape: list[int], dt: torch.dtype) -> torch.Tensor:
+            if name not in index["params"]:
+                return model.tensor(name).to(dt)
+            flat = torch.empty(stio.numel(shape), dtype=torch.float32)
+            by_rank: dict[int, list[tuple[int, int, int, int]]] = {}
+            for lo, hi, rank, shard, offset in _covering(sources, name, 0, flat.numel()):
+                by_rank.setdefault(rank, []).append((lo, hi, shard, offset))
+            for rank, pieces in by_rank.items():
+                ranges = []
+                for lo, hi, shard, offset in pieces:
+                    start, _, _ = files[rank].tensor_range(f"{shard}.master")
+                    ranges.append((start + 4 * offset, 4 * (hi - lo)))
+                for (lo, hi, _, _), data in zip(pieces, files[rank].read(ranges)):
+                    flat[lo:hi] = data.view(torch.float32)
+            return flat.view(shape) if dt == torch.float32 else flat.to(dt).view(shape)
 
-    def tensor(name: str, shape: list[int], dt: torch.dtype) -> torch.Tensor:
-        if name not in index["params"]:
-            return files["model.safetensors"].get_tensor(name).to(dt)
-        flat = torch.empty(_numel(shape), dtype=torch.float32)
-        for lo, hi, rank, shard, offset in _covering(sources, name, 0, flat.numel()):
-            flat[lo:hi] = files[names[rank]].get_slice(f"{shard}.master")[offset : offset + hi - lo]
-        return flat.to(dt).view(shape)
-
-    written, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _stream_safetensors(os.path.join(out_dir, name), shard, tensor)
-        written.append(name)
-        weight_map.update({entry[0]: name for entry in shard})
+        os.makedirs(out_dir, exist_ok=True)
+        written, weight_map = [], {}
+        for i, shard in enumerate(shards):
+            name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            stio.write(os.path.join(out_dir, name), shard, tensor)
+            written.append(name)
+            weight_map.update({entry[0]: name for entry in shard})
+    finally:
+        for f in files + [model]:
+            f.close()
     if len(shards) > 1:
-        total = sum(_numel(s) * torch.empty((), dtype=d).element_size() for _, s, d in entries)
+        total = sum(stio.nbytes(s, d) for _, s, d in entries)
         _write_durably(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
         written.append("model.safetensors.index.json")
     return written
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor]) -> None:
-    """``tensors`` as one safetensors file (see _stream_safetensors: no numpy needed, unlike
+    """``tensors`` as one safetensors file, written durably (no numpy needed, unlike
     ``safetensors.torch.save_file``, which torch's CPU wheels do not bring along)."""
-    _stream_safetensors(path, [(name, list(t.shape), t.dtype) for name, t in tensors.items()],
-                        lambda name, shape, dt: tensors[name].detach().cpu())
-
-
-def _stream_safetensors(path: str, entries: list[tuple[str, list[int], torch.dtype]], tensor: Any) -> None:
-    """The safetensors layout (an 8-byte little-endian header length, a JSON header of dtypes, shapes and
-    byte offsets, then the data), written one tensor at a time: the header is known from shapes alone.
-    Written under a temporary name, fsynced and renamed."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, dt in entries:
-        nbytes = _numel(shape) * torch.empty((), dtype=dt).element_size()
-        header[name] = {"dtype": _ST_DTYPE[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for name, shape, dt in entries:
-            value = tensor(name, shape, dt).contiguous()
-            if value.numel():  # the tensor's bytes (little-endian on every platform torch supports here)
-                f.write(ctypes.string_at(value.data_ptr(), value.numel() * value.element_size()))
-            del value
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    stio.write_tensors(path, tensors)
 
 
 # ---- command line -----------------------------------------------------------------------------------------
