@@ -5,6 +5,7 @@ DeepSpeed's values, stepped by ``engine.step()`` after every applied optimizer s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
 import re
@@ -22,7 +23,7 @@ import zerocore
 from _dist import run_ranks
 from _models import MLP, batch, build, loss_fn
 from _parity import ReferencePair
-from zerocore.config import SchedulerConfig, ZeroConfig, hidden_size_of
+from zerocore.config import OffloadOptimizerConfig, OffloadParamConfig, SchedulerConfig, ZeroConfig, hidden_size_of
 from zerocore.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_lr_scheduler
 
 pytestmark = pytest.mark.timeout(600)
@@ -77,14 +78,17 @@ def test_offload_device_none_means_no_offload(offload):
                                     "cpu_offload": False, "cpu_offload_param": False}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ZeroConfig.from_deepspeed(config) == ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3}})
+        z = ZeroConfig.from_deepspeed(config).zero_optimization
+    assert z.offload_optimizer.device == z.offload_param.device == "none"
+    # The other settings of a device-"none" section are kept (and unused): apart from them, the default config.
+    z = dataclasses.replace(z, offload_optimizer=OffloadOptimizerConfig(), offload_param=OffloadParamConfig())
+    assert z == ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3}}).zero_optimization
 
 
-def test_real_offload_is_still_unsupported_and_bad_devices_are_named():
-    with pytest.raises(ValueError, match=r"not supported yet.*zero_optimization\.offload_optimizer"):
-        ZeroConfig.from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
-    with pytest.raises(ValueError, match=r"not supported yet.*zero_optimization\.cpu_offload"):
-        ZeroConfig.from_deepspeed({"zero_optimization": {"cpu_offload": True}})
+def test_real_offload_parses_and_bad_devices_are_named():
+    z = ZeroConfig.from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}).zero_optimization
+    assert z.offload_optimizer.device == "cpu"
+    assert ZeroConfig.from_deepspeed({"zero_optimization": {"cpu_offload": True}}).zero_optimization == z
     with pytest.raises(ValueError, match=r"^zero_optimization\.offload_param\.device: expected 'none', 'cpu'"):
         ZeroConfig.from_deepspeed({"zero_optimization": {"offload_param": {"device": "gpu"}}})
     with pytest.raises(ValueError, match=r"^zero_optimization\.offload_optimizer: expected a JSON object"):
@@ -175,8 +179,9 @@ def test_the_rest_of_the_autos_are_named_together_with_their_training_argument()
 def test_a_filled_hf_config_reads_with_the_derived_values():
     source = _filled(HF_ZERO3, gradient_accumulation_steps=2, train_micro_batch_size_per_gpu=4)
     before = copy.deepcopy(source)
-    with pytest.warns(UserWarning, match="sub_group_size"):
+    with pytest.warns(UserWarning, match="stage3_max_reuse_distance"):
         c = ZeroConfig.from_deepspeed(source, strict=False, hidden_size=64)
+    assert c.zero_optimization.sub_group_size == 1_000_000_000
     assert source == before  # the user's dict is never changed
     assert c.zero_optimization.reduce_bucket_size == 4096
     assert c.scheduler == SchedulerConfig("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4,

@@ -10,14 +10,17 @@ the reduced gradients; this object owns, for every shard,
 * ``master``      fp32 weights; in fp32 training the shard of the parameter buffer itself (no copy),
 * ``exp_avg``, ``exp_avg_sq``  fp32 moments,
 
-all allocated as one flat tensor each (``placement`` says where: the parameters' device today; the CPU or
-NVMe for offload later), plus one step count. ``step()`` updates every shard of a param group in one call
+all allocated as one flat tensor each where ``placement`` says: the parameters' device, the CPU
+(``offload_optimizer: cpu``; the master is then separate from the parameters even in fp32 when they live on
+a GPU), or NVMe (``offload_optimizer: nvme``: one file per rank, Note [NVMe optimizer state]; nothing of it
+stays in RAM, so every reader goes through :meth:`OptimizerState.resident`), plus one step count. ``step()`` updates every shard of a param group in one call
 into C++ (``ops.multi_tensor_adam_step``). Each shard knows which param group every element belongs to
 (``runs``) and which parameter elements it holds (``pieces``, global coordinates for checkpoints).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,21 +87,33 @@ class Shard:
         self.exp_avg: torch.Tensor = torch.empty(0)
         self.exp_avg_sq: torch.Tensor = torch.empty(0)
         self.initial_master: torch.Tensor | None = None  # 16-bit training: fp32 values until build()
+        self.separate_master = params.dtype != torch.float32  # settled by OptimizerState.build()
+        self.index = -1
 
     @property
     def numel(self) -> int:
         return self.params.numel()
 
-    @property
-    def separate_master(self) -> bool:
-        return self.master is not self.params
+
+@dataclass(frozen=True)
+class NvmePlacement:
+    """``offload_optimizer: {device: nvme}``: the state file's directory, the sub-group size and the I/O
+    engine's settings (the ``aio`` section)."""
+
+    path: str
+    rank: int
+    sub_group_size: int
+    aio: dict[str, Any]
 
 
 class OptimizerState:
     """Sharded Adam/AdamW state for every shard of this rank, and its one step count."""
 
-    def __init__(self, placement: torch.device) -> None:
+    def __init__(self, placement: torch.device, nvme: NvmePlacement | None = None, pin_memory: bool = False) -> None:
         self.placement = placement
+        self.nvme = nvme
+        self.pin_memory = pin_memory and placement.type == "cpu" and torch.cuda.is_available()
+        self.store: Any = None  # the NvmeStateStore with ``nvme``
         self.shards: list[Shard] = []
         self.step_count = 0
         self._built = False
@@ -117,12 +132,39 @@ class OptimizerState:
         return shard
 
     def build(self) -> None:
-        """Allocates the flat fp32 tensors at ``placement`` and gives every shard its views."""
+        """Allocates the fp32 state where ``placement`` says and gives every shard its views (or, on NVMe,
+        writes every shard's initial state into the file)."""
+        for index, shard in enumerate(self.shards):
+            shard.index = index
+            shard.separate_master = self.keeps_separate_master(shard.params.dtype, shard.params.device)
+        if self.nvme is not None:
+            self._build_nvme()
+        else:
+            self._build_resident()
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if self.store is None:
+            self._slices_by_group = self._group_slices(self._resident_parts(self.shards))
+            self._slices_by_shard = [self._group_slices(self._resident_parts([shard])) for shard in self.shards]
+        self._built = True
+
+    def stages_through_host(self, device: torch.device) -> bool:
+        """Whether a shard whose parameters live on ``device`` is updated through host staging buffers (state
+        in memory on another device: offloaded from a GPU). ``build()`` and ``zerocore.estimate_memory`` ask."""
+        return self.nvme is None and device != self.placement
+
+    def keeps_separate_master(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a shard of ``dtype`` parameters on ``device`` gets its own fp32 master: in 16-bit training,
+        and when the state lives on another device than the parameters."""
+        return dtype != torch.float32 or self.stages_through_host(device)
+
+    def _empty(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.float32, device=self.placement, pin_memory=self.pin_memory)
+
+    def _build_resident(self) -> None:
         total = sum(s.numel for s in self.shards)
-        separate = [s for s in self.shards if s.params.dtype != torch.float32]
-        self.master = torch.zeros(sum(s.numel for s in separate), dtype=torch.float32, device=self.placement)
-        self.exp_avg = torch.zeros(total, dtype=torch.float32, device=self.placement)
-        self.exp_avg_sq = torch.zeros(total, dtype=torch.float32, device=self.placement)
+        self.master = self._empty(sum(s.numel for s in self.shards if s.separate_master))
+        self.exp_avg = self._empty(total)
+        self.exp_avg_sq = self._empty(total)
         offset = master_offset = 0
         for shard in self.shards:
             n = shard.numel
@@ -130,25 +172,66 @@ class OptimizerState:
             shard.exp_avg_sq = self.exp_avg_sq[offset : offset + n]
             offset += n
             values, shard.initial_master = shard.initial_master, None
-            if shard.params.dtype != torch.float32:
+            if shard.separate_master:
                 shard.master = self.master[master_offset : master_offset + n]
                 master_offset += n
                 shard.master.copy_(values if values is not None else shard.params)
-        self._slices_by_group = self._group_slices(self.shards)
-        self._slices_by_shard = [self._group_slices([shard]) for shard in self.shards]
-        self._built = True
+
+    def _build_nvme(self) -> None:
+        from ._nvme_state import NvmeStateStore
+        from ._safetensors_io import open_io
+
+        nvme = self.nvme
+        self.master = self.exp_avg = self.exp_avg_sq = torch.empty(0)
+        self.store = NvmeStateStore(open_io(nvme.aio), nvme.path, nvme.rank, [s.numel for s in self.shards],
+                                    [s.separate_master for s in self.shards], nvme.sub_group_size)
+        try:
+            for shard in self.shards:
+                values, shard.initial_master = shard.initial_master, None
+                state = {"exp_avg": torch.zeros(shard.numel), "exp_avg_sq": torch.zeros(shard.numel)}
+                if shard.separate_master:
+                    state["master"] = (values if values is not None else shard.params).float()
+                self.store.write_shard(shard.index, state)
+                shard.master = shard.exp_avg = shard.exp_avg_sq = None  # only in the file
+                if not shard.separate_master:
+                    shard.master = shard.params
+        except BaseException:
+            self.store.close()
+            raise
+
+    @contextlib.contextmanager
+    def resident(self, shard: Shard, write: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """The shard's ``master``, ``exp_avg`` and ``exp_avg_sq`` as tensors: views of the state itself, or,
+        on NVMe, read into RAM for the block and written back after it when ``write``."""
+        if self.store is None:
+            yield {"master": shard.master, "exp_avg": shard.exp_avg, "exp_avg_sq": shard.exp_avg_sq}
+            return
+        values = self.store.read_shard(shard.index)
+        values.setdefault("master", shard.params)  # fp32: the master is the parameter shard itself
+        yield values
+        if write:
+            self.store.write_shard(shard.index, {k: v for k, v in values.items() if k != "master" or shard.separate_master})
 
     def reload_master(self, shard: Shard) -> None:
         """The compute-dtype parameters of ``shard`` were overwritten: the master follows them."""
         if shard.separate_master:
-            shard.master.copy_(shard.params)
+            with self.resident(shard, write=True) as state:
+                state["master"].copy_(shard.params)
 
     def absorb_written(self, shard: Shard) -> None:
         """Some compute-dtype parameters of ``shard`` were written by the user: the master takes every
         element that no longer equals its own rounding (the others keep their fp32 bits)."""
         if shard.separate_master:
-            shard.master.copy_(torch.where(shard.master.to(shard.params.dtype) == shard.params, shard.master,
-                                           shard.params.to(torch.float32)))
+            with self.resident(shard, write=True) as state:
+                master = state["master"]
+                params = shard.params.to(master.device)
+                master.copy_(torch.where(master.to(params.dtype) == params, master, params.to(torch.float32)))
+
+    def close(self) -> None:
+        """Removes the NVMe state file (nothing to do in memory)."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
     def grad_sum_of_squares(self) -> torch.Tensor:
         """Sum of squares of every gradient shard as a float64 scalar on the shards' device (padding is zero
@@ -172,14 +255,34 @@ class OptimizerState:
         """One Adam/AdamW update of every shard, ``grad_scale`` multiplying the gradients (loss-scale
         unscaling and clipping): one C++ call per param group; or, with ``after_shard``, shard by shard
         (one call per param group within it), calling ``after_shard(i)`` once shard ``i`` is updated, so the
-        caller can start sending it while the next shard computes."""
+        caller can start sending it while the next shard computes. On NVMe, sub-group by sub-group through
+        the three-deep I/O pipeline (Note [NVMe optimizer state])."""
         self.step_count += 1
-        if after_shard is None:
+        if self.store is not None:
+            def update(group: Any, views: dict[str, torch.Tensor]) -> None:
+                shard = self.shards[group.shard]
+                window = slice(group.start, group.end)
+                master = views.get("master", shard.params[window])
+                out = shard.params[window] if shard.separate_master else None
+                calls = self._group_slices([(shard, group.start, group.end, master, shard.grads[window],
+                                             views["exp_avg"], views["exp_avg_sq"], out)])
+                self._update(calls, param_groups, grad_scale)
+
+            self.store.step(update, after_shard)
+            return
+        if after_shard is None and not self._staged:
             self._update(self._slices_by_group, param_groups, grad_scale)
             return
         for index, calls in enumerate(self._slices_by_shard):
+            shard = self.shards[index]
+            staging = self._staged.get(index)
+            if staging is not None:  # offloaded from a GPU: the gradients come over, the parameters go back
+                staging[0].copy_(shard.grads)
             self._update(calls, param_groups, grad_scale)
-            after_shard(index)
+            if staging is not None:
+                shard.params.copy_(staging[1] if staging[1] is not None else shard.master, non_blocking=True)
+            if after_shard is not None:
+                after_shard(index)
 
     def _update(self, calls: list[tuple[int, tuple[list[torch.Tensor], ...]]],
                 param_groups: Sequence[dict[str, Any]], grad_scale: float) -> None:
@@ -191,16 +294,37 @@ class OptimizerState:
                 beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=hyper["adamw_mode"],
                 grad_scale=grad_scale, bias_correction=hyper["bias_correction"], param_outs=outs)
 
-    def _group_slices(self, shards: Sequence[Shard]) -> list[tuple[int, tuple[list[torch.Tensor], ...]]]:
-        """Per param group, the views ``step()`` hands to C++ (every tensor behind them lives as long as this
-        object, so they are made once): masters, grads, moments, and 16-bit outputs (None in fp32)."""
-        per_group: dict[int, list[tuple[torch.Tensor | None, ...]]] = {}
+    def _resident_parts(self, shards: Sequence[Shard]) -> list[tuple[Any, ...]]:
+        """What the kernel updates for each resident shard: (shard, 0, numel, master, grads, moments, 16-bit
+        output or None). Offloaded from a GPU, the gradients and the 16-bit output are host staging buffers
+        (``_staged``) that ``step()`` fills and sends back."""
+        parts = []
         for shard in shards:
+            grads, out = shard.grads, None
+            if shard.separate_master and shard.params.dtype != torch.float32:
+                out = shard.params
+            if self.stages_through_host(shard.params.device):
+                staging = self._staged.setdefault(shard.index, (
+                    torch.empty(shard.numel, dtype=shard.grads.dtype, pin_memory=self.pin_memory),
+                    None if out is None else torch.empty(shard.numel, dtype=out.dtype, pin_memory=self.pin_memory)))
+                grads, out = staging
+            parts.append((shard, 0, shard.numel, shard.master, grads, shard.exp_avg, shard.exp_avg_sq, out))
+        return parts
+
+    @staticmethod
+    def _group_slices(parts: Sequence[tuple[Any, ...]]) -> list[tuple[int, tuple[list[torch.Tensor], ...]]]:
+        """Per param group, the views handed to C++: masters, grads, moments, and 16-bit outputs (None in
+        fp32). ``parts`` are (shard, lo, hi, master, grads, exp_avg, exp_avg_sq, out) whose tensors hold the
+        shard's elements ``[lo, hi)``."""
+        per_group: dict[int, list[tuple[torch.Tensor | None, ...]]] = {}
+        for shard, lo, hi, master, grads, exp_avg, exp_avg_sq, out in parts:
             for run in shard.runs:
-                out = shard.params[run.start : run.end] if shard.separate_master else None
+                start, end = max(run.start, lo) - lo, min(run.end, hi) - lo
+                if start >= end:
+                    continue
                 per_group.setdefault(run.group, []).append((
-                    shard.master[run.start : run.end], shard.grads[run.start : run.end],
-                    shard.exp_avg[run.start : run.end], shard.exp_avg_sq[run.start : run.end], out))
+                    master[start:end], grads[start:end], exp_avg[start:end], exp_avg_sq[start:end],
+                    None if out is None else out[start:end]))
         result = []
         for group, slices in sorted(per_group.items()):
             masters, grads, exp_avgs, exp_avg_sqs, outs = (list(column) for column in zip(*slices))
@@ -215,8 +339,17 @@ class OptimizerState:
                 yield shard, piece
 
     def memory(self) -> dict[str, int]:
-        def nbytes(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
+        """Bytes of optimizer state by where they live: ``master_params`` and ``optimizer_moments`` in
+        memory (the device's, or the host's with CPU offload), ``offload_staging`` host buffers, and on NVMe
+        the file (``nvme_bytes``) and the pipeline's buffers."""
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
 
-        return {"master_params": nbytes(self.master),
-                "optimizer_moments": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq)}
+        out = {"master_params": nbytes(self.master),
+               "optimizer_moments": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq),
+               "offload_staging": sum(nbytes(g) + nbytes(o) for g, o in self._staged.values()),
+               "nvme_bytes": 0, "nvme_buffers": 0}
+        if self.store is not None:
+            out["nvme_bytes"] = self.store.size
+            out["nvme_buffers"] = sum(nbytes(b) for b in self.store.buffers)
+        return out

@@ -21,7 +21,12 @@ def memory_report(engine: Engine) -> dict[str, Any]:
     for buffer in engine.buffers:
         for key, value in buffer.memory().items():
             items[key] += value
-    items.update(engine.optimizer_state.memory())
+    state = engine.optimizer_state.memory()
+    nvme = {"file_bytes": state.pop("nvme_bytes"), "bytes_read": 0, "bytes_written": 0}
+    if engine.optimizer_state.store is not None:
+        nvme["bytes_read"] = engine.optimizer_state.store.bytes_read
+        nvme["bytes_written"] = engine.optimizer_state.store.bytes_written
+    items.update(state)
     if engine.stage3 is not None:
         items.update(engine.stage3.memory())
     items["reduce_buckets"] = engine.reducer.peak_buffer_bytes
@@ -58,7 +63,15 @@ def memory_report(engine: Engine) -> dict[str, Any]:
             3: f"({width}+{width}+{optimizer_k})Psi/N",
         }[engine.stage],
         "ddp_bytes": (2 * width + optimizer_k) * psi,
+        # where the optimizer state lives, and on NVMe the file's size and the bytes moved so far
+        "optimizer_placement": _placement(engine),
+        "nvme": nvme,
     }
+
+
+def _placement(engine: Engine) -> str:
+    state = engine.optimizer_state
+    return "nvme" if state.store is not None else state.placement.type
 
 
 def comm_report(engine: Engine) -> dict[str, Any]:
@@ -86,7 +99,17 @@ def comm_report(engine: Engine) -> dict[str, Any]:
         "host_syncs": engine.host_syncs,
         "host_syncs_per_step": engine.host_syncs / steps if steps else None,
         "ddp_all_reduce_elements_per_step": _psi(engine)[0],
+        # optimizer state moved to and from NVMe since the last reset (zeros without NVMe offload)
+        "nvme_io": _nvme_io(engine, steps),
     }
+
+
+def _nvme_io(engine: Engine, steps: int) -> dict[str, Any]:
+    store = engine.optimizer_state.store
+    read, written = (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
+    return {"bytes_read": read, "bytes_written": written,
+            "bytes_read_per_step": read / steps if steps else None,
+            "bytes_written_per_step": written / steps if steps else None}
 
 
 def _psi(engine: Engine) -> tuple[int, int]:

@@ -226,7 +226,11 @@ class ShardedBuffer:
         if not self.policy.params_sharded:
             for b, shard in enumerate(self.optimizer_shards):
                 own = self._own_region(self.full, b)
-                own.copy_(self._own_values[b] if self._own_values is not None else shard.master)
+                if self._own_values is not None:
+                    own.copy_(self._own_values[b])
+                else:
+                    with self._optimizer_state.resident(shard) as state:
+                        own.copy_(state["master"])
         self.regather(comm, "all_gather_user")
 
     # ---- gradients ------------------------------------------------------------------------------------

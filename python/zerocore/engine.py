@@ -70,7 +70,7 @@ from ._loss_scaler import LossScaler
 from ._model_checks import (check_group_hyperparameters, check_same_model_on_all_ranks, check_trainable_dtypes,
                             collect_trainable, model_device)
 from ._native import _C
-from ._optimizer_state import OptimizerState
+from ._optimizer_state import NvmePlacement, OptimizerState
 from ._policy import StagePolicy
 from ._sharded_buffer import ShardedBuffer
 from ._stage3 import Stage3Runtime
@@ -174,7 +174,7 @@ class Engine:
             broadcast_module_state(self.comm, model)
         groups = collect_trainable(model, param_groups, config.optimizer)
         self.compute_dtype = config.compute_dtype
-        self.optimizer_state = OptimizerState(self.device)
+        self.optimizer_state = _optimizer_state_for(config, self.device, self.rank)
         self.stage3: Stage3Runtime | None = None
         group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
         if policy.params_sharded:
@@ -459,15 +459,21 @@ class Engine:
         grad_scale = 1.0 / self.loss_scaler.scale if fp16 else 1.0
         written = self.absorb_param_writes()
         sum_of_squares = self.optimizer_state.grad_sum_of_squares()
-        verdicts = torch.stack([sum_of_squares, torch.tensor(float(bool(written)), dtype=torch.float64,
-                                                             device=sum_of_squares.device)])
+        store = self.optimizer_state.store
+        unusable = store.check_whole() if store is not None else None  # NVMe: checked before anything changes
+        verdicts = torch.tensor([0.0, float(bool(written)), float(unusable is not None)], dtype=torch.float64,
+                                device=sum_of_squares.device)
+        verdicts[0] = sum_of_squares
         if self.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
             verdicts = torch.cat([verdicts, self.stage3.divergence.verdict().reshape(1).double()])
         self.comm.all_reduce(verdicts, False).wait()
         values = verdicts.tolist()
         self.host_syncs += 1
         if self.stage3 is not None:
-            self.stage3.divergence.end_step(values[2] > 0, self.stage3.step)
+            self.stage3.divergence.end_step(values[3] > 0, self.stage3.step)
+        if values[2] > 0:
+            raise OSError(f"offload_optimizer: the step was refused on every rank, nothing changed: "
+                          f"{unusable or f'{int(values[2])} other rank(s) cannot read their optimizer state file'}")
         if 0 < values[1] < self.world_size:
             raise RuntimeError(
                 f"parameters were written in place (load_state_dict, nn.init, fill_, ...) on {int(values[1])} of "
@@ -493,9 +499,23 @@ class Engine:
             if clip > 0:
                 grad_scale *= min(1.0, clip / (norm + 1e-6))
             self._update_and_gather(grad_scale)
+            if store is not None:
+                self._check_offload_io(store)
         if self.stage3 is not None:
             self.stage3.end_forward_backward_step()
         self._log_progress()
+
+    def _check_offload_io(self, store: Any) -> None:
+        """After an NVMe step, every rank learns whether any rank's I/O failed (each still issued every
+        collective of the step, Note [NVMe optimizer state]); then all raise alike."""
+        failed = torch.tensor([float(store.failure is not None)], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(failed, False).wait()
+        self.host_syncs += 1
+        if failed.item() > 0:
+            here = store.failure or "this rank's I/O succeeded"
+            raise OSError(f"offload_optimizer: the optimizer state I/O failed on {int(failed.item())} of "
+                          f"{self.world_size} ranks during step {self.global_steps}, so the parameters are now "
+                          f"partly updated; load the last checkpoint to go on. This rank: {here}")
 
     def _update_and_gather(self, grad_scale: float) -> None:
         """The Adam update of every shard; in stages 1-2 each bucket's all-gather starts as soon as its shard
@@ -556,6 +576,8 @@ class Engine:
         self.comm.reset_stats()
         self.host_syncs = 0
         self._comm_reset_at_step = self.global_steps + self.skipped_steps
+        if self.optimizer_state.store is not None:
+            self.optimizer_state.store.bytes_read = self.optimizer_state.store.bytes_written = 0
 
     @property
     def steps_since_comm_reset(self) -> int:
@@ -579,6 +601,7 @@ class Engine:
             for param in buffer.params:
                 param.grad = None
         unregister(self, [owner.params[local] for owner, local in self._param_slots])
+        self.optimizer_state.close()  # an NVMe state file is removed
         self.lifecycle.to(EngineState.CLOSED)
 
     @property
@@ -694,6 +717,26 @@ class Engine:
         """Leaving ``zerocore.gathered(params)``: ``modifier_rank``'s values reach every rank's shard and
         the fp32 master."""
         release_for_user(self, params, modifier_rank)
+
+
+def _optimizer_state_for(config: ZeroConfig, device: torch.device, rank: int) -> OptimizerState:
+    """Where the optimizer state lives: with the parameters, on the host (``offload_optimizer: cpu``), or in
+    a file per rank (``offload_optimizer: nvme``, Note [NVMe optimizer state])."""
+    param_offload = config.zero_optimization.offload_param.device
+    if param_offload == "nvme" or (param_offload == "cpu" and device.type != "cpu"):
+        raise ValueError(f"zero_optimization.offload_param: device {param_offload!r} is not supported yet (only the "
+                         "optimizer state is offloaded: offload_optimizer); on a CPU-only machine 'cpu' is accepted, "
+                         "the parameters being in host memory already")
+    offload = config.zero_optimization.offload_optimizer
+    if offload.device == "nvme":
+        aio = config.aio
+        settings = {"block_size": aio.block_size, "queue_depth": aio.queue_depth, "thread_count": aio.thread_count,
+                    "single_submit": aio.single_submit, "overlap_events": aio.overlap_events}
+        nvme = NvmePlacement(offload.nvme_path, rank, config.zero_optimization.sub_group_size, settings)
+        return OptimizerState(torch.device("cpu"), nvme)
+    if offload.device == "cpu":
+        return OptimizerState(torch.device("cpu"), pin_memory=offload.pin_memory)
+    return OptimizerState(device)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

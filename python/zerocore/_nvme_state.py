@@ -1,0 +1,234 @@
+"""Optimizer state on NVMe (ZeRO-Infinity's ``offload_optimizer: {device: nvme}``).
+
+Note [NVMe optimizer state]
+---------------------------
+Each rank keeps its fp32 optimizer state in one file under ``nvme_path``, never whole in RAM. The rank's
+shards are cut into *sub-groups* of at most ``sub_group_size`` elements; a sub-group's states (the fp32
+master when it is not the parameter shard itself, then both moments) lie next to each other in the file,
+each 4 KiB aligned, so one sub-group is one read and one write, both O_DIRECT.
+
+``step()`` walks the sub-groups with three buffers in rotation: while the Adam kernel updates sub-group
+``i`` in one buffer, the read of ``i + 1`` fills the next and the write of ``i - 1`` drains the one before,
+all through the C++ I/O engine (``_C.AsyncIO``, the ``aio`` section's settings). The Adam kernel and the
+order of the elements are the ones of the in-memory path, so the results are bitwise the same.
+
+Failures: the file is created and fully allocated at initialize (a missing or read-only ``nvme_path``, a
+full disk: an error naming the path before training starts); before a step changes anything, the file is
+checked to be whole. An I/O error in the middle of a step is recorded; the step then skips its remaining
+sub-groups but still calls ``after_shard`` for every shard, so every rank issues the same collectives, and
+the engine raises on every rank after the step (Note [Backward outcome]-style verdict) with the path and
+the offset: the parameters are then torn and the last checkpoint must be loaded. The file is removed on
+``close()``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_ALIGN = 4096
+_F32 = 4
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """Elements ``[start, end)`` of shard ``shard``; its states begin at byte ``file_offset`` of the file,
+    each ``stride`` bytes apart."""
+
+    shard: int
+    start: int
+    end: int
+    file_offset: int
+    stride: int
+    states: tuple[str, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.stride * len(self.states)
+
+
+def plan_sub_groups(shard_sizes: Sequence[int], separate_master: Sequence[bool],
+                    sub_group_size: int) -> tuple[list[SubGroup], int]:
+    """The state file's layout: every shard cut into sub-groups of at most ``sub_group_size`` elements, each
+    state 4 KiB aligned; and the file's size in bytes. Pure: the store allocates by it, and
+    ``zerocore.estimate_memory`` sizes the file by it."""
+    sub_groups: list[SubGroup] = []
+    offset = 0
+    for index, (numel, separate) in enumerate(zip(shard_sizes, separate_master)):
+        states = ("master", "exp_avg", "exp_avg_sq") if separate else ("exp_avg", "exp_avg_sq")
+        for start in range(0, numel, sub_group_size):
+            end = min(numel, start + sub_group_size)
+            stride = -(-(end - start) * _F32 // _ALIGN) * _ALIGN
+            sub_groups.append(SubGroup(index, start, end, offset, stride, states))
+            offset += stride * len(states)
+    return sub_groups, offset
+
+
+def pipeline_buffers(sub_groups: Sequence[SubGroup]) -> tuple[int, int]:
+    """(count, bytes each) of the step's rotating I/O buffers: three when there is more than one sub-group."""
+    return 3 if len(sub_groups) > 1 else 1, max((g.nbytes for g in sub_groups), default=0)
+
+
+def _aligned_empty(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _ALIGN
+    return raw[skip : skip + nbytes]
+
+
+class NvmeStateStore:
+    """One rank's optimizer state file and the pipelined walk over its sub-groups."""
+
+    def __init__(self, io: Any, directory: str, rank: int, shard_sizes: Sequence[int],
+                 separate_master: Sequence[bool], sub_group_size: int) -> None:
+        key = "zero_optimization.offload_optimizer.nvme_path"
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"{key}: {directory} does not exist or is not a directory")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"{key}: {directory} is not writable by this process")
+        self.io = io
+        self.path = os.path.join(directory, f"zerocore-optimizer-rank{rank}-{uuid.uuid4().hex[:12]}.swp")
+        self.sub_groups, self.size = plan_sub_groups(shard_sizes, separate_master, sub_group_size)
+        self._remove_file = weakref.finalize(self, _remove, self.path)  # also if the engine is never closed
+        self.handle: int | None = None
+        self.failure: str | None = None
+        self.bytes_read = 0
+        self.bytes_written = 0
+        try:
+            self.handle = io.open(self.path, "rw")
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                if self.size:
+                    os.posix_fallocate(fd, 0, self.size)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            self.close()
+            raise type(error)(error.errno, f"{key}: cannot allocate {self.size} bytes for the optimizer state "
+                                           f"at offset 0 of {self.path}: {error.strerror}", self.path) from None
+        count, largest = pipeline_buffers(self.sub_groups)
+        self.buffers = [_aligned_empty(largest) for _ in range(count)]
+
+    # ---- whole shards (initialize, checkpoints, writes by the user) ---------------------------------------
+    def views(self, group: SubGroup, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The sub-group's fp32 states inside ``buffer`` (its layout in the file)."""
+        floats = buffer[: group.nbytes].view(torch.float32)
+        step = group.stride // _F32
+        return {name: floats[i * step : i * step + group.numel] for i, name in enumerate(group.states)}
+
+    def read_shard(self, shard: int) -> dict[str, torch.Tensor]:
+        """The shard's states, read into fresh tensors (one shard in RAM at a time)."""
+        groups = [g for g in self.sub_groups if g.shard == shard]
+        numel = groups[-1].end if groups else 0
+        out = {name: torch.empty(numel, dtype=torch.float32) for name in (groups[0].states if groups else ())}
+        for group in groups:
+            buffer = self.buffers[0]
+            self._wait(self._read(group, buffer), group)
+            for name, view in self.views(group, buffer).items():
+                out[name][group.start : group.end].copy_(view)
+        return out
+
+    def write_shard(self, shard: int, values: dict[str, torch.Tensor]) -> None:
+        for group in (g for g in self.sub_groups if g.shard == shard):
+            buffer = self.buffers[0]
+            buffer[: group.nbytes].zero_()  # the alignment padding is written too: keep it deterministic
+            for name, view in self.views(group, buffer).items():
+                view.copy_(values[name][group.start : group.end])
+            self._wait(self._write(group, buffer), group)
+
+    # ---- the step --------------------------------------------------------------------------------------
+    def check_whole(self) -> str | None:
+        """Why the file cannot serve a step (gone, or not its size), or None."""
+        try:
+            size = os.path.getsize(self.path)
+        except OSError as error:
+            return f"the optimizer state file {self.path} is gone: {error.strerror}"
+        if size < self.size:
+            return f"the optimizer state file {self.path} was truncated to {size} of {self.size} bytes"
+        return None
+
+    def step(self, update: Callable[[SubGroup, dict[str, torch.Tensor]], None],
+             after_shard: Callable[[int], None] | None) -> None:
+        """Reads, updates (``update(group, views)``) and writes back every sub-group, three deep; calls
+        ``after_shard(i)`` once shard ``i``'s last sub-group is updated. An I/O error is recorded in
+        ``failure`` (the remaining sub-groups are skipped, ``after_shard`` is still called for every shard)."""
+        groups = self.sub_groups
+        slots = len(self.buffers)
+        reads: dict[int, int] = {}
+        writes: dict[int, int] = {}
+
+        def start_read(i: int) -> None:
+            if i < len(groups) and self.failure is None:
+                previous = i - slots  # the last user of this buffer wrote it back
+                if previous in writes:
+                    self._wait_in_step(writes.pop(previous), groups[previous])
+                if self.failure is None:
+                    reads[i] = self._read(groups[i], self.buffers[i % slots])
+
+        start_read(0)
+        for i, group in enumerate(groups):
+            start_read(i + 1)
+            if self.failure is None:
+                self._wait_in_step(reads.pop(i), group)
+            if self.failure is None:
+                update(group, self.views(group, self.buffers[i % slots]))
+                writes[i] = self._write(group, self.buffers[i % slots])
+            last_of_shard = i + 1 == len(groups) or groups[i + 1].shard != group.shard
+            if last_of_shard and after_shard is not None:
+                after_shard(group.shard)
+        for i, request in sorted(writes.items()):
+            self._wait_in_step(request, groups[i])
+        for i, request in sorted(reads.items()):
+            self._wait_in_step(request, groups[i])
+
+    def _read(self, group: SubGroup, buffer: torch.Tensor) -> int:
+        self.bytes_read += group.nbytes
+        return self.io.read(self.handle, group.file_offset, buffer[: group.nbytes])
+
+    def _write(self, group: SubGroup, buffer: torch.Tensor) -> int:
+        self.bytes_written += group.nbytes
+        return self.io.write(self.handle, group.file_offset, buffer[: group.nbytes])
+
+    def _wait(self, request: int, group: SubGroup) -> None:
+        try:
+            self.io.wait(request)
+        except OSError as error:
+            raise OSError(error.errno, f"{error} (optimizer state of shard {group.shard}, elements "
+                                       f"[{group.start}, {group.end}))", self.path) from None
+
+    def _wait_in_step(self, request: int, group: SubGroup) -> None:
+        try:
+            self._wait(request, group)
+        except OSError as error:
+            if self.failure is None:
+                self.failure = str(error)
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise OSError(self.failure)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            try:
+                self.io.wait_all()
+            except OSError:
+                pass
+            self.io.close(self.handle)
+            self.handle = None
+        self._remove_file()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
