@@ -488,3 +488,35 @@ def test_to_hf_holds_one_tensor_at_a_time(tmp_path):
     assert extra <= 3 * largest + 2 * 2 * stio.BLOCK + 24 * 2**20, extra
     assert extra < 4 * numel / 2, (extra, 4 * numel)
     assert os.path.getsize(tmp_path / "hf" / "model.safetensors") >= 4 * numel
+
+
+def hf_save_worker(rank: int, world: int, directory: str) -> dict:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64,
+                                                                  n_positions=16))
+    engine = zerocore.initialize(model, _config(3))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(tokens, labels=tokens).loss)
+    engine.step()
+    engine.save_checkpoint(directory)
+    return _plain(engine.full_state_dict(rank0_only=False))
+
+
+def test_to_hf_output_loads_with_from_pretrained(tmp_path):
+    """A Hugging Face model trained under stage 3 at world 2, saved, converted with to-hf: the output loads
+    with ``from_pretrained`` (tied lm_head written once, as Hugging Face expects) with the trained values."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("numpy")  # transformers needs it at import time of its modeling code
+    from zerocore.checkpoint import main
+
+    expected = run_ranks(hf_save_worker, 2, str(tmp_path / "ckpt"))[0]
+    out = tmp_path / "hf"
+    assert main(["to-hf", str(tmp_path / "ckpt"), str(out)]) == 0
+    transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16).save_pretrained(out)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    state = _plain(loaded.state_dict())
+    for name, value in expected.items():
+        assert state[name] == value, name
