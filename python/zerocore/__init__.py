@@ -14,5 +14,16 @@ __version__ = build_info()["version"]
 
 __all__ = [
     "build_info", "FlatLayout", "Bucket", "Piece", "ops", "optim", "ZeroConfig", "OptimizerConfig", "FP16Config",
-    "ZeroOptimizationConfig", "SchedulerConfig", "lr_schedules", "Engine", "initialize", "gathered", "__version__",
+    "ZeroOptimizationConfig", "SchedulerConfig", "lr_schedules", "Engine", "initialize", "gathered", "estimate_memory",
+    "__version__",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # zerocore.estimate_memory, imported on first use: importing zerocore.estimate here would make
+    # `python -m zerocore.estimate` run a module already imported (runpy's RuntimeWarning).
+    if name == "estimate_memory":
+        from .estimate import estimate_memory
+
+        return estimate_memory
+    raise AttributeError(f"module 'zerocore' has no attribute {name!r}")

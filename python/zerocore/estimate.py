@@ -1,0 +1,478 @@
+"""``zerocore.estimate_memory`` and ``python -m zerocore.estimate``: the bytes a ZeRO run holds per rank, planned
+by the engine's own code without a process group and without allocating the model.
+
+Note [Memory estimate]
+----------------------
+The estimate is a dry run of ``zerocore.initialize``'s allocation decisions, not a formula with multipliers.
+It reads the config the way ``initialize`` does (``ZeroConfig.from_deepspeed``, ``for_world_size``), picks the
+trainable parameters and their order the way the engine does (``collect_trainable``; stage 3:
+``resolve_units``), lays every flat buffer out with the C++ ``FlatLayout`` at the engine's alignment and bucket
+cap (``BucketSizes.resolve``; stage 3: one bucket per unit), and asks the engine's ``OptimizerState`` where the
+fp32 state lives and which shards keep a separate master or go through host staging; on NVMe it cuts the
+state file into sub-groups with the store's own ``plan_sub_groups``. From those plans it counts the bytes of
+the tensors the engine would allocate, category by category, under the keys of ``memory_report()["bytes"]``.
+``tests/test_estimate.py`` checks it against ``memory_report()`` right after ``initialize``, byte for byte.
+
+Those are the bytes held between steps. A step also allocates, and frees again, gradient bucket buffers (the
+reducer's pool, Note [Reducer memory]) and, in stage 3, gathered units; ``"step"`` plans them, itemized with
+what it assumes: the pool holds buffers of the largest bucket in the reduce dtype, two of them (one filling
+while the previous one reduces; gradients arriving far out of layout order can open more), and stage 3's
+gathered units follow the runtime's gather and release rules and its C++ prefetch planner
+(``_C.plan_forward_prefetch`` / ``plan_backward_prefetch``) over the units run once each in registration order,
+as in a step after the first (which records the order); a model that calls a unit twice, reads another unit's
+parameters (Note [External parameters]) or nests units whose own parameters are used around their children's
+can gather more or less than planned.
+
+Every rank's shard of a flat buffer has the same size (the layout pads every bucket to a multiple of
+``world_size * alignment``), so every rank holds the same bytes; ``per_rank`` lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import numbers
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._buckets import BucketSizes
+from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
+from ._native import _C
+from ._nvme_state import pipeline_buffers, plan_sub_groups
+from ._policy import StagePolicy
+from ._sharded_buffer import _ALIGNMENT
+from ._stage3 import _NO_BUCKET_CAP
+from ._units import UnitSpec, resolve_units
+from .config import ZeroConfig, hidden_size_of
+from .engine import _optimizer_state_for
+from .layout import FlatLayout
+
+__all__ = ["estimate_memory", "main"]
+
+_DEVICE_KEYS = ("params", "grads", "gathered_params_live", "gathered_params_peak_last_step", "reduce_buckets",
+                "allgather_buckets", "temporaries", "frozen_params")
+_STATE_KEYS = ("master_params", "optimizer_moments")  # where the optimizer state lives
+_HOST_KEYS = ("offload_staging", "nvme_buffers")
+_STEP_BUFFERS = 2  # reducer pool buffers planned for a step: one filling, one reducing (Note [Memory estimate])
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A flat buffer the engine would build: its layout, and (stage 3) its place in the unit tree."""
+
+    layout: FlatLayout
+    trainable: int  # elements of its parameters, padding excluded
+    parent: int | None = None  # stage 3: the nearest enclosing unit that owns parameters (index in the plan)
+    root: bool = True  # stage 3: the model's own unit (always persistent)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    config: ZeroConfig
+    policy: StagePolicy
+    device: torch.device
+    state: Any  # the engine's OptimizerState for this config, with nothing registered or allocated
+    buffers: list[_Unit]
+    frozen_bytes: int
+    approximate: bool
+
+    @property
+    def width(self) -> int:
+        return _width(self.config.compute_dtype)
+
+
+def estimate_memory(
+    model_or_param_count: nn.Module | int,
+    config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str],
+    world_size: int,
+    rank: int | None = None,
+    *,
+    device: torch.device | str | None = None,
+    param_groups: Iterable[Mapping[str, Any]] | None = None,
+    units: Sequence[nn.Module | type] | None = None,
+    strict: bool = True,
+    hidden_size: int | None = None,
+) -> dict[str, Any]:
+    """The bytes a rank holds under ``zerocore.initialize(model, config)`` at ``world_size`` ranks, by category,
+    planned by the engine's own layout code without running it (Note [Memory estimate]).
+
+    Args:
+        model_or_param_count: the model (its tensors are never read or allocated: build a large one under
+            ``with torch.device("meta"):``), or a number of trainable parameters, taken as ONE flat tensor of
+            that many elements: padding is then a lower bound of a real model's (which pads every bucket or
+            unit), the result says ``"approximate": True`` and has no ``"step"`` plan (one tensor would be one
+            giant bucket or stage-3 unit). A meta-device model may be estimated at any stage (only the engine
+            needs stage 3 to materialize one).
+        config: as for ``initialize``: a :class:`ZeroConfig`, or a DeepSpeed config as a dict or JSON path.
+        world_size: data-parallel ranks (>= 1).
+        rank: the rank to report; None: the largest bytes of any rank per category, with every rank's in
+            ``per_rank``.
+        device: where the engine would run (default: the model's device; for a meta-device model or a count,
+            the current CUDA device if there is one, else the CPU). Pass ``"cuda"`` to plan GPU training from a
+            machine without one.
+        param_groups, units, strict: as for ``initialize`` (they change the order of parameters, stage 3's
+            units, and whether unsupported DeepSpeed keys raise).
+        hidden_size: for a DeepSpeed config's ``"auto"`` bucket sizes (default: the model's
+            ``config.hidden_size``, as ``initialize`` does).
+
+    Returns:
+        ``stage``, ``world_size``, ``rank``, ``device``, ``compute_dtype``, ``psi`` / ``psi_padded`` (trainable
+        elements without / with padding), ``bytes`` (the keys of ``memory_report()["bytes"]``: what
+        ``memory_report()`` reports right after ``initialize``), ``nvme_file_bytes`` (its
+        ``["nvme"]["file_bytes"]``), ``total_bytes`` (all of ``bytes``: device and host memory, as its
+        ``total_bytes``), ``device_bytes`` and ``host_bytes`` (that total split by where each category lives,
+        ``where``), ``optimizer_placement`` (``"cuda"``, ``"cpu"`` or ``"nvme"``, as ``memory_report``),
+        ``pinned_host`` (offloaded state in page-locked memory), ``approximate``, ``step`` (the transient
+        bytes of a training step, planned; None for a count) and, with ``rank=None``, ``per_rank``.
+
+    Raises:
+        ValueError: what ``initialize`` would raise for this config and model (an invalid or unsupported key,
+            a float64 trainable parameter, parameter offload to NVMe, ...), a world size below 1, a rank outside
+            ``[0, world_size)``, or a parameter count below 1.
+    """
+    world = _positive_int(world_size, "world_size")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral)
+                             or not 0 <= rank < world):
+        raise ValueError(f"rank must be None or an int in [0, {world}), got {rank!r}")
+    plan = _plan(model_or_param_count, config, world, device, param_groups, units, strict, hidden_size)
+    ranks = [_rank_bytes(plan, r) for r in (range(world) if rank is None else [rank])]
+    result: dict[str, Any] = {
+        "stage": plan.policy.stage,
+        "world_size": world,
+        "rank": rank,
+        "device": str(plan.device),
+        "compute_dtype": str(plan.config.compute_dtype).replace("torch.", ""),
+        "psi": sum(b.trainable for b in plan.buffers),
+        "psi_padded": sum(b.layout.total_size for b in plan.buffers),
+        **_max_over_ranks(ranks),
+        "where": {k: v for k, v in _where(plan).items() if k in ranks[0]["bytes"]},
+        "optimizer_placement": "nvme" if plan.state.nvme is not None else plan.state.placement.type,
+        # OptimizerState pins host state when this machine has CUDA; the estimate asks about the target device
+        "pinned_host": plan.state.nvme is None and plan.state.placement.type == "cpu" and plan.device.type == "cuda"
+        and plan.config.zero_optimization.offload_optimizer.pin_memory,
+        "approximate": plan.approximate,
+    }
+    result["step"] = None if plan.approximate else _step_plan(plan, result["total_bytes"])
+    if rank is None:
+        result["per_rank"] = ranks
+    return result
+
+
+# ---- the plan: the engine's decisions, without tensors -------------------------------------------------------
+def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_groups: Any, units: Any,
+          strict: bool, hidden_size: int | None) -> _Plan:
+    count = None if isinstance(model, nn.Module) else _param_count(model)
+    if not isinstance(config, ZeroConfig):  # as initialize()
+        hidden = hidden_size if hidden_size is not None or count is not None else hidden_size_of(model)
+        config = ZeroConfig.from_deepspeed(config, strict=strict, hidden_size=hidden)
+    config = config.for_world_size(world)  # as Engine.__init__
+    policy = StagePolicy.for_stage(config.zero_optimization.stage)
+    if count is None:
+        check_trainable_dtypes(model)
+        where = _engine_device(model_device(model), device)
+    else:
+        where = _engine_device(None, device)
+    state = _optimizer_state_for(config, where, 0)  # the engine's own rule (raises for unsupported offload)
+    if count is not None:
+        layout = FlatLayout([count], world, _ALIGNMENT, _NO_BUCKET_CAP if policy.params_sharded else
+                            BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce)
+        return _Plan(config, policy, where, state, [_Unit(layout, count)], 0, True)
+    groups = collect_trainable(model, param_groups, config.optimizer)  # also checks param_groups, as initialize
+    if policy.params_sharded:
+        buffers = _stage3_buffers(model, units, world)
+    else:  # Engine._whole_model_buffer: every trainable parameter, in param-group order, in reduce buckets
+        sizes = [p.numel() for g in groups for p in g["params"]]
+        cap = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce
+        buffers = [_Unit(FlatLayout(sizes, world, _ALIGNMENT, cap), sum(sizes))]
+    return _Plan(config, policy, where, state, buffers, _frozen_bytes(model, config.compute_dtype), False)
+
+
+def _stage3_buffers(model: nn.Module, units: Any, world: int) -> list[_Unit]:
+    """Stage3Runtime's units: one single-bucket buffer per unit that owns parameters, in module order, each
+    with the nearest enclosing unit that is one too."""
+    specs: list[UnitSpec] = resolve_units(model, units)
+    slot_of: dict[int, int] = {}
+    buffers: list[_Unit] = []
+    for spec in specs:
+        parent = spec.parent
+        while parent is not None and parent not in slot_of:
+            parent = specs[parent].parent
+        if spec.params:
+            sizes = [p.numel() for p in spec.params]
+            slot_of[spec.index] = len(buffers)
+            buffers.append(_Unit(FlatLayout(sizes, world, _ALIGNMENT, _NO_BUCKET_CAP), sum(sizes),
+                                 None if parent is None else slot_of[parent], spec.parent is None))
+    return buffers
+
+
+def _frozen_bytes(model: nn.Module, compute: torch.dtype) -> int:
+    """memory_report's frozen_params after initialize: floating frozen parameters follow the compute dtype
+    (``module.to(dtype)`` in stages 1-2, ``cast_untracked_tensors`` in stage 3); tied ones count once."""
+    total = 0
+    for param in model.parameters():
+        if not param.requires_grad:
+            size = _width(compute) if param.is_floating_point() and compute != torch.float32 else param.element_size()
+            total += param.numel() * size
+    return total
+
+
+def _engine_device(model_device: torch.device | None, device: Any) -> torch.device:
+    """The engine's device: the model's, or for a meta-device model (or a count) the current CUDA device if
+    any, else the CPU; ``device`` overrides."""
+    if device is not None:
+        where = torch.device(device)
+    elif model_device is not None and model_device.type != "meta":
+        where = model_device
+    else:
+        where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if where.type == "meta":
+        raise ValueError("device='meta' is not where an engine runs; pass 'cuda' or 'cpu'")
+    if where.type == "cuda" and where.index is None:  # tensors on "cuda" report "cuda:<current>"
+        where = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return where
+
+
+# ---- bytes held between steps (memory_report()["bytes"] after initialize) ----------------------------------
+def _rank_bytes(plan: _Plan, rank: int) -> dict[str, Any]:
+    """One rank's bytes: ShardedBuffer.memory(), OptimizerState.memory(), the stage-3 runtime's and the
+    report's own entries, in memory_report()'s order."""
+    width, policy = plan.width, plan.policy
+    shards = [bucket.shard_size for b in plan.buffers for bucket in b.layout.buckets]  # one per bucket per buffer
+    full = sum(b.layout.total_size for b in plan.buffers)
+    items = {"params": width * (sum(shards) if policy.params_sharded else full),
+             "grads": width * (sum(shards) if policy.grads_sharded else full)}
+    state, nvme_file = _state_bytes(plan, shards)
+    items.update(state)
+    if policy.params_sharded:
+        items.update({"gathered_params_live": 0, "gathered_params_peak_last_step": 0})  # all units at rest
+    items.update({"reduce_buckets": 0,  # the reducer's pool is allocated by the first backward
+                  "allgather_buckets": 0, "temporaries": 0, "frozen_params": plan.frozen_bytes})
+    device_bytes = sum(v for k, v in items.items() if _where(plan)[k] == "device")
+    return {"rank": rank, "bytes": items, "nvme_file_bytes": nvme_file, "total_bytes": sum(items.values()),
+            "device_bytes": device_bytes, "host_bytes": sum(items.values()) - device_bytes}
+
+
+def _state_bytes(plan: _Plan, shards: list[int]) -> tuple[dict[str, int], int]:
+    """OptimizerState.memory() after build(): fp32 master (separate shards only) and moments in memory, host
+    staging, or the NVMe file's sub-groups and the pipeline's buffers; and the file's size."""
+    state, compute, width = plan.state, plan.config.compute_dtype, plan.width
+    separate = state.keeps_separate_master(compute, plan.device)  # every shard: compute dtype, engine's device
+    out = {"master_params": 0, "optimizer_moments": 0, "offload_staging": 0, "nvme_buffers": 0}
+    if state.nvme is not None:
+        groups, size = plan_sub_groups(shards, [separate] * len(shards), state.nvme.sub_group_size)
+        count, largest = pipeline_buffers(groups)
+        out["nvme_buffers"] = count * largest
+        return out, size
+    total = sum(shards)
+    out["master_params"] = 4 * total if separate else 0
+    out["optimizer_moments"] = 2 * 4 * total
+    if state.stages_through_host(plan.device):  # gradients in; 16-bit parameters out when there is a master
+        out["offload_staging"] = total * (width + (width if separate and compute != torch.float32 else 0))
+    return out, 0
+
+
+def _where(plan: _Plan) -> dict[str, str]:
+    """"device" or "host" for each category: the optimizer state follows its placement, staging and NVMe
+    buffers are host memory, everything else lives with the parameters."""
+    on_device = plan.device.type != "cpu"
+    state_on_device = plan.state.nvme is None and plan.state.placement.type != "cpu"
+    where = {k: "device" if on_device else "host" for k in _DEVICE_KEYS}
+    where.update({k: "device" if state_on_device else "host" for k in _STATE_KEYS})
+    where.update({k: "host" for k in _HOST_KEYS})
+    return where
+
+
+def _max_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ranks[0]["bytes"].keys()
+    out = {"bytes": {k: max(r["bytes"][k] for r in ranks) for k in keys}}
+    for key in ("nvme_file_bytes", "total_bytes", "device_bytes", "host_bytes"):
+        out[key] = max(r[key] for r in ranks)
+    return out
+
+
+# ---- what a step allocates and frees again -----------------------------------------------------------------
+def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
+    """The transient bytes of a training step, with what they assume (Note [Memory estimate])."""
+    buckets = [bucket.padded_size for b in plan.buffers for bucket in b.layout.buckets]
+    # Stage 1 reduces its full gradient buffer in place when it is already in the reduce dtype (build_reducer).
+    in_place = not plan.policy.grads_sharded and plan.config.reduce_dtype == plan.config.compute_dtype
+    buffer = 0 if in_place else max(buckets) * _width(plan.config.reduce_dtype)
+    count = 0 if in_place else min(_STEP_BUFFERS, len(buckets))
+    gathered = _stage3_gathered_peak(plan) * plan.width if plan.policy.params_sharded else 0
+    return {"reduce_bucket_buffer": buffer, "reduce_bucket_buffers": count, "reduce_buckets": count * buffer,
+            "gathered_params_peak": gathered, "peak_bytes": total + count * buffer + gathered,
+            "assumes": f"{count} reduce bucket buffer(s) of the largest bucket in flight"
+                       + ("; stage 3: units run once each, in registration order, none reading another "
+                          "unit's parameters" if plan.policy.params_sharded else "")}
+
+
+def _stage3_gathered_peak(plan: _Plan) -> int:
+    """Gathered elements at the peak of a step after the first (which records the order prefetch follows):
+    Stage3Runtime's gather / release rules and the C++ prefetch planner, over the units run once each in
+    registration order (a unit's forward encloses its nested units'; backward runs it in reverse)."""
+    zo = plan.config.zero_optimization
+    numel = [b.layout.total_size for b in plan.buffers]
+    persistent = [b.root or n < zo.stage3_param_persistence_threshold for b, n in zip(plan.buffers, numel)]
+    order = list(range(len(numel)))  # the recorded forward order
+    children: dict[int | None, list[int]] = {}
+    for slot, b in enumerate(plan.buffers):
+        children.setdefault(b.parent, []).append(slot)
+    sharded = [True] * len(numel)
+    live = peak = 0
+
+    def gather(slot: int) -> None:
+        nonlocal live, peak
+        sharded[slot] = False
+        live += numel[slot]
+        peak = max(peak, live)
+
+    def release(slot: int) -> None:
+        nonlocal live
+        if not sharded[slot] and not persistent[slot]:
+            sharded[slot] = True
+            live -= numel[slot]
+
+    post_order: list[int] = []
+
+    def forward(slot: int) -> None:  # pre_forward, the nested units, post_forward
+        if sharded[slot]:
+            gather(slot)
+        for ahead in _C.plan_forward_prefetch(order, slot + 1, numel, sharded, live, zo.stage3_max_live_parameters,
+                                              zo.stage3_prefetch_bucket_size):
+            gather(ahead)
+        for child in children.get(slot, []):
+            forward(child)
+        post_order.append(slot)
+        release(slot)
+
+    for root in children.get(None, []):
+        forward(root)
+    open_units: list[int] = []  # gathered for their backward, their subtree's gradients still due
+    for slot in reversed(post_order):
+        while open_units and not _encloses(plan.buffers, open_units[-1], slot):
+            release(open_units.pop())
+        if sharded[slot]:
+            gather(slot)
+        ahead = _C.plan_backward_prefetch(order, slot, numel, sharded, persistent, live, zo.stage3_max_live_parameters)
+        if ahead is not None:
+            gather(ahead)
+        open_units.append(slot)
+    return peak
+
+
+def _encloses(buffers: list[_Unit], outer: int, inner: int) -> bool:
+    parent: int | None = inner
+    while parent is not None and parent != outer:
+        parent = buffers[parent].parent
+    return parent == outer
+
+
+# ---- small helpers -----------------------------------------------------------------------------------------
+def _width(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _param_count(value: Any) -> int:
+    """A parameter count: an int, or an integral float (``7e9``)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"model_or_param_count must be an nn.Module or a number of parameters >= 1, got {value!r}")
+    return int(value)
+
+
+# ---- python -m zerocore.estimate -----------------------------------------------------------------------------
+_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def _parse_count(text: str) -> int:
+    """``7e9``, ``7B``, ``6.7b``, ``7_000_000_000``."""
+    cleaned = text.strip().lower().replace("_", "").replace(",", "")
+    scale = _SUFFIXES.get(cleaned[-1:], 1)
+    number = cleaned[:-1] if scale != 1 else cleaned
+    try:
+        value = int(number) * scale if number.isdigit() else float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 7e9, 7B, 7000000000)") from None
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"not a whole number of parameters >= 1: {text!r}")
+    return int(value)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB"
+
+
+def _table(result: dict[str, Any], params: int) -> str:
+    where = result["where"]
+    approx = " (one flat tensor: padding is a lower bound)" if result["approximate"] else ""
+    placement = result["optimizer_placement"] + (", pinned" if result["pinned_host"] else "")
+    lines = [f"zerocore memory estimate: {params:,} parameters{approx}",
+             (f"ZeRO stage {result['stage']}, {result['compute_dtype']} on {result['device']}, "
+              f"world size {result['world_size']}, optimizer state: {placement}"),
+             "", f"{'per rank':<34}{'bytes':>18}    where"]
+    for key, value in result["bytes"].items():
+        lines.append(f"  {key:<32}{_gib(value):>18}    {where[key]}")
+    lines.append(f"  {'total':<32}{_gib(result['total_bytes']):>18}    "
+                 f"(device {_gib(result['device_bytes'])}, host {_gib(result['host_bytes'])})")
+    if result["optimizer_placement"] == "nvme":
+        lines.append(f"  {'nvme file':<32}{_gib(result['nvme_file_bytes']):>18}    nvme")
+    ranks = result.get("per_rank")
+    if ranks and len({r["total_bytes"] for r in ranks}) == 1:
+        lines.append(f"every one of the {len(ranks)} ranks holds the same bytes")
+    lines += ["", "These are the bytes held between steps. A step adds gradient bucket buffers (and, in stage 3,",
+              "gathered units): zerocore.estimate_memory(model, ...)['step'] plans them for a model (build it",
+              "under torch.device('meta'))."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m zerocore.estimate",
+        description="Per-rank memory of a zerocore ZeRO run, planned by the engine's own layout code.")
+    parser.add_argument("--params", type=_parse_count, required=True,
+                        help="trainable parameters (7e9, 7B): one flat tensor, so padding is a lower bound")
+    parser.add_argument("--world", type=int, required=True, help="data-parallel ranks")
+    parser.add_argument("--config", help="a DeepSpeed JSON config (default: zerocore's defaults, stage 1 fp32)")
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), help="override zero_optimization.stage")
+    parser.add_argument("--bf16", action="store_true", help="override: bf16 compute")
+    parser.add_argument("--device", default="cuda", help="where the engine runs: cuda (default) or cpu")
+    parser.add_argument("--rank", type=int, help="report this rank (default: the largest of any rank)")
+    parser.add_argument("--hidden-size", type=int, help="the model's hidden size, for 'auto' bucket sizes")
+    parser.add_argument("--no-strict", action="store_true", help="ignore unsupported DeepSpeed keys (warns)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    try:
+        config = ZeroConfig.from_deepspeed(args.config if args.config else {}, strict=not args.no_strict,
+                                           hidden_size=args.hidden_size)
+        if args.stage is not None:
+            config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
+                config.zero_optimization, stage=args.stage))
+        if args.bf16:
+            config = dataclasses.replace(config, bf16=True)
+        result = estimate_memory(args.params, config, args.world, args.rank, device=args.device)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(_table(result, args.params))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
