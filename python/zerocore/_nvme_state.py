@@ -23,6 +23,7 @@ the offset: the parameters are then torn and the last checkpoint must be loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 import weakref
@@ -88,8 +89,7 @@ def _aligned_empty(nbytes: int) -> torch.Tensor:
 class NvmeStateStore:
     """One rank's optimizer state file and the pipelined walk over its sub-groups."""
 
-    def __init__(self, io: Any, directory: str, rank: int, shard_sizes: Sequence[int],
-                 separate_master: Sequence[bool], sub_group_size: int) -> None:
+    def __init__(self, io: Any, directory: str, rank: int, sub_group_size: int) -> None:
         key = "zero_optimization.offload_optimizer.nvme_path"
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"{key}: {directory} does not exist or is not a directory")
@@ -97,26 +97,56 @@ class NvmeStateStore:
             raise PermissionError(f"{key}: {directory} is not writable by this process")
         self.io = io
         self.path = os.path.join(directory, f"zerocore-optimizer-rank{rank}-{uuid.uuid4().hex[:12]}.swp")
-        self.sub_groups, self.size = plan_sub_groups(shard_sizes, separate_master, sub_group_size)
+        self.sub_group_size = sub_group_size
+        self.sub_groups: list[SubGroup] = []
+        self.size = 0
+        self._shards = 0
         self._remove_file = weakref.finalize(self, _remove, self.path)  # also if the engine is never closed
         self.handle: int | None = None
         self.failure: str | None = None
         self.bytes_read = 0
         self.bytes_written = 0
-        try:
-            self.handle = io.open(self.path, "rw")
+        self.buffers: list[torch.Tensor] = []
+        self.handle = io.open(self.path, "rw")
+
+    def add_shard(self, numel: int, separate_master: bool, master: torch.Tensor | None) -> int:
+        """Appends a shard's sub-groups to the file (allocated now: a full disk fails here, naming the file)
+        and writes its initial state, one sub-group at a time: the fp32 ``master`` values when the master is
+        separate, zero moments. Returns the shard's index. Shards are added as the engine builds them, so the
+        fp32 values of one shard at a time are ever in memory."""
+        groups, size = plan_sub_groups([numel], [separate_master], self.sub_group_size)
+        index, start = self._shards, self.size
+        groups = [dataclasses.replace(g, shard=index, file_offset=g.file_offset + start) for g in groups]
+        if size:
             fd = os.open(self.path, os.O_RDWR)
             try:
-                if self.size:
-                    os.posix_fallocate(fd, 0, self.size)
+                os.posix_fallocate(fd, start, size)
+            except OSError as error:
+                raise type(error)(error.errno, "zero_optimization.offload_optimizer.nvme_path: cannot allocate "
+                                               f"{size} bytes for the optimizer state at offset {start} of "
+                                               f"{self.path}: {error.strerror}", self.path) from None
             finally:
                 os.close(fd)
-        except OSError as error:
-            self.close()
-            raise type(error)(error.errno, f"{key}: cannot allocate {self.size} bytes for the optimizer state "
-                                           f"at offset 0 of {self.path}: {error.strerror}", self.path) from None
+        self.sub_groups += groups
+        self.size += size
+        self._shards += 1
         count, largest = pipeline_buffers(self.sub_groups)
-        self.buffers = [_aligned_empty(largest) for _ in range(count)]
+        if not self.buffers or self.buffers[0].numel() < largest:
+            self.buffers = [_aligned_empty(largest)]
+        for group in groups:
+            buffer = self.buffers[0]
+            buffer[: group.nbytes].zero_()  # moments start at zero; the alignment padding is written too
+            if separate_master:
+                assert master is not None
+                self.views(group, buffer)["master"].copy_(master[group.start : group.end])
+            self._wait(self._write(group, buffer), group)
+        return index
+
+    def finish(self) -> None:
+        """Every shard is added: the step's rotating buffers."""
+        count, largest = pipeline_buffers(self.sub_groups)
+        self.buffers = self.buffers[:1] + [_aligned_empty(largest) for _ in range(count - 1)]
+        self.bytes_read = self.bytes_written = 0  # the initial writes are not a step's I/O
 
     # ---- whole shards (initialize, checkpoints, writes by the user) ---------------------------------------
     def views(self, group: SubGroup, buffer: torch.Tensor) -> dict[str, torch.Tensor]:

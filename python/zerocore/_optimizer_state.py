@@ -106,6 +106,13 @@ class NvmePlacement:
     aio: dict[str, Any]
 
 
+def _open_store(nvme: NvmePlacement) -> Any:
+    from ._nvme_state import NvmeStateStore
+    from ._safetensors_io import open_io
+
+    return NvmeStateStore(open_io(nvme.aio), nvme.path, nvme.rank, nvme.sub_group_size)
+
+
 class OptimizerState:
     """Sharded Adam/AdamW state for every shard of this rank, and its one step count."""
 
@@ -127,16 +134,29 @@ class OptimizerState:
         if params.numel() != grads.numel():
             raise ValueError(f"shard {label}: {params.numel()} parameter elements but {grads.numel()} gradients")
         shard = Shard(label, params, grads, runs, pieces)
-        shard.initial_master = master_values
+        shard.index = len(self.shards)
+        shard.separate_master = self.keeps_separate_master(params.dtype, params.device)
         self.shards.append(shard)
+        if self.nvme is None:
+            shard.initial_master = master_values
+            return shard
+        try:  # on NVMe the initial state goes to the file now: one shard's fp32 values in memory at a time
+            if self.store is None:
+                self.store = _open_store(self.nvme)
+            values = None
+            if shard.separate_master:
+                values = master_values if master_values is not None else params.detach().float().cpu()
+            self.store.add_shard(shard.numel, shard.separate_master, values)
+        except BaseException:
+            self.close()
+            raise
+        shard.master = params if not shard.separate_master else None  # only in the file
+        shard.exp_avg = shard.exp_avg_sq = None
         return shard
 
     def build(self) -> None:
         """Allocates the fp32 state where ``placement`` says and gives every shard its views (or, on NVMe,
         writes every shard's initial state into the file)."""
-        for index, shard in enumerate(self.shards):
-            shard.index = index
-            shard.separate_master = self.keeps_separate_master(shard.params.dtype, shard.params.device)
         if self.nvme is not None:
             self._build_nvme()
         else:
@@ -155,7 +175,7 @@ class OptimizerState:
     def keeps_separate_master(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a shard of ``dtype`` parameters on ``device`` gets its own fp32 master: in 16-bit training,
         and when the state lives on another device than the parameters."""
-        return dtype != torch.float32 or self.stages_through_host(device)
+        return dtype != torch.float32 or device != self.placement
 
     def _empty(self, numel: int) -> torch.Tensor:
         return torch.zeros(numel, dtype=torch.float32, device=self.placement, pin_memory=self.pin_memory)
@@ -178,26 +198,10 @@ class OptimizerState:
                 shard.master.copy_(values if values is not None else shard.params)
 
     def _build_nvme(self) -> None:
-        from ._nvme_state import NvmeStateStore
-        from ._safetensors_io import open_io
-
-        nvme = self.nvme
         self.master = self.exp_avg = self.exp_avg_sq = torch.empty(0)
-        self.store = NvmeStateStore(open_io(nvme.aio), nvme.path, nvme.rank, [s.numel for s in self.shards],
-                                    [s.separate_master for s in self.shards], nvme.sub_group_size)
-        try:
-            for shard in self.shards:
-                values, shard.initial_master = shard.initial_master, None
-                state = {"exp_avg": torch.zeros(shard.numel), "exp_avg_sq": torch.zeros(shard.numel)}
-                if shard.separate_master:
-                    state["master"] = (values if values is not None else shard.params).float()
-                self.store.write_shard(shard.index, state)
-                shard.master = shard.exp_avg = shard.exp_avg_sq = None  # only in the file
-                if not shard.separate_master:
-                    shard.master = shard.params
-        except BaseException:
-            self.store.close()
-            raise
+        if self.store is None:  # no trainable shard on this rank: an empty file
+            self.store = _open_store(self.nvme)
+        self.store.finish()
 
     @contextlib.contextmanager
     def resident(self, shard: Shard, write: bool = False) -> Iterator[dict[str, torch.Tensor]]:
@@ -263,10 +267,18 @@ class OptimizerState:
                 shard = self.shards[group.shard]
                 window = slice(group.start, group.end)
                 master = views.get("master", shard.params[window])
-                out = shard.params[window] if shard.separate_master else None
-                calls = self._group_slices([(shard, group.start, group.end, master, shard.grads[window],
+                params, grads = shard.params[window], shard.grads[window]
+                on_host = params.device == self.placement
+                if not on_host:  # parameters on a GPU: the gradients come over, the parameters go back
+                    grads = grads.to(self.placement)
+                out = None
+                if shard.separate_master and params.dtype != torch.float32:
+                    out = params if on_host else torch.empty(params.shape, dtype=params.dtype)
+                calls = self._group_slices([(shard, group.start, group.end, master, grads,
                                              views["exp_avg"], views["exp_avg_sq"], out)])
                 self._update(calls, param_groups, grad_scale)
+                if not on_host:
+                    params.copy_(out if out is not None else master)
 
             self.store.step(update, after_shard)
             return

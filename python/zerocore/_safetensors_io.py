@@ -198,7 +198,9 @@ class VerifiedFile:
         most ``_CHUNK`` bytes, ``_IN_FLIGHT`` chunks at a time, each checked and its bytes copied where they
         belong before it is dropped: the memory is the ranges' bytes plus the chunks in flight, however
         the ranges are scattered (a stage-3 shard of a checkpoint saved at another world size is)."""
-        out = [torch.empty(length, dtype=torch.uint8) for _, length in ranges]
+        # each range's bytes sit at the same offset modulo 4 KiB as in the file, so a chunk inside one range
+        # is read straight into it with O_DIRECT (no copy); chunks spanning ranges go through a buffer
+        out = [_aligned_empty(length, skew=offset) for offset, length in ranges]
         data_size = self.size - self.data_start
         wanted = sorted({b for offset, length in ranges if length
                          for b in range(offset // self.block, (offset + length - 1) // self.block + 1)})
@@ -211,9 +213,18 @@ class VerifiedFile:
                 chunks.append((b, b + 1))
         order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
         starts = [ranges[i][0] for i in order]
-        pending: list[tuple[int, int, torch.Tensor, int]] = []
+        pending: list[tuple[int, int, torch.Tensor, int, bool]] = []
 
-        def land(first: int, last: int, buffer: torch.Tensor, request: int) -> None:
+        def inside(start: int, end: int) -> int | None:
+            """The range holding all of ``[start, end)``, if one does."""
+            i = bisect.bisect_right(starts, start) - 1
+            if i >= 0:
+                offset, length = ranges[order[i]]
+                if end <= offset + length:
+                    return order[i]
+            return None
+
+        def land(first: int, last: int, buffer: torch.Tensor, request: int, direct: bool) -> None:
             self._io.wait(request)
             start, end = first * self.block, min(last * self.block, data_size)
             for b in range(first, last):
@@ -223,6 +234,8 @@ class VerifiedFile:
                     at = self.data_start + b * self.block
                     raise ValueError(f"checkpoint file {self.path} does not match its checksum in index.json in "
                                      f"bytes [{at}, {at + hi - lo}) (changed or damaged after saving)")
+            if direct:
+                return
             # every range overlapping [start, end) takes its part
             i = max(bisect.bisect_right(starts, start) - 1, 0)
             while i < len(order) and starts[i] < end:
@@ -236,8 +249,13 @@ class VerifiedFile:
             if len(pending) == _IN_FLIGHT:
                 land(*pending.pop(0))
             start, end = first * self.block, min(last * self.block, data_size)
-            buffer = _aligned_empty(end - start)
-            pending.append((first, last, buffer, self._io.read(self._handle, self.data_start + start, buffer)))
+            holder = inside(start, end)
+            if holder is not None:
+                buffer = out[holder][start - ranges[holder][0] : end - ranges[holder][0]]
+            else:
+                buffer = _aligned_empty(end - start)
+            pending.append((first, last, buffer, self._io.read(self._handle, self.data_start + start, buffer),
+                            holder is not None))
         while pending:
             land(*pending.pop(0))
         return out
@@ -246,13 +264,18 @@ class VerifiedFile:
         """The whole tensor ``name`` (checked)."""
         offset, dtype, shape = self.tensor_range(name)
         (data,) = self.read([(offset, nbytes(shape, dtype))])
-        return data.view(dtype).view(shape) if data.numel() else torch.empty(shape, dtype=dtype)
+        if not data.numel():
+            return torch.empty(shape, dtype=dtype)
+        if data.storage_offset() % data.new_empty((), dtype=dtype).element_size():
+            data = data.clone()  # safetensors packs tensors without aligning them to their element size
+        return data.view(dtype).view(shape)
 
 
-def _aligned_empty(n: int) -> torch.Tensor:
-    """An uninitialized uint8 tensor of ``n`` bytes whose data starts on an ``_ALIGN`` boundary."""
+def _aligned_empty(n: int, skew: int = 0) -> torch.Tensor:
+    """An uninitialized uint8 tensor of ``n`` bytes whose data starts ``skew`` bytes past an ``_ALIGN``
+    boundary (modulo ``_ALIGN``)."""
     raw = torch.empty(n + _ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % _ALIGN
+    skip = (skew - raw.data_ptr()) % _ALIGN
     return raw[skip : skip + n]
 
 
