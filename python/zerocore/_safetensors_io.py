@@ -31,7 +31,7 @@ from ._native import _C
 
 BLOCK = 1 << 20
 _CHUNK = 8 << 20  # bytes per read while loading
-_IN_FLIGHT = 4  # reads in flight while loading
+_IN_FLIGHT = 8  # reads in flight while loading
 _ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the device's block
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 FORMAT = "zerocore-checkpoint/2"
-# Two reads in flight (the I/O engine runs one per thread): the disk stays busy while a chunk is checked.
-_CHECKPOINT_IO = {"block_size": 8 << 20, "queue_depth": 4, "thread_count": 2}
+# Four reads in flight (the I/O engine runs one per thread): the disk stays busy while chunks are checked.
+_CHECKPOINT_IO = {"block_size": 8 << 20, "queue_depth": 8, "thread_count": 4}
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
