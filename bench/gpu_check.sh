@@ -64,6 +64,35 @@ step "GPU Adam benchmark"
 python3 bench/gpu_adam.py --params 1e9 --json-out "$OUT/gpu_adam.json" 2>&1 | tee "$OUT/gpu_adam.log" | tail -12
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+step "GPU quantize benchmark (ZeRO++ kernels, issue 12)"
+python3 - "$OUT/gpu_quantize.json" <<'PY' 2>&1 | tee "$OUT/gpu_quantize.log" | tail -10
+import json, sys, torch
+from zerocore import _C
+n, gs, dev = 1 << 28, 2048, "cuda"
+def best_ms(fn, reps=10):
+    fn(); times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); b.synchronize(); times.append(a.elapsed_time(b))
+    return min(times)
+src, dst = torch.empty(n, device=dev), torch.empty(n, device=dev)
+copy_gbps = 8 * n / best_ms(lambda: dst.copy_(src)) / 1e6
+rows = []
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(n, device=dev).to(dtype)
+    for bits in (8, 4):
+        q = torch.empty(_C.quantized_bytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=dev)
+        s = torch.empty(_C.quantize_num_groups(n, gs), device=dev)
+        nbytes = n * x.element_size() + q.numel() + 4 * s.numel()
+        for name, fn in (("quantize", lambda: _C.quantize(x, bits, gs, q, s)),
+                         ("dequantize", lambda: _C.dequantize(q, s, n, bits, gs, x))):
+            gbps = nbytes / best_ms(fn) / 1e6
+            rows.append({"direction": name, "bits": bits, "dtype": str(dtype), "gbps": gbps, "fraction": gbps / copy_gbps})
+            print(f"{name:<10} int{bits} {str(dtype):<15} {gbps:8.1f} GB/s  {gbps / copy_gbps:.2f} of copy ({copy_gbps:.0f} GB/s)")
+json.dump({"elements": n, "group_size": gs, "copy_gbps": copy_gbps, "rows": rows}, open(sys.argv[1], "w"))
+PY
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
 step "demo on NCCL, world size 1, bf16"
 for stage in 1 2 3; do
   timeout 150 python3 -m zerocore.examples.train_gpt --device cuda --nproc 1 --bf16 --stage "$stage" --steps 40 --json \

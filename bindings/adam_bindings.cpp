@@ -27,6 +27,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "bindings.hpp"
+#include "cpu_kernel_pool.hpp"
 #include "tensor_checks.hpp"
 #include "zerocore/cpu_adam.hpp"
 #include "zerocore/thread_pool.hpp"
@@ -378,6 +379,8 @@ void adam_inplace_or_view_kernel(const c10::OperatorHandle& op, c10::DispatchKey
 }
 
 }  // namespace
+
+void run_on_cpu_kernel_pool(const std::function<void(ThreadPool*)>& fn) { CpuKernelPool::instance().run(fn); }
 
 void bind_adam(py::module_& m) {
   m.def(

@@ -7,7 +7,8 @@
 namespace py = pybind11;
 
 namespace zerocore::bindings {
-void bind_io(pybind11::module_& m);  // io_bindings.cpp: crc32c, AsyncIO
+void bind_io(pybind11::module_& m);        // io_bindings.cpp: crc32c, AsyncIO
+void bind_quantize(pybind11::module_& m);  // quantize_bindings.cpp: quantize, dequantize
 }  // namespace zerocore::bindings
 
 namespace {
@@ -56,4 +57,5 @@ PYBIND11_MODULE(_C, m) {
   zerocore::bindings::bind_adam(m);
   zerocore::bindings::bind_distributed(m);
   zerocore::bindings::bind_io(m);
+  zerocore::bindings::bind_quantize(m);
 }

@@ -426,3 +426,107 @@ def test_multi_tensor_on_a_device_other_than_the_current_one():
     assert finite.device == other and bool(finite) is True
     _single_steps(single, **MULTI_STEPS[0])
     _assert_multi_matches_single(multi, single, "cuda:1")
+
+
+# -------------------------------------------------------------------------------------------------------------
+# ZeRO++ quantization (cuda/quantize.cu): the CPU kernels' bytes (tests/test_quantize.py checks those against
+# float64), so q, scales and every dequantized value must be equal bit for bit.
+# -------------------------------------------------------------------------------------------------------------
+QUANT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+QUANT_BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _quant_input(n: int, group_size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Group magnitudes spread over dtype's range, exact ties on every group's grid, a tiny and a zero group."""
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = (-8, 8) if dtype == torch.float16 else (-30, 30)
+    groups = max(1, -(-n // group_size))
+    exps = torch.randint(lo, hi + 1, (groups,), generator=gen).double().repeat_interleave(group_size)[:n]
+    x = torch.randn(n, generator=gen, dtype=torch.float64) * torch.exp2(exps)
+    ties = torch.rand(n, generator=gen) < 0.3  # k/2 * 2^e: exact ties once the group's absmax is 127 * 2^e
+    x[ties] = torch.randint(-254, 255, (int(ties.sum()),), generator=gen).double() / 2 * torch.exp2(exps[ties])
+    x[::group_size] = 127 * torch.exp2(exps[::group_size])
+    if groups > 2:
+        x[group_size : 2 * group_size] = 0.0
+        x[2 * group_size : 3 * group_size] *= 2.0 ** (-20 if dtype == torch.float16 else -120)
+    return x.to(dtype)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    view = QUANT_BITS_VIEW.get(a.dtype)
+    a_bits, b_bits = (a.view(view), b.view(view)) if view else (a, b)
+    diff = (a_bits.cpu() != b_bits.cpu()).nonzero()
+    assert diff.numel() == 0, f"{what}: {diff.numel()} differ, first at {diff[0].item()}"
+
+
+def _compare_quantize(x: torch.Tensor, bits: int, group_size: int, device: str = DEV) -> None:
+    n = x.numel()
+    what = f"n={n} {x.dtype} bits={bits} group_size={group_size}"
+    q_cpu, s_cpu = ops.quantize(x, bits=bits, group_size=group_size)
+    q_dev, s_dev = ops.quantize(x.to(device), bits=bits, group_size=group_size)
+    assert q_dev.device.type == torch.device(device).type
+    _same_bits(q_dev, q_cpu, f"q, {what}")
+    _same_bits(s_dev, s_cpu, f"scales, {what}")
+    for out_dtype in QUANT_DTYPES:
+        out_cpu = ops.dequantize(q_cpu, s_cpu, n, bits, group_size, dtype=out_dtype)
+        out_dev = ops.dequantize(q_dev, s_dev, n, bits, group_size, dtype=out_dtype)
+        _same_bits(out_dev, out_cpu, f"dequantize to {out_dtype}, {what}")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group_size", [2, 64, 512, 514, 2048])  # warp teams up to 512, block teams above
+def test_quantize_matches_cpu_bytewise(bits, group_size):
+    for dtype in QUANT_DTYPES:
+        for n in (0, 1, 2, 33, 2047, 2048 * 3 + 5, 2**20 + 7):
+            _compare_quantize(_quant_input(n, group_size, dtype, seed=n + group_size), bits, group_size)
+
+
+def test_quantize_odd_group_size_int8_and_grid_stride():
+    _compare_quantize(_quant_input(100_003, 33, torch.float32, seed=1), 8, 33)
+    # 2^24 + 2 groups of 2: more teams than the largest grid launched, so teams walk the groups grid-stride.
+    _compare_quantize(_quant_input(2**25 + 3, 2, torch.bfloat16, seed=2), 8, 2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_nonfinite_matches_cpu(bits):
+    for dtype in QUANT_DTYPES:
+        n, group_size = 10_000, 512 if bits == 8 else 1024
+        x = _quant_input(n, group_size, dtype, seed=3)
+        for i, v in ((9_000, float("nan")), (4_321, float("inf")), (4_322, -float("inf")), (77, float("nan"))):
+            x[i] = v
+        q_cpu, s_cpu = torch.empty_like(ops.quantize(torch.zeros(n), bits=bits)[0]), torch.empty(-(-n // group_size))
+        q_dev, s_dev = q_cpu.to(DEV), s_cpu.to(DEV)
+        assert zerocore._C.quantize(x, bits, group_size, q_cpu, s_cpu) == (4, 77)
+        assert zerocore._C.quantize(x.to(DEV), bits, group_size, q_dev, s_dev) == (4, 77)
+        _same_bits(q_dev, q_cpu, "q")
+        _same_bits(s_dev, s_cpu, "scales (NaN for the flagged groups)")
+        for out_dtype in QUANT_DTYPES:
+            _same_bits(ops.dequantize(q_dev, s_dev, n, bits, group_size, dtype=out_dtype),
+                       ops.dequantize(q_cpu, s_cpu, n, bits, group_size, dtype=out_dtype), f"dequantize {out_dtype}")
+        with pytest.raises(ValueError, match=r"4 non-finite value\(s\).*flat index 77\b"):
+            ops.quantize(x.to(DEV), bits=bits, group_size=group_size)
+
+
+def test_dequantize_cuda_writes_only_its_slice_on_the_current_stream():
+    n, group_size = 100_001, 2048
+    x = _quant_input(n, group_size, torch.bfloat16, seed=4)
+    q, s = ops.quantize(x.to(DEV), bits=4, group_size=group_size)
+    expected = ops.dequantize(q.cpu(), s.cpu(), n, 4, group_size, dtype=torch.bfloat16)
+    unit = torch.full((n + 100,), 7.0, dtype=torch.bfloat16, device=DEV)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.dequantize(q, s, n, 4, group_size, out=unit[3 : 3 + n])
+    stream.synchronize()
+    _same_bits(unit[3 : 3 + n], expected, "slice")
+    assert (unit[:3] == 7.0).all() and (unit[3 + n :] == 7.0).all()
+
+
+def test_quantize_mixed_devices_raise_value_error():
+    x = torch.randn(100, device=DEV)
+    with pytest.raises(ValueError, match="q_out must be on cuda"):
+        zerocore._C.quantize(x, 8, 10, torch.empty(100, dtype=torch.int8), torch.empty(10, device=DEV))
+    q, s = ops.quantize(x, group_size=10)
+    with pytest.raises(ValueError, match="scales must be on cpu"):
+        zerocore._C.dequantize(q.cpu(), s, 100, 8, 10, torch.empty(100))

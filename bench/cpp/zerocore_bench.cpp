@@ -9,7 +9,8 @@
 #include "zerocore/error.hpp"
 
 namespace zerocore_bench {
-int aio_command(int argc, char** argv);  // bench_aio.cpp
+int aio_command(int argc, char** argv);       // bench_aio.cpp
+int quantize_command(int argc, char** argv);  // bench_quantize.cpp
 }  // namespace zerocore_bench
 
 namespace {
@@ -25,6 +26,8 @@ constexpr Subcommand kSubcommands[] = {
     {"stream", "memory bandwidth: copy, triad and the Adam-shaped stream", zerocore_bench::stream_command},
     {"adam", "time zerocore::adam_step against the Adam-shaped stream roofline", zerocore_bench::adam_command},
     {"aio", "file bandwidth of the AsyncIO engine against the disk's own, and crc32c", zerocore_bench::aio_command},
+    {"quantize", "int8/int4 quantize and dequantize GB/s against the copy stream roofline",
+     zerocore_bench::quantize_command},
 };
 
 void print_usage(std::FILE* out) {

@@ -18,6 +18,8 @@ __all__ = [
     "all_finite",
     "multi_tensor_adam_step",
     "multi_tensor_all_finite",
+    "quantize",
+    "dequantize",
     "force_simd_path",
     "set_num_threads",
     "get_num_threads",
@@ -176,6 +178,80 @@ def multi_tensor_all_finite(grads: Sequence[torch.Tensor]) -> bool | torch.Tenso
         ValueError: naming the offending element (e.g. ``grads[2]``) for a wrong dtype or device.
     """
     return _C.multi_tensor_all_finite([g.contiguous() for g in grads])
+
+
+def quantize(x: torch.Tensor, bits: int = 8, group_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8/int4 quantization of ``x`` (flattened) with one fp32 scale per ``group_size`` elements.
+
+    Per group: ``scale = max|x| / qmax`` rounded up to fp32 (qmax = 127 for int8, 7 for int4) and
+    ``q = round_half_even(x / scale)``; an all-zero group has scale 0 and q = 0. Every element then satisfies
+    ``|x - q * scale| <= scale / 2``. Runs on the CPU (SIMD, the kernel threads) or a CUDA device (the current
+    stream; reading the non-finite count back synchronises). See Note [Quantization arithmetic] in
+    ``cpp/include/zerocore/quantize.hpp``.
+
+    Args:
+        x: fp32, bf16 or fp16 tensor of any shape (copied first if not contiguous).
+        bits: 8 (one int8 per element) or 4 (two per uint8 byte, element 2k in the low nibble).
+        group_size: elements per scale, > 0; even for ``bits=4``. The last group may be shorter.
+
+    Returns:
+        ``(q, scales)``: ``q`` int8 of ``x.numel()`` elements (bits 8) or uint8 of ``ceil(numel / 2)`` (bits 4),
+        ``scales`` fp32 of ``ceil(numel / group_size)``, both 1-D on ``x``'s device.
+
+    Raises:
+        ValueError: if ``x`` holds inf or NaN (naming how many and the flat index of the first; nothing is
+            quantized silently), or for a bad ``bits``, ``group_size``, dtype or device.
+    """
+    flat = x.contiguous().view(-1)
+    n = flat.numel()
+    q = torch.empty(_C.quantized_bytes(n, int(bits)), dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device)
+    scales = torch.empty(_C.quantize_num_groups(n, int(group_size)), dtype=torch.float32, device=x.device)
+    count, first = _C.quantize(flat, int(bits), int(group_size), q, scales)
+    if count:
+        raise ValueError(
+            f"quantize: the input holds {count} non-finite value(s) (inf or NaN), the first at flat index {first} "
+            f"(value {flat[first].item()}); they cannot be quantized. Check the tensor for overflow before "
+            "quantizing it"
+        )
+    return q, scales
+
+
+def dequantize(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    bits: int,
+    group_size: int,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``q * scale`` for the ``numel`` elements that :func:`quantize` wrote into ``q`` and ``scales``.
+
+    Each value is computed in fp32 and rounded to nearest even to the output dtype, so the original dtype
+    (bf16, fp16) comes back without a full-size fp32 temporary.
+
+    Args:
+        q, scales: as returned by :func:`quantize` for the same ``numel``, ``bits`` and ``group_size``.
+        numel: the number of elements (int4 storage cannot tell an odd count from the next even one).
+        out: optional contiguous fp32/bf16/fp16 tensor of ``numel`` elements on ``q``'s device, written in
+            place and nothing else (a contiguous slice of a larger buffer, e.g. a rank's part of a gathered unit).
+        dtype: the output dtype when ``out`` is None (default fp32); when given with ``out`` it must match it.
+
+    Returns:
+        ``out``, or a new 1-D tensor of ``numel`` elements of ``dtype``.
+
+    Raises:
+        ValueError: for sizes that do not match ``numel``/``bits``/``group_size``, a wrong dtype or device, a
+            non-contiguous ``out``, or ``dtype`` different from ``out.dtype``.
+    """
+    if int(numel) < 0:
+        raise ValueError(f"dequantize: numel must be >= 0, got {numel}")
+    if out is None:
+        out = torch.empty(int(numel), dtype=torch.float32 if dtype is None else dtype, device=q.device)
+    elif dtype is not None and dtype != out.dtype:
+        raise ValueError(f"dequantize: dtype is {dtype} but out is {out.dtype}; pass one of them, or make them agree")
+    _C.dequantize(q, scales, int(numel), int(bits), int(group_size), out)
+    return out
 
 
 @contextlib.contextmanager

@@ -1,0 +1,290 @@
+// zerocore-bench quantize: zerocore::quantize_symmetric and dequantize_symmetric (int8 / int4, fp32 / bf16 /
+// fp16 data) per SIMD path and thread count, against the copy stream's roofline measured in the same run.
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "zerocore/quantize.hpp"
+#include "zerocore/simd.hpp"
+#include "zerocore/stream_probe.hpp"
+#include "zerocore/thread_pool.hpp"
+
+namespace zerocore_bench {
+namespace {
+
+using zerocore::ScalarType;
+
+// Partition grain for first-touching the buffers: whole groups near each thread's range.
+constexpr int64_t kFirstTouchGrain = 4096;
+
+int64_t type_bytes(ScalarType type) { return type == ScalarType::kFloat32 ? 4 : 2; }
+
+ScalarType parse_type(const std::string& name) {
+  if (name == "fp32") return ScalarType::kFloat32;
+  return name == "bf16" ? ScalarType::kBFloat16 : ScalarType::kFloat16;
+}
+
+// Deterministic, varied, finite data exact in every dtype: (k - 512) * 2^-9 * (1 + (i >> 12 & 7)), so groups
+// differ in scale and every group holds both signs.
+float data_value(int64_t i) {
+  return static_cast<float>((i * 37 & 1023) - 512) * (1.0f / 512.0f) * static_cast<float>(1 + ((i >> 12) & 7));
+}
+
+uint16_t to_16bit(float value, ScalarType type) {  // the values above are exact in bf16 and fp16
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if (type == ScalarType::kBFloat16) return static_cast<uint16_t>(bits >> 16);
+  if (value == 0.0f) return 0;
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xFFu) - 127;
+  return static_cast<uint16_t>(sign | static_cast<uint32_t>(exponent + 15) << 10 | ((bits & 0x7FFFFFu) >> 13));
+}
+
+// The paths named on the command line, in the order given, each once.
+std::vector<zerocore::SimdPath> paths_to_run(const std::vector<std::string>& choices) {
+  std::vector<zerocore::SimdPath> runnable;
+  for (zerocore::SimdPath path : zerocore::compiled_simd_paths()) {
+    if (zerocore::cpu_supports(path)) runnable.push_back(path);
+  }
+  std::vector<zerocore::SimdPath> paths;
+  auto add = [&](zerocore::SimdPath path) {
+    for (zerocore::SimdPath p : paths) {
+      if (p == path) return;
+    }
+    paths.push_back(path);
+  };
+  for (const std::string& choice : choices) {
+    if (choice == "all") {
+      for (zerocore::SimdPath path : runnable) add(path);
+      continue;
+    }
+    const zerocore::SimdPath path = choice == "auto" ? zerocore::best_simd_path() : zerocore::parse_simd_path(choice);
+    bool available = false;
+    for (zerocore::SimdPath p : runnable) available = available || p == path;
+    if (!available) throw UsageError("--path " + choice + " is not available in this build or on this CPU");
+    add(path);
+  }
+  return paths;
+}
+
+// One measured configuration: a direction, bits, the data dtype (input of quantize, output of dequantize).
+struct Case {
+  bool quantize;
+  int bits;
+  std::string dtype_name;
+  ScalarType dtype;
+  zerocore::SimdPath path;
+  int64_t bytes;  // read + written by one call
+};
+
+struct Row {
+  int64_t threads;
+  Case c;
+  Timing timing;
+  double roofline_gbps;
+  double roofline_median_gbps;
+  zerocore::StoreKind roofline_stores;
+};
+
+// The buffers of one dtype: the data (input of quantize, output of dequantize) and q/scales for both bits.
+struct Buffers {
+  zerocore::AlignedBuffer data, q8, q4, scales;
+};
+
+Buffers make_buffers(int64_t n, ScalarType type, int64_t group_size, zerocore::ThreadPool& pool) {
+  Buffers b;
+  b.data = zerocore::AlignedBuffer(static_cast<size_t>(n * type_bytes(type)));
+  b.q8 = zerocore::AlignedBuffer(static_cast<size_t>(zerocore::quantized_bytes(n, 8)));
+  b.q4 = zerocore::AlignedBuffer(static_cast<size_t>(zerocore::quantized_bytes(n, 4)));
+  b.scales = zerocore::AlignedBuffer(static_cast<size_t>(zerocore::quantize_num_groups(n, group_size)) * 4);
+  pool.parallel_for(n, kFirstTouchGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = data_value(i);
+      if (type == ScalarType::kFloat32) {
+        b.data.as<float>()[i] = v;
+      } else {
+        b.data.as<uint16_t>()[i] = to_16bit(v, type);
+      }
+      b.q8.as<uint8_t>()[i] = 0;
+      if (i % 2 == 0) b.q4.as<uint8_t>()[i / 2] = 0;
+      if (i % group_size == 0) b.scales.as<float>()[i / group_size] = 0.0f;
+    }
+  });
+  return b;
+}
+
+}  // namespace
+
+int quantize_command(int argc, char** argv) {
+  int64_t elements = int64_t{1} << 25;
+  int64_t group_size = 2048;
+  std::vector<int64_t> threads{default_threads()};
+  std::vector<int64_t> bits_list{8, 4};
+  std::vector<std::string> dtypes{"fp32", "bf16"};
+  std::vector<std::string> directions{"quantize", "dequantize"};
+  std::vector<std::string> path_names{"auto"};
+  int64_t repeat = 10;
+  bool json = false;
+  ArgParser parser("quantize",
+                   "Times zerocore::quantize_symmetric and dequantize_symmetric (one fp32 scale per group) and,\n"
+                   "interleaved with them on the same machine, the copy stream (8 B/element fp32 a = b, the faster\n"
+                   "of regular and nt stores). GB/s counts the bytes each call reads plus writes: quantize reads\n"
+                   "the data (4 or 2 B/element) and writes q (1 or 0.5 B) and the scales; dequantize the reverse.\n"
+                   "The fraction is best GB/s over the copy's best GB/s.");
+  parser.add_int("elements", &elements, 1, "elements quantized per call");
+  parser.add_int("group-size", &group_size, 2, "elements per scale (even, for int4)");
+  parser.add_int_list("threads", &threads, 1, "thread counts to measure, e.g. 1,2");
+  parser.add_int_list("bits", &bits_list, 4, "8 and/or 4");
+  parser.add_choice_list("dtype", &dtypes, {"fp32", "bf16", "fp16"},
+                         "data dtypes: quantize's input, dequantize's output");
+  parser.add_choice_list("direction", &directions, {"quantize", "dequantize"}, "what to time");
+  parser.add_choice_list("path", &path_names, {"auto", "scalar", "avx2", "avx512", "all"},
+                         "SIMD paths, e.g. avx2,avx512; auto = the widest this CPU runs, all = every runnable one");
+  parser.add_int("repeat", &repeat, 1, "timed calls per measurement, after one warm-up round");
+  parser.add_flag("json", &json, "print one JSON object on stdout instead of the table");
+  if (!parser.parse(argc, argv, 1)) return 0;
+
+  if (elements > (int64_t{1} << 40)) throw UsageError("--elements is too large: " + std::to_string(elements));
+  if (group_size % 2 != 0) throw UsageError("--group-size must be even (int4 packs two values per byte)");
+  for (int64_t bits : bits_list) {
+    if (bits != 8 && bits != 4) throw UsageError("--bits takes 8 and/or 4, got " + std::to_string(bits));
+  }
+  const std::vector<zerocore::SimdPath> paths = paths_to_run(path_names);
+  const int64_t groups = zerocore::quantize_num_groups(elements, group_size);
+
+  std::vector<Case> cases;
+  for (const std::string& direction : directions) {
+    for (int64_t bits : bits_list) {
+      for (const std::string& dtype_name : dtypes) {
+        for (zerocore::SimdPath path : paths) {
+          const ScalarType dtype = parse_type(dtype_name);
+          const int64_t bytes = elements * type_bytes(dtype) +
+                                zerocore::quantized_bytes(elements, static_cast<int>(bits)) + groups * 4;
+          cases.push_back(Case{direction == "quantize", static_cast<int>(bits), dtype_name, dtype, path, bytes});
+        }
+      }
+    }
+  }
+
+  std::vector<Row> rows;
+  const int64_t stream_bytes = elements * zerocore::stream_kernel_bytes_per_element(zerocore::StreamKernel::kCopy);
+  for (int64_t thread_count : threads) {
+    zerocore::ThreadPool pool(static_cast<int>(thread_count));
+    zerocore::StreamProbe probe(elements, &pool);
+    std::vector<zerocore::StoreKind> stores{zerocore::StoreKind::kRegular};
+    if (zerocore::stream_supports_non_temporal(probe.path())) stores.push_back(zerocore::StoreKind::kNonTemporal);
+    std::vector<Buffers> buffers;
+    for (const std::string& dtype_name : dtypes) {
+      buffers.push_back(make_buffers(elements, parse_type(dtype_name), group_size, pool));
+    }
+    auto buffers_of = [&](const Case& c) -> Buffers& {
+      for (size_t d = 0; d < dtypes.size(); ++d) {
+        if (dtypes[d] == c.dtype_name) return buffers[d];
+      }
+      return buffers[0];
+    };
+    // Quantize once first, so dequantize reads real q and scales whatever the order of the cases.
+    for (const Case& c : cases) {
+      Buffers& b = buffers_of(c);
+      zerocore::quantize_symmetric(b.data.data(), c.dtype, elements, c.bits, group_size,
+                                   (c.bits == 8 ? b.q8 : b.q4).as<uint8_t>(), b.scales.as<float>(), &pool, c.path);
+    }
+    auto run_case = [&](const Case& c) {
+      Buffers& b = buffers_of(c);
+      uint8_t* const q = (c.bits == 8 ? b.q8 : b.q4).as<uint8_t>();
+      const auto start = std::chrono::steady_clock::now();
+      if (c.quantize) {
+        const zerocore::QuantizeResult result = zerocore::quantize_symmetric(
+            b.data.data(), c.dtype, elements, c.bits, group_size, q, b.scales.as<float>(), &pool, c.path);
+        if (!result.ok()) throw std::runtime_error("the benchmark's data held a non-finite value");
+      } else {
+        zerocore::dequantize_symmetric(q, b.scales.as<float>(), elements, c.bits, group_size, b.data.data(), c.dtype,
+                                       &pool, c.path);
+      }
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    };
+
+    // Copy passes and kernel calls alternate, one warm-up round first, so that the roofline and the kernels
+    // see the same machine: measured one after the other on a shared host they drift apart.
+    std::vector<Timing> stream_timings(stores.size());
+    std::vector<Timing> case_timings(cases.size());
+    for (int64_t round = -1; round < repeat; ++round) {
+      for (size_t s = 0; s < stores.size(); ++s) {
+        const double seconds = probe.time_pass(zerocore::StreamKernel::kCopy, stores[s]);
+        if (round >= 0) stream_timings[s].seconds.push_back(seconds);
+      }
+      for (size_t k = 0; k < cases.size(); ++k) {
+        const double seconds = run_case(cases[k]);
+        if (round >= 0) case_timings[k].seconds.push_back(seconds);
+      }
+    }
+    size_t fastest = 0;
+    for (size_t s = 1; s < stores.size(); ++s) {
+      if (stream_timings[s].best() < stream_timings[fastest].best()) fastest = s;
+    }
+    const double roofline = stream_bytes / stream_timings[fastest].best() * 1e-9;
+    const double roofline_median = stream_bytes / stream_timings[fastest].median() * 1e-9;
+    for (size_t k = 0; k < cases.size(); ++k) {
+      rows.push_back(Row{thread_count, cases[k], case_timings[k], roofline, roofline_median, stores[fastest]});
+    }
+  }
+
+  auto gbps = [](int64_t bytes, double seconds) { return seconds > 0 ? bytes / seconds * 1e-9 : 0.0; };
+  if (json) {
+    JsonWriter out;
+    out.begin_object()
+        .field_string("command", "quantize")
+        .field_int("elements", elements)
+        .field_int("group_size", group_size)
+        .field_int("repeat", repeat)
+        .field_int("hardware_threads", default_threads())
+        .begin_array("results");
+    for (const Row& row : rows) {
+      const double best = gbps(row.c.bytes, row.timing.best());
+      out.begin_object()
+          .field_int("threads", row.threads)
+          .field_string("direction", row.c.quantize ? "quantize" : "dequantize")
+          .field_int("bits", row.c.bits)
+          .field_string("dtype", row.c.dtype_name)
+          .field_string("path", zerocore::simd_path_name(row.c.path))
+          .field_int("bytes_per_call", row.c.bytes)
+          .field_number("best_seconds", row.timing.best())
+          .field_number("median_seconds", row.timing.median())
+          .field_number("best_gbps", best)
+          .field_number("median_gbps", gbps(row.c.bytes, row.timing.median()))
+          .field_number("roofline_gbps", row.roofline_gbps)
+          .field_number("roofline_median_gbps", row.roofline_median_gbps)
+          .field_string("roofline_stores", zerocore::store_kind_name(row.roofline_stores))
+          .field_number("fraction_of_roofline", best / row.roofline_gbps)
+          .end_object();
+    }
+    out.end_array().end_object();
+    std::printf("%s\n", out.str().c_str());
+    return 0;
+  }
+
+  std::printf("quantize: %lld elements, group size %lld (%lld groups)\n", static_cast<long long>(elements),
+              static_cast<long long>(group_size), static_cast<long long>(groups));
+  std::printf("roofline: the copy stream (8 B/element, faster store kind), its passes interleaved with the calls;\n"
+              "%lld rounds after a warm-up round; GB/s = bytes read + written; fraction = best / best roofline\n\n",
+              static_cast<long long>(repeat));
+  Table table({"threads", "direction", "bits", "dtype", "path", "MB/call", "best ms", "median ms", "best GB/s",
+               "median GB/s", "roofline GB/s", "stores", "fraction"});
+  for (const Row& row : rows) {
+    const double best = gbps(row.c.bytes, row.timing.best());
+    table.add_row({std::to_string(row.threads), row.c.quantize ? "quantize" : "dequantize",
+                   std::to_string(row.c.bits), row.c.dtype_name, zerocore::simd_path_name(row.c.path),
+                   format("%.1f", row.c.bytes * 1e-6), format("%.2f", row.timing.best() * 1e3),
+                   format("%.2f", row.timing.median() * 1e3), format("%.2f", best),
+                   format("%.2f", gbps(row.c.bytes, row.timing.median())), format("%.2f", row.roofline_gbps),
+                   zerocore::store_kind_name(row.roofline_stores), format("%.3f", best / row.roofline_gbps)});
+  }
+  table.print(stdout);
+  return 0;
+}
+
+}  // namespace zerocore_bench

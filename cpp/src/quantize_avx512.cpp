@@ -1,0 +1,444 @@
+// The AVX-512 quantization kernels, 16 elements a vector; compiled with -mavx512f -mavx512bw -mavx512vl
+// -mavx512dq -mfma -mf16c and run only when the CPU has them. Tails are masked iterations of the body, so
+// any group size and alignment work without a scalar loop. The rounding of x / scale is exact (Note
+// [Quantization arithmetic]): t = x * (1 / scale) is rounded half to even, then moved by one where the
+// residual r = x - q * scale (one FMA) says the rounded reciprocal put it on the wrong side of a half.
+
+// GCC 12 reports its own _mm512_undefined_*() placeholders as (maybe-)uninitialized wherever intrinsics such
+// as _mm512_max_epu32 are inlined (GCC bug 105593), so for this whole file.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "quantize_kernels.hpp"
+
+namespace zerocore {
+namespace kernels {
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+inline __mmask16 lanes_mask(int64_t count) {
+  return count >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
+}
+
+template <ScalarType kIn>
+inline __m512 load_in(const void* data, int64_t i, __mmask16 mask) {
+  if constexpr (kIn == ScalarType::kFloat32) {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(data) + i);
+  } else {
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(data) + i);
+    if constexpr (kIn == ScalarType::kBFloat16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    } else {
+      return _mm512_cvtph_ps(bits);
+    }
+  }
+}
+
+// max |x| over the group as fp32 bits without the sign: compared as integers, so inf and NaN sort above
+// every finite value. 16-bit inputs are compared in their own format (32 per vector, no conversion; both
+// formats order their magnitudes like integers) and only the maximum is widened.
+template <ScalarType kIn>
+uint32_t group_absmax_bits(const void* input, GroupRange range) {
+  if constexpr (kIn == ScalarType::kFloat32) {
+    const float* const x = static_cast<const float*>(input);
+    const __m512i abs_mask = _mm512_set1_epi32(static_cast<int>(kF32AbsMask));
+    __m512i m0 = _mm512_setzero_si512();
+    __m512i m1 = _mm512_setzero_si512();
+    int64_t i = range.begin;
+    for (; i + 2 * kLanes <= range.end; i += 2 * kLanes) {
+      m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(x + i), abs_mask));
+      m1 = _mm512_max_epu32(m1, _mm512_and_si512(_mm512_loadu_si512(x + i + kLanes), abs_mask));
+    }
+    for (; i < range.end; i += kLanes) {
+      m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_maskz_loadu_epi32(lanes_mask(range.end - i), x + i), abs_mask));
+    }
+    return _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
+  } else {
+    constexpr int64_t kHalves = 32;
+    const uint16_t* const x = static_cast<const uint16_t*>(input);
+    const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
+    __m512i m0 = _mm512_setzero_si512();
+    __m512i m1 = _mm512_setzero_si512();
+    int64_t i = range.begin;
+    for (; i + 2 * kHalves <= range.end; i += 2 * kHalves) {
+      m0 = _mm512_max_epu16(m0, _mm512_and_si512(_mm512_loadu_si512(x + i), abs_mask));
+      m1 = _mm512_max_epu16(m1, _mm512_and_si512(_mm512_loadu_si512(x + i + kHalves), abs_mask));
+    }
+    for (; i < range.end; i += kHalves) {
+      const int64_t count = range.end - i;
+      const __mmask32 mask = count >= kHalves ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << count) - 1u);
+      m0 = _mm512_max_epu16(m0, _mm512_and_si512(_mm512_maskz_loadu_epi16(mask, x + i), abs_mask));
+    }
+    m0 = _mm512_max_epu16(m0, m1);
+    __m256i m = _mm256_max_epu16(_mm512_castsi512_si256(m0), _mm512_extracti64x4_epi64(m0, 1));
+    __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_max_epu16(h, _mm_srli_si128(h, 8));
+    h = _mm_max_epu16(h, _mm_srli_si128(h, 4));
+    h = _mm_max_epu16(h, _mm_srli_si128(h, 2));
+    const auto largest = static_cast<uint16_t>(_mm_cvtsi128_si32(h));
+    return float_bits(kIn == ScalarType::kBFloat16 ? bf16_to_float(largest) : half_to_float(largest));
+  }
+}
+
+// round_half_even(x / scale), exactly, for a group's scale (see the file comment). kLift: the group's scale
+// is tiny and runs lifted by 2^64 (WorkingScale).
+template <bool kLift>
+struct Rounder {
+  __m512 prescale, scale, inverse, half, neg_half;
+
+  explicit Rounder(const WorkingScale& w)
+      : prescale(_mm512_set1_ps(w.prescale)),
+        scale(_mm512_set1_ps(w.scale)),
+        inverse(_mm512_set1_ps(w.inverse)),
+        half(_mm512_set1_ps(w.half)),
+        neg_half(_mm512_set1_ps(-w.half)) {}
+
+  inline __m512i quantize(__m512 x) const {
+    const __m512 xs = kLift ? _mm512_mul_ps(x, prescale) : x;
+    const __m512i q =
+        _mm512_cvt_roundps_epi32(_mm512_mul_ps(xs, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // xs - q * scale: exact, or rounded where that cannot change the decision (Note [Quantization arithmetic])
+    const __m512 r = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), scale, xs);
+    // |r| < scale / 2: q is right (nearly always: one compare). Otherwise fix the lanes past or on a half.
+    const __mmask16 near_half = _mm512_cmp_ps_mask(_mm512_abs_ps(r), half, _CMP_GE_OQ);
+    if (near_half == 0) return q;
+    return correct(q, r);
+  }
+
+  // q + 1 where r > scale / 2 or r == scale / 2 with q odd; q - 1 where r < -scale / 2 or r == -scale / 2
+  // with q odd (the even neighbour wins a tie).
+  inline __m512i correct(__m512i q, __m512 r) const {
+    const __mmask16 odd = _mm512_test_epi32_mask(q, _mm512_set1_epi32(1));
+    const __mmask16 up = _mm512_cmp_ps_mask(r, half, _CMP_GT_OQ) | (_mm512_cmp_ps_mask(r, half, _CMP_EQ_OQ) & odd);
+    const __mmask16 down =
+        _mm512_cmp_ps_mask(r, neg_half, _CMP_LT_OQ) | (_mm512_cmp_ps_mask(r, neg_half, _CMP_EQ_OQ) & odd);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i raised = _mm512_mask_add_epi32(q, up, q, one);
+    return _mm512_mask_sub_epi32(raised, down, raised, one);
+  }
+};
+
+// Stores 16 (or `count`) q values: int8 bytes, or int4 pairs packed low nibble first.
+template <int kBits>
+inline void store_q(uint8_t* out, __m512i q, int64_t count) {
+  if constexpr (kBits == 8) {
+    _mm512_mask_cvtepi32_storeu_epi8(out, lanes_mask(count), q);
+  } else {
+    // Each 64-bit lane holds (q_even, q_odd): shifting the lane right by 28 puts q_odd's nibble at bits 4-7.
+    const __m512i nibbles = _mm512_and_si512(q, _mm512_set1_epi32(0xF));
+    const __m512i packed = _mm512_or_si512(nibbles, _mm512_srli_epi64(nibbles, 28));
+    const int64_t bytes = (count + 1) / 2;
+    const __mmask8 mask = bytes >= 8 ? static_cast<__mmask8>(0xFF) : static_cast<__mmask8>((1u << bytes) - 1u);
+    _mm512_mask_cvtepi64_storeu_epi8(out, mask, packed);
+  }
+}
+
+// max |x| bits accumulated 16 elements at a time, alongside the quantize loop (see quantize_groups).
+template <ScalarType kIn>
+struct AbsMax {
+  __m512i wide = _mm512_setzero_si512();  // fp32: |x| bits per lane
+  __m256i half = _mm256_setzero_si256();  // bf16 / fp16: |x| bits per 16-bit lane
+
+  inline void add(const void* input, int64_t i, __mmask16 mask) {
+    if constexpr (kIn == ScalarType::kFloat32) {
+      const __m512i bits = _mm512_maskz_loadu_epi32(mask, static_cast<const float*>(input) + i);
+      wide = _mm512_max_epu32(wide, _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(kF32AbsMask))));
+    } else {
+      const __m256i bits = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(input) + i);
+      half = _mm256_max_epu16(half, _mm256_and_si256(bits, _mm256_set1_epi16(0x7FFF)));
+    }
+  }
+
+  // As fp32 bits, like group_absmax_bits.
+  inline uint32_t bits() const {
+    if constexpr (kIn == ScalarType::kFloat32) {
+      return _mm512_reduce_max_epu32(wide);
+    } else {
+      __m128i h = _mm_max_epu16(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+      h = _mm_max_epu16(h, _mm_srli_si128(h, 8));
+      h = _mm_max_epu16(h, _mm_srli_si128(h, 4));
+      h = _mm_max_epu16(h, _mm_srli_si128(h, 2));
+      const auto largest = static_cast<uint16_t>(_mm_cvtsi128_si32(h));
+      return float_bits(kIn == ScalarType::kBFloat16 ? bf16_to_float(largest) : half_to_float(largest));
+    }
+  }
+};
+
+// Quantizes `range` and, in the same loop, finds max |x| of `next` (the following group, never longer; empty
+// when there is none), whose bits it returns: the next group streams in from memory while this one (in L1
+// since its own max pass) is converted, instead of a burst of misses per group with the memory idle in
+// between. A software prefetch 4 KiB ahead of that stream, into L2 (T1: an L1 prefetch would hold one of
+// the few line-fill buffers the demand loads need), takes single-thread fp32 quantize from DRAM from about
+// 10 to 14.5 GB/s on a 2-core AVX-512 VM (T0, or 1 KiB or 16 KiB ahead, did worse there).
+template <ScalarType kIn, int kBits, typename R>
+uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange next, const R& rounder, bool stream) {
+  constexpr int64_t kBytes = kIn == ScalarType::kFloat32 ? 4 : 2;
+  constexpr int64_t kPrefetchElements = 4096 / kBytes;
+  uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
+  AbsMax<kIn> next_max;
+  const int64_t next_offset = next.begin - range.begin;
+  // Element i's vector: the next group's vector at the same place into next_max, a prefetch further on, and
+  // the 16 q values.
+  auto step_next = [&](int64_t i) {
+    const int64_t ahead = i + next_offset;
+    if (ahead < next.end) next_max.add(args.input, ahead, lanes_mask(next.end - ahead));
+    if (ahead + kPrefetchElements < args.n) {
+      _mm_prefetch(static_cast<const char*>(args.input) + (ahead + kPrefetchElements) * kBytes, _MM_HINT_T1);
+    }
+  };
+  auto step = [&](int64_t i) {
+    step_next(i);
+    return rounder.quantize(load_in<kIn>(args.input, i, lanes_mask(range.end - i)));
+  };
+  // Blocks of 64 elements: four vectors of q packed to bytes in order with four shuffle-unit instructions
+  // (vpmovdb / vpmovqb would take two per vector), then for int4 adjacent bytes merged into nibble pairs. A
+  // large input's q is stored non-temporally: it leaves the cache before the collective reads it anyway,
+  // and skipping the read-for-ownership saves a read per byte written.
+  constexpr int64_t kBlock = 4 * kLanes;
+  constexpr int64_t kBlockBytes = kBits == 8 ? 64 : 32;
+  const __m512i dword_order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  int64_t i = range.begin;
+  for (; i + kBlock <= range.end; i += kBlock) {
+    __m512i bytes;
+    if constexpr (kIn == ScalarType::kBFloat16) {
+      // bf16 widens to fp32 by a 16-bit shift: interleaving 32 inputs with zeros (one shuffle per 16, no
+      // zero-extend and shift) gives elements 0-3, 8-11, 16-19, 24-27 (lo) and 4-7, 12-15, ... (hi) per
+      // 128-bit lane, an order the signed packs below undo: lane k of packs_epi32(lo, hi) is elements
+      // 8k..8k+7 of the 32, so only whole qwords are left to put in place.
+      const __m512i zero = _mm512_setzero_si512();
+      auto quantize32 = [&](int64_t at, __m512i* low, __m512i* high) {
+        step_next(at);
+        step_next(at + kLanes);
+        const __m512i raw = _mm512_loadu_si512(static_cast<const uint16_t*>(args.input) + at);
+        *low = rounder.quantize(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw)));
+        *high = rounder.quantize(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw)));
+      };
+      __m512i a, b, c, d;
+      quantize32(i, &a, &b);
+      quantize32(i + 2 * kLanes, &c, &d);
+      // Lane k: elements 8k..8k+7, then 32 + 8k..32 + 8k + 7: qword 2k and 2k + 1.
+      bytes = _mm512_permutexvar_epi64(_mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0),
+                                       _mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d)));
+    } else {
+      const __m512i a = step(i), b = step(i + kLanes), c = step(i + 2 * kLanes), d = step(i + 3 * kLanes);
+      // Per 128-bit lane k: a[4k..4k+3], b[4k..], c[4k..], d[4k..] as bytes (exact: |q| <= 127); then each
+      // vector's dwords together.
+      bytes = _mm512_permutexvar_epi32(dword_order,
+                                       _mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d)));
+    }
+    uint8_t* const at = q + q_byte_offset(kBits, i - range.begin);
+    const bool aligned = stream && reinterpret_cast<uintptr_t>(at) % kBlockBytes == 0;
+    if constexpr (kBits == 8) {
+      if (aligned) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(at), bytes);
+      } else {
+        _mm512_storeu_si512(at, bytes);
+      }
+    } else {
+      // Word k holds q_2k (low byte) and q_2k+1 (high byte): take bits 0-3 from it and bits 4-7 from it
+      // shifted right by 4 (a bitwise select), then keep each word's low byte.
+      const __m512i merged =
+          _mm512_ternarylogic_epi32(bytes, _mm512_srli_epi16(bytes, 4), _mm512_set1_epi16(0x000F), 0xE4);
+      const __m256i pairs = _mm512_cvtepi16_epi8(merged);
+      if (aligned) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(at), pairs);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), pairs);
+      }
+    }
+  }
+  for (; i < range.end; i += kLanes) store_q<kBits>(q + q_byte_offset(kBits, i - range.begin), step(i), range.end - i);
+  return next_max.bits();
+}
+
+template <ScalarType kIn, int kBits>
+QuantizeResult quantize_groups(const QuantizeArgs& args, int64_t group_begin, int64_t group_end) {
+  QuantizeResult result;
+  if (group_begin >= group_end) return result;
+  const bool stream = args.n >= kStreamMinElements;
+  uint32_t absmax_bits = group_absmax_bits<kIn>(args.input, group_range(args.n, args.group_size, group_begin));
+  for (int64_t g = group_begin; g < group_end; ++g) {
+    const GroupRange range = group_range(args.n, args.group_size, g);
+    const GroupRange next = g + 1 < group_end ? group_range(args.n, args.group_size, g + 1) : GroupRange{0, 0};
+    auto next_absmax = [&] { return next.begin < next.end ? group_absmax_bits<kIn>(args.input, next) : 0u; };
+    if (absmax_bits >= kF32ExponentMask) {
+      flag_nonfinite_group<kIn>(args, g, range, result);
+      absmax_bits = next_absmax();
+      continue;
+    }
+    const float scale = group_scale(absmax_bits, kBits == 8 ? 127 : 7);
+    if (scale == 0.0f) {
+      write_zero_group(args, g, range);
+      absmax_bits = next_absmax();
+      continue;
+    }
+    args.scales[g] = scale;
+    const WorkingScale working = working_scale(scale);
+    if (working.prescale == 1.0f) {
+      absmax_bits = quantize_group<kIn, kBits>(args, range, next, Rounder<false>(working), stream);
+    } else {
+      absmax_bits = quantize_group<kIn, kBits>(args, range, next, Rounder<true>(working), stream);
+    }
+  }
+  if (stream) _mm_sfence();  // order the weakly-ordered stores before whatever the caller does next
+  return result;
+}
+
+// 16 q values from q + offset (count of them valid), sign-extended to int32.
+template <int kBits>
+inline __m512i load_q(const uint8_t* q, int64_t count) {
+  if constexpr (kBits == 8) {
+    return _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(lanes_mask(count), q));
+  } else {
+    const int64_t bytes = (count + 1) / 2;
+    const __m512i widened = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes_mask(bytes), q));
+    // Lane j takes byte j / 2, shifted so its nibble (low for even j, high for odd j) tops the lane, then
+    // shifted back arithmetically: the sign-extended nibble.
+    const __m512i pairs = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                                   widened);
+    const __m512i shifts = _mm512_set_epi32(24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28);
+    return _mm512_srai_epi32(_mm512_sllv_epi32(pairs, shifts), 28);
+  }
+}
+
+// Round to nearest even, (bits + 0x7FFF + lsb) >> 16, for values that are not NaN (a group with a NaN
+// scale is dequantized by dequantize_group_scalar); inf stays inf and overflow rounds to it.
+// The bf16 bits in the low half of each 32-bit lane.
+inline __m512i bf16_lanes(__m512 value) {
+  const __m512i bits = _mm512_castps_si512(value);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_srli_epi32(rounded, 16);
+}
+
+inline __m256i float_to_bf16(__m512 value) { return _mm512_cvtepi32_epi16(bf16_lanes(value)); }
+
+// 32 bf16 values from two vectors: one pack and one permute (two shuffles) instead of two vpmovdw (four).
+inline __m512i float_to_bf16_x2(__m512 low, __m512 high) {
+  const __m512i packed = _mm512_packus_epi32(bf16_lanes(low), bf16_lanes(high));  // per 128 bits: 4 low, 4 high
+  return _mm512_permutexvar_epi64(_mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0), packed);
+}
+
+template <ScalarType kOut>
+inline void store_out(void* out, int64_t i, __m512 value, __mmask16 mask) {
+  if constexpr (kOut == ScalarType::kFloat32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(out) + i, mask, value);
+  } else if constexpr (kOut == ScalarType::kBFloat16) {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + i, mask, float_to_bf16(value));
+  } else {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + i, mask,
+                             _mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// A whole vector of output with a non-temporal store; `at` is aligned to the vector's size.
+template <ScalarType kOut>
+inline void stream_out(void* out, int64_t i, __m512 value) {
+  if constexpr (kOut == ScalarType::kFloat32) {
+    _mm512_stream_ps(static_cast<float*>(out) + i, value);
+  } else if constexpr (kOut == ScalarType::kBFloat16) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), float_to_bf16(value));
+  } else {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i),
+                        _mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+template <ScalarType kOut, int kBits, bool kStream>
+void dequantize_group(const DequantizeArgs& args, int64_t g) {
+  const GroupRange range = group_range(args.n, args.group_size, g);
+  const __m512 scale = _mm512_set1_ps(args.scales[g]);
+  const uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
+  constexpr uintptr_t kVectorBytes = kLanes * (kOut == ScalarType::kFloat32 ? 4 : 2);
+  const char* const out_bytes = static_cast<const char*>(args.out);
+  // q is a thin stream next to the output's: ask for the next group's q lines while this one is converted,
+  // or the loads wait on memory (int4 to bf16 from DRAM: 3x slower without).
+  const int64_t q_end = q_byte_offset(kBits, args.n + 1);
+  constexpr int64_t kQAhead = 1024;
+  auto load_values = [&](int64_t i, int64_t count) {
+    const int64_t at = q_byte_offset(kBits, i);
+    if (at + kQAhead < q_end) _mm_prefetch(reinterpret_cast<const char*>(args.q + at + kQAhead), _MM_HINT_T0);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(load_q<kBits>(q + q_byte_offset(kBits, i - range.begin), count)), scale);
+  };
+  int64_t i = range.begin;
+  if constexpr (kOut == ScalarType::kBFloat16) {
+    for (; i + 2 * kLanes <= range.end; i += 2 * kLanes) {
+      const __m512i bits = float_to_bf16_x2(load_values(i, kLanes), load_values(i + kLanes, kLanes));
+      uint16_t* const at = static_cast<uint16_t*>(args.out) + i;
+      if (kStream && reinterpret_cast<uintptr_t>(at) % 64 == 0) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(at), bits);
+      } else {
+        _mm512_storeu_si512(at, bits);
+      }
+    }
+  }
+  for (; i < range.end; i += kLanes) {
+    const int64_t count = range.end - i;
+    const __m512 value = load_values(i, count);
+    const auto address = reinterpret_cast<uintptr_t>(out_bytes + i * static_cast<int64_t>(kVectorBytes / kLanes));
+    if (kStream && count >= kLanes && address % kVectorBytes == 0) {
+      stream_out<kOut>(args.out, i, value);
+    } else {
+      store_out<kOut>(args.out, i, value, lanes_mask(count));
+    }
+  }
+}
+
+template <ScalarType kOut, int kBits>
+void dequantize_groups(const DequantizeArgs& args, int64_t group_begin, int64_t group_end) {
+  const bool stream = args.n >= kStreamMinElements;
+  for (int64_t g = group_begin; g < group_end; ++g) {
+    const float scale = args.scales[g];
+    if (scale != scale) {
+      dequantize_group_scalar<kOut>(args, g);
+    } else if (stream) {
+      dequantize_group<kOut, kBits, true>(args, g);
+    } else {
+      dequantize_group<kOut, kBits, false>(args, g);
+    }
+  }
+  if (stream) _mm_sfence();  // order the weakly-ordered stores before whatever the caller does next
+}
+
+template <int kBits>
+QuantizeResult quantize_bits(const QuantizeArgs& args, int64_t group_begin, int64_t group_end) {
+  switch (args.in_type) {
+    case ScalarType::kFloat32: return quantize_groups<ScalarType::kFloat32, kBits>(args, group_begin, group_end);
+    case ScalarType::kBFloat16: return quantize_groups<ScalarType::kBFloat16, kBits>(args, group_begin, group_end);
+    case ScalarType::kFloat16: return quantize_groups<ScalarType::kFloat16, kBits>(args, group_begin, group_end);
+  }
+  return {};
+}
+
+template <int kBits>
+void dequantize_bits(const DequantizeArgs& args, int64_t group_begin, int64_t group_end) {
+  switch (args.out_type) {
+    case ScalarType::kFloat32: return dequantize_groups<ScalarType::kFloat32, kBits>(args, group_begin, group_end);
+    case ScalarType::kBFloat16: return dequantize_groups<ScalarType::kBFloat16, kBits>(args, group_begin, group_end);
+    case ScalarType::kFloat16: return dequantize_groups<ScalarType::kFloat16, kBits>(args, group_begin, group_end);
+  }
+}
+
+}  // namespace
+
+QuantizeResult quantize_groups_avx512(const QuantizeArgs& args, int64_t group_begin, int64_t group_end) {
+  if (args.bits == 8) return quantize_bits<8>(args, group_begin, group_end);
+  return quantize_bits<4>(args, group_begin, group_end);
+}
+
+void dequantize_groups_avx512(const DequantizeArgs& args, int64_t group_begin, int64_t group_end) {
+  if (args.bits == 8) {
+    dequantize_bits<8>(args, group_begin, group_end);
+  } else {
+    dequantize_bits<4>(args, group_begin, group_end);
+  }
+}
+
+}  // namespace kernels
+}  // namespace zerocore
