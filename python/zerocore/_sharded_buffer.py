@@ -73,10 +73,9 @@ class ShardedBuffer:
     def build_from(self, values: Sequence[torch.Tensor]) -> None:
         """Takes the parameters' full values (fp32 or not; read before anything is cast): allocates the
         storage, points the parameters at it, and registers every bucket's shard with the optimizer state."""
-        masters = [self._shard_values(values, b) for b in range(len(self.buckets))]
         self.full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        if self.policy.params_sharded:
-            self.shard = torch.cat(masters).to(self.dtype) if masters else torch.zeros(0, dtype=self.dtype)
+        if self.policy.params_sharded:  # filled bucket by bucket below
+            self.shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
         else:
             self.shard = torch.empty(0, dtype=self.dtype, device=self.device)
             for value, offset in zip(values, self.offsets):
@@ -87,10 +86,18 @@ class ShardedBuffer:
         self.grad_shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device) if grads_sharded else None
         shapes = [tuple(p.shape) for p in self.params]
         for b in range(len(self.buckets)):
+            # one bucket's fp32 values at a time (an NVMe state file takes them at once; in memory they
+            # wait for the optimizer state's build)
+            master = None
+            if self.policy.params_sharded or self.dtype != torch.float32:
+                master = self._shard_values(values, b)
+                if self.policy.params_sharded:
+                    self.param_shard(b).copy_(master)
             runs, pieces = shard_geometry(self.layout, self.rank, b, self.names, shapes, self.groups)
             self.optimizer_shards.append(self._optimizer_state.add_shard(
                 f"{self.label} bucket {b}", self.param_shard(b), self.grad_slice(b), runs, pieces,
-                master_values=None if self.dtype == torch.float32 else masters[b]))
+                master_values=None if self.dtype == torch.float32 else master))
+            del master
         if self.policy.params_sharded:
             # See Note [Sharded placeholders].
             self.placeholders = [torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(p.shape)
