@@ -169,6 +169,24 @@ def test_a_full_disk_at_initialize_names_the_file_and_size(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def one_rank_path_missing_worker(rank: int, world: int, path: str) -> str:
+    """Rank 1's nvme_path does not exist (a directory missing on one node): every rank raises from
+    initialize, none waits in a collective for the other."""
+    mine = path if rank == 0 else os.path.join(path, "missing-on-this-node")
+    try:
+        zerocore.initialize(build("transformer"), _config(3, "bf16", "nvme", mine))
+    except OSError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_path_missing_on_one_rank_raises_on_every_rank(tmp_path):
+    messages = run_ranks(one_rank_path_missing_worker, 2, str(tmp_path), timeout=90)
+    assert "1 of 2 ranks could not create their optimizer state file" in messages[0]
+    assert "missing-on-this-node does not exist" in messages[1]
+    assert os.listdir(tmp_path) == []  # rank 0's file is removed
+
+
 def truncated_worker(rank: int, world: int, path: str) -> str:
     engine = zerocore.initialize(build("transformer"), _config(2, "bf16", "nvme", path))
     x, y = batch("transformer", torch.Generator().manual_seed(rank))

@@ -121,6 +121,7 @@ class OptimizerState:
         self.nvme = nvme
         self.pin_memory = pin_memory and placement.type == "cpu" and torch.cuda.is_available()
         self.store: Any = None  # the NvmeStateStore with ``nvme``
+        self.init_failure: OSError | None = None  # why the NVMe state file could not be made
         self.shards: list[Shard] = []
         self.step_count = 0
         self._built = False
@@ -140,16 +141,20 @@ class OptimizerState:
         if self.nvme is None:
             shard.initial_master = master_values
             return shard
-        try:  # on NVMe the initial state goes to the file now: one shard's fp32 values in memory at a time
-            if self.store is None:
-                self.store = _open_store(self.nvme)
-            values = None
-            if shard.separate_master:
-                values = master_values if master_values is not None else params.detach().float().cpu()
-            self.store.add_shard(shard.numel, shard.separate_master, values)
-        except BaseException:
-            self.close()
-            raise
+        # On NVMe the initial state goes to the file now: one shard's fp32 values in memory at a time. A
+        # failure (path missing or read-only, disk full) is kept, not raised: the other ranks go on through
+        # initialize's collectives, and the engine raises on every rank after build() (init_failure).
+        if self.init_failure is None:
+            try:
+                if self.store is None:
+                    self.store = _open_store(self.nvme)
+                values = None
+                if shard.separate_master:
+                    values = master_values if master_values is not None else params.detach().float().cpu()
+                self.store.add_shard(shard.numel, shard.separate_master, values)
+            except OSError as error:
+                self.init_failure = error
+                self.close()
         shard.master = params if not shard.separate_master else None  # only in the file
         shard.exp_avg = shard.exp_avg_sq = None
         return shard
@@ -162,7 +167,7 @@ class OptimizerState:
         else:
             self._build_resident()
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        if self.store is None:
+        if self.nvme is None:
             self._slices_by_group = self._group_slices(self._resident_parts(self.shards))
             self._slices_by_shard = [self._group_slices(self._resident_parts([shard])) for shard in self.shards]
         self._built = True
@@ -199,6 +204,8 @@ class OptimizerState:
 
     def _build_nvme(self) -> None:
         self.master = self.exp_avg = self.exp_avg_sq = torch.empty(0)
+        if self.init_failure is not None:
+            return
         if self.store is None:  # no trainable shard on this rank: an empty file
             self.store = _open_store(self.nvme)
         self.store.finish()

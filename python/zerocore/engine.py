@@ -185,6 +185,8 @@ class Engine:
         else:
             self.buffers = [self._whole_model_buffer([p for g in groups for p in g["params"]], group_of)]
         self.optimizer_state.build()
+        if self.optimizer_state.nvme is not None:
+            self._agree_on_state_files()
         self.optimizer = ZeroOptimizer(self, groups)
         self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer)  # None without a scheduler
         register_managed(self, [p for group in groups for p in group["params"]])
@@ -504,6 +506,20 @@ class Engine:
         if self.stage3 is not None:
             self.stage3.end_forward_backward_step()
         self._log_progress()
+
+    def _agree_on_state_files(self) -> None:
+        """Every rank learns whether every rank made its NVMe state file; all raise alike if one could not
+        (a path missing on one node, one full disk), instead of the others going on into a collective."""
+        error = self.optimizer_state.init_failure
+        failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(failed, False).wait()
+        if failed.item() > 0:
+            self.optimizer_state.close()
+            if error is not None:
+                raise error
+            raise OSError(f"zero_optimization.offload_optimizer: {int(failed.item())} of {self.world_size} ranks "
+                          "could not create their optimizer state file under nvme_path (their error names the "
+                          "path); this rank's file is removed")
 
     def _check_offload_io(self, store: Any) -> None:
         """After an NVMe step, every rank learns whether any rank's I/O failed (each still issued every
