@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-_ALIGN = 4096
+from ._safetensors_io import ALIGN, aligned_empty
+
 _F32 = 4
 
 
@@ -69,7 +70,7 @@ def plan_sub_groups(shard_sizes: Sequence[int], separate_master: Sequence[bool],
         states = ("master", "exp_avg", "exp_avg_sq") if separate else ("exp_avg", "exp_avg_sq")
         for start in range(0, numel, sub_group_size):
             end = min(numel, start + sub_group_size)
-            stride = -(-(end - start) * _F32 // _ALIGN) * _ALIGN
+            stride = -(-(end - start) * _F32 // ALIGN) * ALIGN
             sub_groups.append(SubGroup(index, start, end, offset, stride, states))
             offset += stride * len(states)
     return sub_groups, offset
@@ -78,12 +79,6 @@ def plan_sub_groups(shard_sizes: Sequence[int], separate_master: Sequence[bool],
 def pipeline_buffers(sub_groups: Sequence[SubGroup]) -> tuple[int, int]:
     """(count, bytes each) of the step's rotating I/O buffers: three when there is more than one sub-group."""
     return 3 if len(sub_groups) > 1 else 1, max((g.nbytes for g in sub_groups), default=0)
-
-
-def _aligned_empty(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % _ALIGN
-    return raw[skip : skip + nbytes]
 
 
 class NvmeStateStore:
@@ -132,7 +127,7 @@ class NvmeStateStore:
         self._shards += 1
         count, largest = pipeline_buffers(self.sub_groups)
         if not self.buffers or self.buffers[0].numel() < largest:
-            self.buffers = [_aligned_empty(largest)]
+            self.buffers = [aligned_empty(largest)]
         for group in groups:
             buffer = self.buffers[0]
             buffer[: group.nbytes].zero_()  # moments start at zero; the alignment padding is written too
@@ -145,7 +140,7 @@ class NvmeStateStore:
     def finish(self) -> None:
         """Every shard is added: the step's rotating buffers."""
         count, largest = pipeline_buffers(self.sub_groups)
-        self.buffers = self.buffers[:1] + [_aligned_empty(largest) for _ in range(count - 1)]
+        self.buffers = self.buffers[:1] + [aligned_empty(largest) for _ in range(count - 1)]
         self.bytes_read = self.bytes_written = 0  # the initial writes are not a step's I/O
 
     # ---- whole shards (initialize, checkpoints, writes by the user) ---------------------------------------

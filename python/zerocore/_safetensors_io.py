@@ -32,7 +32,7 @@ from ._native import _C
 BLOCK = 1 << 20
 _CHUNK = 8 << 20  # bytes per read while loading
 _IN_FLIGHT = 8  # reads in flight while loading
-_ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the device's block
+ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the device's block
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}
@@ -107,7 +107,7 @@ def write(path: str, entries: Sequence[Entry], tensor: Callable[[str, Sequence[i
                         "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % _ALIGN)
+    raw += b" " * (-(8 + len(raw)) % ALIGN)
     head = len(raw).to_bytes(8, "little") + raw
     sums = BlockChecksums(block)
     tmp = path + ".tmp"
@@ -200,7 +200,7 @@ class VerifiedFile:
         the ranges are scattered (a stage-3 shard of a checkpoint saved at another world size is)."""
         # each range's bytes sit at the same offset modulo 4 KiB as in the file, so a chunk inside one range
         # is read straight into it with O_DIRECT (no copy); chunks spanning ranges go through a buffer
-        out = [_aligned_empty(length, skew=offset) for offset, length in ranges]
+        out = [aligned_empty(length, skew=offset) for offset, length in ranges]
         data_size = self.size - self.data_start
         wanted = sorted({b for offset, length in ranges if length
                          for b in range(offset // self.block, (offset + length - 1) // self.block + 1)})
@@ -253,7 +253,7 @@ class VerifiedFile:
             if holder is not None:
                 buffer = out[holder][start - ranges[holder][0] : end - ranges[holder][0]]
             else:
-                buffer = _aligned_empty(end - start)
+                buffer = aligned_empty(end - start)
             pending.append((first, last, buffer, self._io.read(self._handle, self.data_start + start, buffer),
                             holder is not None))
         while pending:
@@ -271,11 +271,11 @@ class VerifiedFile:
         return data.view(dtype).view(shape)
 
 
-def _aligned_empty(n: int, skew: int = 0) -> torch.Tensor:
-    """An uninitialized uint8 tensor of ``n`` bytes whose data starts ``skew`` bytes past an ``_ALIGN``
-    boundary (modulo ``_ALIGN``)."""
-    raw = torch.empty(n + _ALIGN, dtype=torch.uint8)
-    skip = (skew - raw.data_ptr()) % _ALIGN
+def aligned_empty(n: int, skew: int = 0) -> torch.Tensor:
+    """An uninitialized uint8 tensor of ``n`` bytes whose data starts ``skew`` bytes past an ``ALIGN``
+    boundary (modulo ``ALIGN``)."""
+    raw = torch.empty(n + ALIGN, dtype=torch.uint8)
+    skip = (skew - raw.data_ptr()) % ALIGN
     return raw[skip : skip + n]
 
 

@@ -514,12 +514,6 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
     return written
 
 
-def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor]) -> None:
-    """``tensors`` as one safetensors file, written durably (no numpy needed, unlike
-    ``safetensors.torch.save_file``, which torch's CPU wheels do not bring along)."""
-    stio.write_tensors(path, tensors)
-
-
 # ---- command line -----------------------------------------------------------------------------------------
 def _info(path: str, tag: str | None) -> None:
     if tag is None and os.path.exists(os.path.join(path, "latest")):

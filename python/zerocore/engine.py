@@ -681,7 +681,7 @@ class Engine:
         """Writes the model's whole weights in the compute dtype as one safetensors file on rank 0
         (DeepSpeed's name; Hugging Face's layout: tied parameters once, under their first name, persistent
         buffers included). A collective: stage 3 gathers unit by unit. Returns the file's path."""
-        from .checkpoint import write_safetensors
+        from ._safetensors_io import write_tensors
 
         self.lifecycle.require("save_16bit_model()", *_USABLE)
         state = self.full_state_dict(self.compute_dtype)
@@ -691,7 +691,7 @@ class Engine:
             tied = {name for name, _ in self.module.named_parameters(remove_duplicate=False)} - first
             kept = {k: v.contiguous() for k, v in state.items() if k not in tied}
             os.makedirs(os.fspath(save_dir), exist_ok=True)
-            write_safetensors(path, kept)
+            write_tensors(path, kept)
         dist.barrier(group=self.process_group)
         return path
 
