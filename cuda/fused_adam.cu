@@ -389,8 +389,7 @@ struct ModeTag {
 };
 
 void check_type(ScalarType type, const char* what) {
-  ZC_CHECK_ARG(type == ScalarType::kFloat32 || type == ScalarType::kBFloat16 || type == ScalarType::kFloat16,
-               what, " has an unknown ScalarType value ", static_cast<int>(type));
+  ZC_CHECK_ARG(is_float_type(type), what, " has an unknown ScalarType value ", static_cast<int>(type));
 }
 
 void check_spans(const AdamSpans& s, const char* where) {

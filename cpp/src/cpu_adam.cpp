@@ -34,18 +34,6 @@ constexpr int64_t kFiniteBlock = 64 * 1024;
 using AdamChunkFn = void (*)(const AdamSpans&, const kernels::Coefficients&, int64_t, int64_t);
 using FiniteChunkFn = bool (*)(const void*, ScalarType, int64_t, int64_t);
 
-bool is_grad_type(ScalarType type) {
-  return type == ScalarType::kFloat32 || type == ScalarType::kBFloat16 || type == ScalarType::kFloat16;
-}
-
-void check_path(SimdPath path, const char* caller) {
-  bool compiled = false;
-  for (SimdPath p : compiled_simd_paths()) compiled = compiled || p == path;
-  ZC_CHECK_ARG(compiled, caller, ": SIMD path '", simd_path_name(path), "' (", static_cast<int>(path),
-               ") was not compiled into this build");
-  ZC_CHECK_ARG(cpu_supports(path), caller, ": this CPU cannot run the '", simd_path_name(path), "' SIMD path");
-}
-
 AdamChunkFn adam_kernel(SimdPath path) {
   switch (path) {
     case SimdPath::kScalar: return kernels::adam_chunk_scalar;
@@ -99,7 +87,7 @@ void validate_spans(const AdamSpans& spans, const std::string& where) {
     ZC_CHECK_ARG(spans.exp_avg != nullptr, where, "exp_avg must not be null when n > 0 (n = ", n, ")");
     ZC_CHECK_ARG(spans.exp_avg_sq != nullptr, where, "exp_avg_sq must not be null when n > 0 (n = ", n, ")");
   }
-  ZC_CHECK_ARG(is_grad_type(spans.grad_type), where, "grad_type must be float32, bfloat16 or float16, got ",
+  ZC_CHECK_ARG(is_float_type(spans.grad_type), where, "grad_type must be float32, bfloat16 or float16, got ",
                static_cast<int>(spans.grad_type));
   // The output type only matters when there is an output (the bindings leave the default otherwise).
   ZC_CHECK_ARG(spans.param_out == nullptr || spans.param_out_type == ScalarType::kBFloat16 ||
@@ -188,7 +176,7 @@ kernels::Coefficients make_coefficients(const AdamHyper& hyper) {
 void adam_step(const AdamSpans& spans, const AdamHyper& hyper, ThreadPool* pool, SimdPath path) {
   validate_spans(spans, "adam_step: ");
   validate_hyper(hyper, "adam_step");
-  check_path(path, "adam_step");
+  check_simd_path(path, "adam_step");
   const AdamChunkFn kernel = adam_kernel(path);
   if (spans.n == 0) return;
   kernels::Coefficients coef = make_coefficients(hyper);
@@ -199,9 +187,9 @@ void adam_step(const AdamSpans& spans, const AdamHyper& hyper, ThreadPool* pool,
 bool all_finite(const void* grad, ScalarType grad_type, int64_t n, ThreadPool* pool, SimdPath path) {
   ZC_CHECK_ARG(n >= 0, "all_finite: n must be >= 0, got ", n);
   ZC_CHECK_ARG(n == 0 || grad != nullptr, "all_finite: grad must not be null when n > 0 (n = ", n, ")");
-  ZC_CHECK_ARG(is_grad_type(grad_type), "all_finite: grad_type must be float32, bfloat16 or float16, got ",
+  ZC_CHECK_ARG(is_float_type(grad_type), "all_finite: grad_type must be float32, bfloat16 or float16, got ",
                static_cast<int>(grad_type));
-  check_path(path, "all_finite");
+  check_simd_path(path, "all_finite");
   const FiniteChunkFn kernel = finite_kernel(path);
   if (n == 0) return true;
   std::atomic<bool> found_non_finite{false};
@@ -223,7 +211,7 @@ void multi_tensor_adam_step(const AdamSpans* tensors, int64_t num_tensors, const
   check_tensor_list(tensors, num_tensors, kCaller);
   for (int64_t i = 0; i < num_tensors; ++i) validate_spans(tensors[i], tensor_prefix(kCaller, i));
   validate_hyper(hyper, kCaller);
-  check_path(path, kCaller);
+  check_simd_path(path, kCaller);
   const AdamChunkFn kernel = adam_kernel(path);
   const std::vector<int64_t> offsets = span_offsets(tensors, num_tensors, kCaller);
   if (offsets.back() == 0) return;
@@ -249,10 +237,10 @@ bool multi_tensor_all_finite(const AdamSpans* tensors, int64_t num_tensors, Thre
     ZC_CHECK_ARG(spans.n >= 0, kCaller, ": tensors[", i, "]: n must be >= 0, got ", spans.n);
     ZC_CHECK_ARG(spans.n == 0 || spans.grad != nullptr, kCaller, ": tensors[", i,
                  "]: grad must not be null when n > 0 (n = ", spans.n, ")");
-    ZC_CHECK_ARG(is_grad_type(spans.grad_type), kCaller, ": tensors[", i,
+    ZC_CHECK_ARG(is_float_type(spans.grad_type), kCaller, ": tensors[", i,
                  "]: grad_type must be float32, bfloat16 or float16, got ", static_cast<int>(spans.grad_type));
   }
-  check_path(path, kCaller);
+  check_simd_path(path, kCaller);
   const FiniteChunkFn kernel = finite_kernel(path);
   const std::vector<int64_t> offsets = span_offsets(tensors, num_tensors, kCaller);
   if (offsets.back() == 0) return true;

@@ -20,18 +20,6 @@ constexpr int64_t kMinElementsPerThread = 32 * 1024;
 using QuantizeFn = QuantizeResult (*)(const kernels::QuantizeArgs&, int64_t, int64_t);
 using DequantizeFn = void (*)(const kernels::DequantizeArgs&, int64_t, int64_t);
 
-bool is_float_type(ScalarType type) {
-  return type == ScalarType::kFloat32 || type == ScalarType::kBFloat16 || type == ScalarType::kFloat16;
-}
-
-void check_path(SimdPath path, const char* caller) {
-  bool compiled = false;
-  for (SimdPath p : compiled_simd_paths()) compiled = compiled || p == path;
-  ZC_CHECK_ARG(compiled, caller, ": SIMD path '", simd_path_name(path), "' (", static_cast<int>(path),
-               ") was not compiled into this build");
-  ZC_CHECK_ARG(cpu_supports(path), caller, ": this CPU cannot run the '", simd_path_name(path), "' SIMD path");
-}
-
 // What both directions check: sizes, bits and group_size, the dtype and the pointers.
 void check_common(const char* caller, int64_t n, int bits, int64_t group_size, ScalarType type,
                   const char* type_name, const void* data, const char* data_name, const void* q, const float* scales,
@@ -49,7 +37,7 @@ void check_common(const char* caller, int64_t n, int bits, int64_t group_size, S
     ZC_CHECK_ARG(q != nullptr, caller, ": q must not be null when n > 0 (n = ", n, ")");
     ZC_CHECK_ARG(scales != nullptr, caller, ": scales must not be null when n > 0 (n = ", n, ")");
   }
-  check_path(path, caller);
+  check_simd_path(path, caller);
 }
 
 QuantizeFn quantize_kernel(SimdPath path) {

@@ -10,6 +10,13 @@ namespace {
 // -1: automatic; otherwise the forced SimdPath value.
 std::atomic<int> g_forced_path{-1};
 
+bool is_compiled(SimdPath path) {
+  for (SimdPath p : compiled_simd_paths()) {
+    if (p == path) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 const char* simd_path_name(SimdPath path) {
@@ -69,13 +76,17 @@ SimdPath active_simd_path() {
 }
 
 void force_simd_path(SimdPath path) {
-  bool compiled = false;
-  for (SimdPath p : compiled_simd_paths()) compiled = compiled || p == path;
-  ZC_CHECK_ARG(compiled, "SIMD path '", simd_path_name(path), "' was not compiled into this build");
+  ZC_CHECK_ARG(is_compiled(path), "SIMD path '", simd_path_name(path), "' was not compiled into this build");
   ZC_CHECK_ARG(cpu_supports(path), "this CPU cannot run the '", simd_path_name(path), "' SIMD path");
   g_forced_path.store(static_cast<int>(path), std::memory_order_relaxed);
 }
 
 void reset_simd_path() { g_forced_path.store(-1, std::memory_order_relaxed); }
+
+void check_simd_path(SimdPath path, const char* caller) {
+  ZC_CHECK_ARG(is_compiled(path), caller, ": SIMD path '", simd_path_name(path), "' (", static_cast<int>(path),
+               ") was not compiled into this build");
+  ZC_CHECK_ARG(cpu_supports(path), caller, ": this CPU cannot run the '", simd_path_name(path), "' SIMD path");
+}
 
 }  // namespace zerocore

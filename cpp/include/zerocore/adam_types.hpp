@@ -17,6 +17,11 @@ namespace zerocore {
 
 enum class ScalarType { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
+// Whether `type` is one of the values above: a ScalarType cast from an int (by the bindings, say) may not be.
+constexpr bool is_float_type(ScalarType type) {
+  return type == ScalarType::kFloat32 || type == ScalarType::kBFloat16 || type == ScalarType::kFloat16;
+}
+
 struct AdamHyper {
   double lr = 1e-3;
   double beta1 = 0.9;

@@ -29,4 +29,8 @@ void force_simd_path(SimdPath path);
 // Returns to the automatic choice.
 void reset_simd_path();
 
+// What every kernel entry point checks of the path it is given: throws InvalidArgument, prefixed with
+// "<caller>: ", unless `path` was compiled into this build and this CPU can run it.
+void check_simd_path(SimdPath path, const char* caller);
+
 }  // namespace zerocore
