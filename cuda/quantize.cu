@@ -29,6 +29,7 @@
 
 #include "zerocore/cuda_quantize.hpp"
 #include "zerocore/error.hpp"
+#include "zerocore/quantize.hpp"
 
 namespace zerocore {
 namespace cuda_quantize_detail {
@@ -231,19 +232,6 @@ __global__ void __launch_bounds__(kThreads)
 // ---------------------------------------------------------------------------------------------------------
 // Host side
 // ---------------------------------------------------------------------------------------------------------
-void check_args(const char* caller, int64_t n, int bits, int64_t group_size, ScalarType type, const char* type_name) {
-  ZC_CHECK_ARG(n >= 0, caller, ": n must be >= 0, got ", n);
-  ZC_CHECK_ARG(bits == 8 || bits == 4, caller, ": bits must be 8 (int8) or 4 (int4), got ", bits);
-  ZC_CHECK_ARG(group_size > 0, caller, ": group_size must be > 0, got ", group_size);
-  ZC_CHECK_ARG(bits == 8 || group_size % 2 == 0, caller,
-               ": group_size must be even for bits = 4 (two values per byte, every group starting on a byte "
-               "boundary), got ", group_size);
-  ZC_CHECK_ARG(type == ScalarType::kFloat32 || type == ScalarType::kBFloat16 || type == ScalarType::kFloat16, caller,
-               ": ", type_name, " must be float32, bfloat16 or float16, got ", static_cast<int>(type));
-}
-
-int64_t groups_of(int64_t n, int64_t group_size) { return n / group_size + (n % group_size != 0 ? 1 : 0); }
-
 // Blocks for `num_groups` groups with teams of kTeam threads.
 template <int kTeam>
 unsigned grid_for(int64_t num_groups) {
@@ -254,7 +242,7 @@ unsigned grid_for(int64_t num_groups) {
 template <typename In, int kBits>
 void launch_quantize_typed(const void* input, int64_t n, int64_t group_size, uint8_t* q, float* scales,
                            unsigned long long* nonfinite, cudaStream_t stream) {
-  const int64_t num_groups = groups_of(n, group_size);
+  const int64_t num_groups = quantize_num_groups(n, group_size);
   const In* x = static_cast<const In*>(input);
   if (group_size <= kWarpTeamMaxGroup) {
     quantize_kernel<In, kBits, kWarp><<<grid_for<kWarp>(num_groups), kThreads, 0, stream>>>(
@@ -269,7 +257,7 @@ void launch_quantize_typed(const void* input, int64_t n, int64_t group_size, uin
 template <typename Out, int kBits>
 void launch_dequantize_typed(const uint8_t* q, const float* scales, int64_t n, int64_t group_size, void* out,
                              cudaStream_t stream) {
-  const int64_t num_groups = groups_of(n, group_size);
+  const int64_t num_groups = quantize_num_groups(n, group_size);
   Out* y = static_cast<Out*>(out);
   if (group_size <= kWarpTeamMaxGroup) {
     dequantize_kernel<Out, kBits, kWarp><<<grid_for<kWarp>(num_groups), kThreads, 0, stream>>>(
@@ -314,7 +302,7 @@ void launch_quantize_symmetric(const void* input, ScalarType in_dtype, int64_t n
                                uint8_t* q, float* scales, int64_t* nonfinite, void* stream) {
   using namespace cuda_quantize_detail;
   constexpr const char* kCaller = "launch_quantize_symmetric";
-  check_args(kCaller, n, bits, group_size, in_dtype, "in_dtype");
+  check_quantize_args(kCaller, n, bits, group_size, in_dtype, "in_dtype");
   ZC_CHECK_ARG(nonfinite != nullptr, kCaller, ": nonfinite must not be null");
   const auto s = static_cast<cudaStream_t>(stream);
   // count = 0, first index = all ones (the largest unsigned value, so atomicMin takes any index).
@@ -335,7 +323,7 @@ void launch_dequantize_symmetric(const uint8_t* q, const float* scales, int64_t 
                                  void* out, ScalarType out_dtype, void* stream) {
   using namespace cuda_quantize_detail;
   constexpr const char* kCaller = "launch_dequantize_symmetric";
-  check_args(kCaller, n, bits, group_size, out_dtype, "out_dtype");
+  check_quantize_args(kCaller, n, bits, group_size, out_dtype, "out_dtype");
   if (n == 0) return;
   ZC_CHECK_ARG(q != nullptr && scales != nullptr && out != nullptr, kCaller,
                ": q, scales and out must not be null when n > 0 (n = ", n, ")");

@@ -20,18 +20,11 @@ constexpr int64_t kMinElementsPerThread = 32 * 1024;
 using QuantizeFn = QuantizeResult (*)(const kernels::QuantizeArgs&, int64_t, int64_t);
 using DequantizeFn = void (*)(const kernels::DequantizeArgs&, int64_t, int64_t);
 
-// What both directions check: sizes, bits and group_size, the dtype and the pointers.
+// What both directions check: sizes, bits and group_size, the dtype, the pointers and the SIMD path.
 void check_common(const char* caller, int64_t n, int bits, int64_t group_size, ScalarType type,
                   const char* type_name, const void* data, const char* data_name, const void* q, const float* scales,
                   SimdPath path) {
-  ZC_CHECK_ARG(n >= 0, caller, ": n must be >= 0, got ", n);
-  ZC_CHECK_ARG(bits == 8 || bits == 4, caller, ": bits must be 8 (int8) or 4 (int4), got ", bits);
-  ZC_CHECK_ARG(group_size > 0, caller, ": group_size must be > 0, got ", group_size);
-  ZC_CHECK_ARG(bits == 8 || group_size % 2 == 0, caller,
-               ": group_size must be even for bits = 4 (two values per byte, every group starting on a byte "
-               "boundary), got ", group_size);
-  ZC_CHECK_ARG(is_float_type(type), caller, ": ", type_name, " must be float32, bfloat16 or float16, got ",
-               static_cast<int>(type));
+  check_quantize_args(caller, n, bits, group_size, type, type_name);
   if (n > 0) {
     ZC_CHECK_ARG(data != nullptr, caller, ": ", data_name, " must not be null when n > 0 (n = ", n, ")");
     ZC_CHECK_ARG(q != nullptr, caller, ": q must not be null when n > 0 (n = ", n, ")");
@@ -83,6 +76,18 @@ void split_groups(int64_t n, int64_t group_size, ThreadPool* pool, const Fn& fn)
 }
 
 }  // namespace
+
+void check_quantize_args(const char* caller, int64_t n, int bits, int64_t group_size, ScalarType type,
+                         const char* type_name) {
+  ZC_CHECK_ARG(n >= 0, caller, ": n must be >= 0, got ", n);
+  ZC_CHECK_ARG(bits == 8 || bits == 4, caller, ": bits must be 8 (int8) or 4 (int4), got ", bits);
+  ZC_CHECK_ARG(group_size > 0, caller, ": group_size must be > 0, got ", group_size);
+  ZC_CHECK_ARG(bits == 8 || group_size % 2 == 0, caller,
+               ": group_size must be even for bits = 4 (two values per byte, every group starting on a byte "
+               "boundary), got ", group_size);
+  ZC_CHECK_ARG(is_float_type(type), caller, ": ", type_name, " must be float32, bfloat16 or float16, got ",
+               static_cast<int>(type));
+}
 
 int quantize_qmax(int bits) {
   ZC_CHECK_ARG(bits == 8 || bits == 4, "bits must be 8 (int8) or 4 (int4), got ", bits);

@@ -5,7 +5,7 @@
 // Both functions launch asynchronously on `stream` (a cudaStream_t; nullptr = the legacy default stream) on
 // the *current* device, which must own every pointer. Nothing synchronises with the host and nothing is
 // allocated, so the launches can be captured in a CUDA graph. Arguments are validated on the host
-// (InvalidArgument, the CPU functions' rules); a failed launch throws std::runtime_error with
+// (InvalidArgument: the CPU functions' check_quantize_args, then the pointers); a failed launch throws std::runtime_error with
 // cudaGetErrorString's text.
 #pragma once
 

@@ -64,6 +64,13 @@ int64_t quantized_bytes(int64_t n, int bits);
 // Groups (= scales) for n elements: ceil(n / group_size). Validates n >= 0 and group_size > 0.
 int64_t quantize_num_groups(int64_t n, int64_t group_size);
 
+// The size and dtype rules of every quantize / dequantize entry point, these and the CUDA ones
+// (zerocore/cuda_quantize.hpp): throws InvalidArgument, each message prefixed with "<caller>: ", unless
+// n >= 0, bits is 8 or 4, group_size > 0 (and even for bits = 4) and `type` (named `type_name` in the
+// message) is fp32, bf16 or fp16. Pointers are the caller's to check.
+void check_quantize_args(const char* caller, int64_t n, int bits, int64_t group_size, ScalarType type,
+                         const char* type_name);
+
 // Quantizes input[0, n) of type in_dtype into out_q (quantized_bytes(n, bits) bytes) and out_scales
 // (quantize_num_groups(n, group_size) floats); see Note [Quantization arithmetic]. The work is split by
 // groups over `pool` (nullptr: the calling thread only) and runs on `path` (by default the active path,
