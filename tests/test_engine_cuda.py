@@ -13,7 +13,7 @@ import torch.distributed as dist
 import zerocore
 from _dist import free_port
 from _models import batch, build, loss_fn
-from _parity import ReferencePair
+from _parity import ReferencePair, as_dtype
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -35,27 +35,37 @@ def make_config(stage: int, weight_decay: float = 0.01, **extra) -> dict:
             "zero_optimization": zero, **extra}
 
 
+def train_against_the_reference(name: str, config: dict, label: str, weight_decay: float = 0.01,
+                                steps: int = 6) -> zerocore.Engine:
+    """Trains model ``name`` on the GPU under ``config`` and a torch AdamW ReferencePair (same lr, weight decay
+    and clipping) side by side: every step's loss equal within fp32 rounding, the final state within the
+    reference's noise. Returns the engine, still open."""
+    model = build(name).cuda()
+    clip = config.get("gradient_clipping", 0.0)
+    reference = ReferencePair(copy.deepcopy(model), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
+                                                                                weight_decay=weight_decay))
+    engine = zerocore.initialize(model, config)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        inputs, target = (t.cuda() for t in batch(name, generator))
+        loss = loss_fn(name, engine(inputs), target)
+        engine.backward(loss)
+        engine.step()
+        ref_loss, _ = reference.train_step(
+            lambda module, dtype: loss_fn(name, module(as_dtype(inputs, dtype)), target), clip=clip)
+        torch.testing.assert_close(loss.detach().float(), ref_loss, rtol=1e-5, atol=1e-6)
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=label)
+    return engine
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("name", ["mlp", "transformer", "odd"])
 def test_fp32_matches_the_reference_on_cuda(stage, name):
     # "odd" has an unused layer: torch AdamW skips a parameter without a gradient, flat ZeRO Adam decays it
     # (as DeepSpeed does), so that model trains without weight decay (as in tests/test_engine_parity.py)
     weight_decay = 0.0 if name == "odd" else 0.01
-    model = build(name).cuda()
-    reference = ReferencePair(copy.deepcopy(model), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
-                                                                                weight_decay=weight_decay))
-    engine = zerocore.initialize(model, make_config(stage, weight_decay, gradient_clipping=1.0))
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(6):
-        inputs, target = (t.cuda() for t in batch(name, generator))
-        loss = loss_fn(name, engine(inputs), target)
-        engine.backward(loss)
-        engine.step()
-        ref_loss, _ = reference.train_step(
-            lambda module, dtype: loss_fn(name, module(inputs.to(dtype) if inputs.is_floating_point() else inputs),
-                                          target), clip=1.0)
-        torch.testing.assert_close(loss.detach().float(), ref_loss, rtol=1e-5, atol=1e-6)
-    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"stage {stage} {name} cuda")
+    config = make_config(stage, weight_decay, gradient_clipping=1.0)
+    engine = train_against_the_reference(name, config, f"stage {stage} {name} cuda", weight_decay)
     engine.close()
 
 
@@ -111,23 +121,11 @@ def test_checkpoint_resume_is_bit_exact_on_cuda(stage, tmp_path):
 def test_offloaded_optimizer_matches_the_reference_on_cuda(offload, stage, tmp_path):
     """offload_optimizer on a GPU: the gradients come to the host, the CPU Adam updates the host state (or
     the NVMe file's sub-groups), the parameters go back; fp32 training stays within the reference's noise."""
-    name = "transformer"
-    model = build(name).cuda()
-    reference = ReferencePair(copy.deepcopy(model), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
-                                                                                weight_decay=0.01))
     section = {"device": offload, "nvme_path": str(tmp_path)} if offload == "nvme" else {"device": "cpu"}
     config = make_config(stage, gradient_clipping=1.0, aio={"thread_count": 2})
     config["zero_optimization"].update(offload_optimizer=section, sub_group_size=5000)
-    engine = zerocore.initialize(model, config)
+    engine = train_against_the_reference("transformer", config, f"stage {stage} {offload} cuda")
     assert engine.memory_report()["optimizer_placement"] == offload
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(6):
-        inputs, target = (t.cuda() for t in batch(name, generator))
-        loss = loss_fn(name, engine(inputs), target)
-        engine.backward(loss)
-        engine.step()
-        reference.train_step(lambda module, dtype: loss_fn(name, module(inputs), target), clip=1.0)
-    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"stage {stage} {offload} cuda")
     engine.close()
 
 
