@@ -66,11 +66,17 @@ def _optimizer_state(engine: zerocore.Engine) -> list[torch.Tensor]:
     return [t.clone() for s in engine.optimizer_state.shards for t in (s.master, s.exp_avg, s.exp_avg_sq)]
 
 
+def _flat_state(engine: zerocore.Engine) -> list[torch.Tensor]:
+    """The whole flat state tensors, padding between pieces included."""
+    return [engine.optimizer_state.flat(key).clone() for key in ("master", "exp_avg", "exp_avg_sq")]
+
+
 def resume_worker(rank: int, world: int, stage: int, dtype: str, accumulation: int, directory: str) -> bool:
     torch.manual_seed(0)
     engine = zerocore.initialize(Net(), _config(stage, dtype, accumulation))
     _train(engine, rank, 0, 3)
     engine.save_checkpoint(directory, client_state={"epoch": 1, "batch": 3})
+    saved_flat = _flat_state(engine)
     expected_losses = _train(engine, rank, 3, 3)
     expected_state = engine.full_state_dict(rank0_only=False)
     expected_optimizer = _optimizer_state(engine)
@@ -78,8 +84,11 @@ def resume_worker(rank: int, world: int, stage: int, dtype: str, accumulation: i
 
     torch.manual_seed(123)  # a different init and RNG stream: the checkpoint must restore all of it
     fresh = zerocore.initialize(Net(), _config(stage, dtype, accumulation))
+    for key in ("master", "exp_avg", "exp_avg_sq"):  # poisoned: every element, padding too, comes from the file
+        fresh.optimizer_state.flat(key).fill_(float("nan"))
     path, client = fresh.load_checkpoint(directory)
     assert client == {"epoch": 1, "batch": 3} and path.endswith("global_step3")
+    assert all(torch.equal(a, b) for a, b in zip(_flat_state(fresh), saved_flat)), "flat state (or padding) differs"
     assert _train(fresh, rank, 3, 3) == expected_losses
     state = fresh.full_state_dict(rank0_only=False)
     assert all(torch.equal(state[k], expected_state[k]) for k in expected_state), "parameters or buffers differ"

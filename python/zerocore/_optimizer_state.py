@@ -30,6 +30,7 @@ import torch
 from . import ops
 
 _NORM_BLOCK = 16384  # elements reduced in fp32 before the float64 sum (see grad_sum_of_squares)
+_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Shard:
         self.exp_avg_sq: torch.Tensor = torch.empty(0)
         self.initial_master: torch.Tensor | None = None  # 16-bit training: fp32 values until build()
         self.separate_master = params.dtype != torch.float32  # settled by OptimizerState.build()
+        self.flat_offsets: dict[str, int] = {}  # where the views start in the owner's flat tensors
         self.index = -1
 
     @property
@@ -168,8 +170,7 @@ class OptimizerState:
             self._build_resident()
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         if self.nvme is None:
-            self._slices_by_group = self._group_slices(self._resident_parts(self.shards))
-            self._slices_by_shard = [self._group_slices(self._resident_parts([shard])) for shard in self.shards]
+            self._cache_slices()
         self._built = True
 
     def stages_through_host(self, device: torch.device) -> bool:
@@ -192,15 +193,51 @@ class OptimizerState:
         self.exp_avg_sq = self._empty(total)
         offset = master_offset = 0
         for shard in self.shards:
-            n = shard.numel
-            shard.exp_avg = self.exp_avg[offset : offset + n]
-            shard.exp_avg_sq = self.exp_avg_sq[offset : offset + n]
-            offset += n
+            shard.flat_offsets = {"exp_avg": offset, "exp_avg_sq": offset}
+            offset += shard.numel
+            if shard.separate_master:
+                shard.flat_offsets["master"] = master_offset
+                master_offset += shard.numel
+        self._point_views()
+        for shard in self.shards:
             values, shard.initial_master = shard.initial_master, None
             if shard.separate_master:
-                shard.master = self.master[master_offset : master_offset + n]
-                master_offset += n
                 shard.master.copy_(values if values is not None else shard.params)
+
+    def _point_views(self) -> None:
+        for shard in self.shards:
+            for key, offset in shard.flat_offsets.items():
+                setattr(shard, key, getattr(self, key)[offset : offset + shard.numel])
+
+    # ---- replacing the state wholesale (checkpoint loads) --------------------------------------------------
+    def replaceable(self) -> bool:
+        """Whether a checkpoint load may fill fresh flat tensors and :meth:`adopt` them instead of copying
+        into the state: the state is in (unpinned) host memory, where the files' bytes can land directly."""
+        return self._built and self.store is None and self.placement.type == "cpu" and not self.pin_memory
+
+    def flat(self, key: str) -> torch.Tensor:
+        """The flat tensor behind every shard's ``key`` (master, exp_avg or exp_avg_sq); a shard's part starts
+        at ``shard.flat_offsets[key]`` (no entry: the shard has none, its master being its parameters)."""
+        return getattr(self, key)
+
+    def adopt(self, replacements: dict[str, torch.Tensor]) -> None:
+        """Makes the given flat tensors (shaped like :meth:`flat`'s) the state, every shard's views following;
+        the old ones are dropped. Only where :meth:`replaceable` says so."""
+        if not self.replaceable():
+            raise RuntimeError("OptimizerState.adopt() needs the state in unpinned host memory")
+        for key, value in replacements.items():
+            old = self.flat(key)
+            if key not in _STATE_KEYS or value.shape != old.shape or value.dtype != old.dtype or value.device != old.device:
+                raise ValueError(f"OptimizerState.adopt(): {key} must be {old.dtype} {list(old.shape)} on {old.device}")
+        for key, value in replacements.items():
+            setattr(self, key, value)
+        self._point_views()
+        self._cache_slices()
+
+    def _cache_slices(self) -> None:
+        """The views ``step()`` hands to C++, per param group and per shard, made once."""
+        self._slices_by_group = self._group_slices(self._resident_parts(self.shards))
+        self._slices_by_shard = [self._group_slices(self._resident_parts([shard])) for shard in self.shards]
 
     def _build_nvme(self) -> None:
         self.master = self.exp_avg = self.exp_avg_sq = torch.empty(0)

@@ -192,15 +192,25 @@ class VerifiedFile:
             raise ValueError(f"checkpoint file {self.path}: tensor {name!r} has an inconsistent header entry {entry}")
         return start, dtype, list(entry["shape"])
 
-    def read(self, ranges: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    def read(self, ranges: Sequence[tuple[int, int]], into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The data bytes ``[offset, offset + length)`` of every range (offsets from the start of the data),
-        as fresh uint8 tensors, after checking every block they touch. The blocks are read in chunks of at
+        after checking every block they touch: written into ``into`` (one contiguous uint8 tensor per range,
+        of its length) or into fresh uint8 tensors, which are returned. The blocks are read in chunks of at
         most ``_CHUNK`` bytes, ``_IN_FLIGHT`` chunks at a time, each checked and its bytes copied where they
         belong before it is dropped: the memory is the ranges' bytes plus the chunks in flight, however
-        the ranges are scattered (a stage-3 shard of a checkpoint saved at another world size is)."""
-        # each range's bytes sit at the same offset modulo 4 KiB as in the file, so a chunk inside one range
-        # is read straight into it with O_DIRECT (no copy); chunks spanning ranges go through a buffer
-        out = [aligned_empty(length, skew=offset) for offset, length in ranges]
+        the ranges are scattered (a stage-3 shard of a checkpoint saved at another world size is). A
+        destination that fails the check may hold some of the file's unchecked bytes."""
+        # a chunk inside one range is read straight into its destination (no copy; with O_DIRECT where the
+        # destination sits at the same offset modulo 4 KiB as the bytes in the file, as fresh ones do);
+        # chunks spanning ranges go through a buffer
+        if into is None:
+            out = [aligned_empty(length, skew=offset) for offset, length in ranges]
+        else:
+            out = list(into)
+            for (_, length), dest in zip(ranges, out, strict=True):
+                if dest.dtype != torch.uint8 or dest.numel() != length or not dest.is_contiguous():
+                    raise ValueError(f"read(into=...): each destination must be a contiguous uint8 tensor of "
+                                     f"its range's {length} bytes, got {dest.dtype} {list(dest.shape)}")
         data_size = self.size - self.data_start
         wanted = sorted({b for offset, length in ranges if length
                          for b in range(offset // self.block, (offset + length - 1) // self.block + 1)})

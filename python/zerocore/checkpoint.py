@@ -36,7 +36,7 @@ import os
 import random
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -173,6 +173,8 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
     index = staged.index
     with torch.no_grad():  # everything is read and checked on every rank: from here on the engine changes
         state = engine.optimizer_state
+        if staged.fresh:
+            state.adopt({key: value.view(torch.float32) for key, value in staged.fresh.items()})
         for shard in state.shards:
             with state.resident(shard, write=True) as values:
                 for key, at, source in staged.copies.get(shard.index, ()):
@@ -214,6 +216,7 @@ class _Staged:
         self.path = path
         self.index = index
         self.copies: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
+        self.fresh: dict[str, torch.Tensor] = {}  # flat states to adopt whole (bytes; see _fresh_state)
         self.untracked: dict[str, torch.Tensor] = {}
         self.untracked_values: dict[str, torch.Tensor] = {}
         self.rng: dict[str, torch.Tensor] | None = None
@@ -243,32 +246,73 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
     if same_world:
         wanted.setdefault(engine.rank, [])  # its RNG states
     io = stio.open_io(_CHECKPOINT_IO)
-    files: list[stio.VerifiedFile] = []
+    files: dict[int, stio.VerifiedFile] = {}
     try:
+        ranges: dict[int, list[tuple[int, int]]] = {}
         for rank in sorted(wanted):
-            entry = index["ranks"][rank]
-            f = _open_file(io, path, entry)
-            files.append(f)
-            ranges = []
+            f = files[rank] = _open_file(io, path, index["ranks"][rank])
+            ranges[rank] = []
             for _, _, _, name, offset, length in wanted[rank]:
                 start, dtype, shape = f.tensor_range(name)
                 if dtype != torch.float32 or len(shape) != 1 or offset + length > shape[0]:
                     raise ValueError(f"checkpoint file {f.path}: tensor {name!r} ({dtype}, {shape}) does not hold "
                                      f"the elements [{offset}, {offset + length}) its index.json entry promises")
-                ranges.append((start + 4 * offset, 4 * length))
-            for (shard_index, state, at, *_), data in zip(wanted[rank], f.read(ranges)):
-                staged.copies.setdefault(shard_index, []).append((state, at, data.view(torch.float32)))
+                ranges[rank].append((start + 4 * offset, 4 * length))
+        staged.fresh = _fresh_state(engine.optimizer_state, states, wanted, ranges)
+        for rank in sorted(wanted):
+            into = []
+            for (shard_index, state, at, *_), (start, nbytes) in zip(wanted[rank], ranges[rank]):
+                shard = engine.optimizer_state.shards[shard_index]
+                if state in staged.fresh and state in shard.flat_offsets:
+                    at_byte = 4 * (shard.flat_offsets[state] + at)
+                    into.append(staged.fresh[state][at_byte : at_byte + nbytes])
+                else:  # kept apart and copied in once every rank has validated
+                    into.append(stio.aligned_empty(nbytes, skew=start))
+                    staged.copies.setdefault(shard_index, []).append((state, at, into[-1].view(torch.float32)))
+            files[rank].read(ranges[rank], into=into)
             if same_world and rank == engine.rank:
-                staged.rng = {name: f.tensor(name).clone() for name in ("rng.cpu", "rng.cuda") if name in f.header}
-        model = _open_file(io, path, index["model_file"])
-        files.append(model)
+                staged.rng = {name: files[rank].tensor(name).clone() for name in ("rng.cpu", "rng.cuda")
+                              if name in files[rank].header}
+        model = files[-1] = _open_file(io, path, index["model_file"])
         staged.untracked = _untracked_state(engine)
         _check_untracked(staged.untracked, index, model, path)
         staged.untracked_values = {name: model.tensor(name) for name in staged.untracked}
     finally:
-        for f in files:
+        for f in files.values():
             f.close()
     return staged
+
+
+def _fresh_state(state: Any, keys: Sequence[str], wanted: Mapping[int, list[tuple[int, str, int, str, int, int]]],
+                 ranges: Mapping[int, list[tuple[int, int]]]) -> dict[str, torch.Tensor]:
+    """Where the optimizer state can be replaced wholesale (``OptimizerState.replaceable``), fresh flat
+    tensors (as bytes) for the states being loaded, for the files' bytes to land in directly; adopted once
+    every rank has validated, so a load copies nothing. Each is placed so that its largest incoming range
+    sits at its file offset modulo 4 KiB (read with O_DIRECT); padding between pieces is zeroed."""
+    if not state.replaceable():
+        return {}
+    fresh: dict[str, torch.Tensor] = {}
+    for key in keys:
+        flat = state.flat(key)
+        if not flat.numel():
+            continue
+        best, skew = -1, 0
+        for rank, entries in wanted.items():
+            for (shard_index, name, at, *_), (start, nbytes) in zip(entries, ranges[rank]):
+                offsets = state.shards[shard_index].flat_offsets
+                if name == key and key in offsets and nbytes > best:
+                    best, skew = nbytes, (start - 4 * (offsets[key] + at)) % stio.ALIGN // 4 * 4
+        fresh[key] = stio.aligned_empty(4 * flat.numel(), skew=skew)
+        values = fresh[key].view(torch.float32)
+        for shard in state.shards:
+            if key not in shard.flat_offsets:
+                continue
+            base, covered = shard.flat_offsets[key], 0
+            for piece in sorted(shard.pieces, key=lambda p: p.shard_offset):
+                values[base + covered : base + piece.shard_offset].zero_()
+                covered = piece.shard_offset + piece.length
+            values[base + covered : base + shard.numel].zero_()
+    return fresh
 
 
 def _open_file(io: Any, path: str, entry: Mapping[str, Any]) -> stio.VerifiedFile:
