@@ -190,9 +190,9 @@ def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any], root: st
     store = engine.optimizer_state.store if zc else None
     out["rss_init_mib"] = current_rss_mib()
     out["peak_init_mib"] = max(_vm_hwm_mib(), _ru_maxrss_mib())  # everything up to here, initialize included
-    if store is not None:
-        evict_tree(store.path)
-        out["resident_after_evict"] = resident_fraction(store.path)
+    if store is not None:  # the state file has no name while in use: reach it through the store's descriptor
+        evict_tree(f"/proc/self/fd/{store.fd}")
+        out["resident_after_evict"] = resident_fraction(f"/proc/self/fd/{store.fd}")
     out["hwm_reset"] = _reset_hwm()
     times: dict[str, list[float]] = {"step": [], "opt": [], "io": []}
     losses: list[float] = []

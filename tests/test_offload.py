@@ -192,8 +192,8 @@ def truncated_worker(rank: int, world: int, path: str) -> str:
     x, y = batch("transformer", torch.Generator().manual_seed(rank))
     engine.backward(loss_fn("transformer", engine(x), y))
     engine.step()
-    if rank == 1:  # the state file shrinks behind the engine's back
-        os.truncate(engine.optimizer_state.store.path, 100)
+    if rank == 1:  # the state file shrinks behind the engine's back (it has no name: through /proc)
+        os.truncate(f"/proc/self/fd/{engine.optimizer_state.store.fd}", 100)
     engine.backward(loss_fn("transformer", engine(x), y))
     before = engine.full_state_dict(rank0_only=False)
     with pytest.raises(OSError, match="the step was refused on every rank, nothing changed") as caught:
@@ -236,3 +236,69 @@ def test_an_io_error_mid_step_raises_on_every_rank_without_a_hang(stage, tmp_pat
     messages = run_ranks(failing_io_worker, 2, str(tmp_path), stage, timeout=120)
     assert "offset 8192" in messages[0] and "Input/output error" in messages[0]
     assert "this rank's I/O succeeded" in messages[1]
+
+
+# ---- a killed run -----------------------------------------------------------------------------------------
+_KILLED_RUN = r"""
+import datetime, os, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+import zerocore
+from _dist import free_port
+from _models import batch, build, loss_fn
+from test_offload import _config
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=60))
+engine = zerocore.initialize(build("transformer"), _config(2, "bf16", "nvme", sys.argv[2]))
+x, y = batch("transformer", torch.Generator().manual_seed(0))
+engine.backward(loss_fn("transformer", engine(x), y))
+engine.step()
+print("training", engine.optimizer_state.store.size, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_run_leaves_no_state_file_behind(tmp_path):
+    """SIGKILL (the OOM killer, a scheduler's hard kill) runs no cleanup: the state file has no name from the
+    moment it is open, so the kernel frees it with the process's descriptors and nothing stays on the disk."""
+    import contextlib
+    import select
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "nvme"
+    path.mkdir()
+    tests = os.path.dirname(os.path.abspath(__file__))
+    stderr = open(tmp_path / "stderr.txt", "w")  # noqa: SIM115 - closed below; a file cannot fill up as a pipe can
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, tests, str(path)], stdout=subprocess.PIPE,
+                            stderr=stderr, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while not line and proc.poll() is None and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                line = proc.stdout.readline()
+        assert line.startswith("training"), (line, proc.poll(), (tmp_path / "stderr.txt").read_text()[-3000:])
+        size = int(line.split()[1])
+        # the run holds its state (allocated, a step done) in a file that has no name any more
+        held = {}
+        for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+                if link.startswith(str(path / "zerocore-optimizer-rank0-")):
+                    held[link] = os.stat(f"/proc/{proc.pid}/fd/{fd}").st_size
+        assert held and all(link.endswith(".swp (deleted)") for link in held), held
+        assert set(held.values()) == {size} and size > 0, (held, size)
+        assert os.listdir(path) == []
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
+        stderr.close()
+    assert os.listdir(path) == []

@@ -17,12 +17,21 @@ full disk: an error naming the path before training starts); before a step chang
 checked to be whole. An I/O error in the middle of a step is recorded; the step then skips its remaining
 sub-groups but still calls ``after_shard`` for every shard, so every rank issues the same collectives, and
 the engine raises on every rank after the step (Note [Backward outcome]-style verdict) with the path and
-the offset: the parameters are then torn and the last checkpoint must be loaded. The file is removed on
-``close()``.
+the offset: the parameters are then torn and the last checkpoint must be loaded.
+
+The file has no name while it is in use: it is created (``zerocore-optimizer-rank{rank}-{random}.swp``),
+opened by the store and the I/O engine, and unlinked at once, so the kernel frees its blocks when the last
+descriptor closes -- at ``close()``, when the store is collected, or when the process dies however it dies
+(SIGKILL, the OOM killer, a node's job scheduler), where a named file would stay on the disk for good. Nothing
+needs the name again: every read, write and allocation goes through descriptors opened before the unlink.
+Messages still name the path it was created at; ``ls -l /proc/<pid>/fd`` shows it as "(deleted)", and
+``df`` counts its space while training runs. Since nobody can delete the file, only its truncation (through
+``/proc``) is checked before a step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import uuid
@@ -91,18 +100,21 @@ class NvmeStateStore:
         if not os.access(directory, os.W_OK | os.X_OK):
             raise PermissionError(f"{key}: {directory} is not writable by this process")
         self.io = io
+        # the name the file was created at, for messages: it is unlinked before this returns
         self.path = os.path.join(directory, f"zerocore-optimizer-rank{rank}-{uuid.uuid4().hex[:12]}.swp")
         self.sub_group_size = sub_group_size
         self.sub_groups: list[SubGroup] = []
         self.size = 0
         self._shards = 0
-        self._remove_file = weakref.finalize(self, _remove, self.path)  # also if the engine is never closed
-        self.handle: int | None = None
         self.failure: str | None = None
         self.bytes_read = 0
         self.bytes_written = 0
         self.buffers: list[torch.Tensor] = []
-        self.handle = io.open(self.path, "rw")
+        # The store's own descriptor (allocation, size checks; /proc/self/fd/<fd> reopens the file) and the
+        # I/O engine's handle, both opened before the name goes: see Note [NVMe optimizer state].
+        self.fd, handle = _open_nameless(io, self.path)
+        self.handle: int | None = handle
+        self._release = weakref.finalize(self, _release, io, handle, self.fd)  # also if never closed
 
     def add_shard(self, numel: int, separate_master: bool, master: torch.Tensor | None) -> int:
         """Appends a shard's sub-groups to the file (allocated now: a full disk fails here, naming the file)
@@ -113,15 +125,12 @@ class NvmeStateStore:
         index, start = self._shards, self.size
         groups = [dataclasses.replace(g, shard=index, file_offset=g.file_offset + start) for g in groups]
         if size:
-            fd = os.open(self.path, os.O_RDWR)
             try:
-                os.posix_fallocate(fd, start, size)
+                os.posix_fallocate(self.fd, start, size)
             except OSError as error:
                 raise type(error)(error.errno, "zero_optimization.offload_optimizer.nvme_path: cannot allocate "
                                                f"{size} bytes for the optimizer state at offset {start} of "
                                                f"{self.path}: {error.strerror}", self.path) from None
-            finally:
-                os.close(fd)
         self.sub_groups += groups
         self.size += size
         self._shards += 1
@@ -172,11 +181,11 @@ class NvmeStateStore:
 
     # ---- the step --------------------------------------------------------------------------------------
     def check_whole(self) -> str | None:
-        """Why the file cannot serve a step (gone, or not its size), or None."""
+        """Why the file cannot serve a step (not its size), or None."""
         try:
-            size = os.path.getsize(self.path)
+            size = os.fstat(self.fd).st_size
         except OSError as error:
-            return f"the optimizer state file {self.path} is gone: {error.strerror}"
+            return f"cannot stat the optimizer state file {self.path}: {error.strerror}"
         if size < self.size:
             return f"the optimizer state file {self.path} was truncated to {size} of {self.size} bytes"
         return None
@@ -242,18 +251,34 @@ class NvmeStateStore:
             raise OSError(self.failure)
 
     def close(self) -> None:
+        """Closes the file's descriptors: the kernel frees its blocks (it has no name left)."""
         if self.handle is not None:
             try:
                 self.io.wait_all()
             except OSError:
                 pass
-            self.io.close(self.handle)
-            self.handle = None
-        self._remove_file()
+        self.handle = None
+        self._release()
 
 
-def _remove(path: str) -> None:
+def _open_nameless(io: Any, path: str) -> tuple[int, int]:
+    """Creates ``path``, opens it for the store (an fd) and for ``io`` (a handle), and unlinks it; on any
+    failure nothing is left open or on the disk."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    handle = None
     try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+        handle = io.open(path, "rw")
+        os.unlink(path)
+    except BaseException:
+        if handle is not None:
+            io.close(handle)
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    return fd, handle
+
+
+def _release(io: Any, handle: int, fd: int) -> None:
+    io.close(handle)  # requests still in flight keep their descriptors until they finish
+    os.close(fd)
