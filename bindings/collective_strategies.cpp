@@ -21,6 +21,11 @@ void PendingCollective::wait() {
     addends = at::Tensor();
     accumulator = at::Tensor();
   }
+  if (finish) {
+    auto run = std::move(finish);
+    finish = nullptr;
+    run();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ struct PendingCollective {
   at::Tensor destination;
   at::Tensor addends;      // when defined ([k, n]): wait() adds its k rows into `accumulator` ([n])
   at::Tensor accumulator;
+  std::function<void()> finish;  // when set: wait() runs it last (a quantized collective's dequantization)
 
   void wait();
 };
@@ -49,6 +50,18 @@ struct IssuedCollective {
   PendingCollective pending;
   int64_t algorithm_bytes = 0;
   int64_t backend_calls = 0;
+  bool quantized = false;  // the bytes sent are not the bucket's dtype: Comm also counts the ring's unquantized bytes
+};
+
+// What a strategy may need beyond the bucket, fixed when Comm is built (Note [Collective algorithms]): the
+// quantization group of the quantized algorithms, and for the hierarchical ones the node's process group
+// (the ranks n * L .. n * L + L - 1 of node n, L = node_size) and the cross-node one (the ranks with this
+// rank's local index in every node). Groups are null where they would have one rank.
+struct StrategyOptions {
+  int64_t quantization_group_size = 256;
+  int node_size = 1;
+  c10::intrusive_ptr<c10d::ProcessGroup> node_group;
+  c10::intrusive_ptr<c10d::ProcessGroup> cross_group;
 };
 
 // One algorithm for one logical collective. issue() starts the collective on `group` and returns without
@@ -60,6 +73,11 @@ class CollectiveStrategy {
   virtual ~CollectiveStrategy() = default;
   // The name it is registered under (Comm's reduce_scatter_algo / all_gather_algo report it).
   virtual std::string name() const = 0;
+  // Called once, before any issue(); throws InvalidArgument when the options do not fit the algorithm.
+  virtual void configure(const StrategyOptions& options, const c10d::ProcessGroup& group) {
+    (void)options;
+    (void)group;
+  }
   virtual IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& bucket) = 0;
 };
 

@@ -5,13 +5,15 @@
 namespace zerocore::bindings {
 
 Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> group, const std::string& reduce_scatter_algo,
-           const std::string& all_gather_algo)
+           const std::string& all_gather_algo, const StrategyOptions& options)
     : group_(std::move(group)) {
   ZC_CHECK_ARG(group_, "process_group is None");
   rank_ = group_->getRank();
   world_size_ = group_->getSize();
   reduce_scatter_ = reduce_scatter_strategies().create(reduce_scatter_algo, group_->getBackendName());
   all_gather_ = all_gather_strategies().create(all_gather_algo, group_->getBackendName());
+  reduce_scatter_->configure(options, *group_);
+  all_gather_->configure(options, *group_);
 }
 
 void Comm::check_bucket(const at::Tensor& bucket, const char* op) const {
@@ -21,12 +23,13 @@ void Comm::check_bucket(const at::Tensor& bucket, const char* op) const {
 }
 
 void Comm::record(const std::string& op, int64_t tag, int64_t elements, int64_t algorithm_bytes,
-                  int64_t backend_calls) {
+                  int64_t backend_calls, int64_t unquantized_bytes) {
   CollectiveStats& s = stats_[op];
   s.calls += 1;
   s.logical_elements += elements;
   s.algorithm_bytes += algorithm_bytes;
   s.backend_calls += backend_calls;
+  s.unquantized_bytes += unquantized_bytes;
   if (logging_) log_.push_back(op + ":" + std::to_string(tag) + ":" + std::to_string(elements));
 }
 
@@ -35,7 +38,7 @@ PendingCollective Comm::issue_bucket(CollectiveStrategy& strategy, const char* o
   check_bucket(bucket, op);
   const int64_t n = bucket.numel();
   if (world_size_ == 1 || n == 0) {  // nothing to exchange; every rank skips alike (same geometry)
-    record(label, tag, n, 0, 0);
+    record(label, tag, n, 0, 0, 0);
     PendingCollective nothing;
     nothing.buffer = bucket;
     nothing.tag = tag;
@@ -44,7 +47,9 @@ PendingCollective Comm::issue_bucket(CollectiveStrategy& strategy, const char* o
   const BucketCollective geometry{bucket, rank_, world_size_, n, n / world_size_, n * bucket.element_size()};
   IssuedCollective issued = strategy.issue(*group_, geometry);
   issued.pending.tag = tag;
-  record(label, tag, n, issued.algorithm_bytes, issued.backend_calls);
+  const int64_t ring_bytes = geometry.bytes * (world_size_ - 1) / world_size_;
+  record(label, tag, n, issued.algorithm_bytes, issued.backend_calls,
+         issued.quantized ? ring_bytes : issued.algorithm_bytes);
   return std::move(issued.pending);
 }
 
@@ -67,8 +72,8 @@ PendingCollective Comm::all_reduce(const at::Tensor& tensor, bool max, int64_t t
     options.reduceOp = max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
     pending.works.push_back(group_->allreduce(tensors, options));
   }
-  record("all_reduce", tag, tensor.numel(), world_size_ > 1 ? 2 * bytes * (world_size_ - 1) / world_size_ : 0,
-         world_size_ > 1 ? 1 : 0);
+  const int64_t sent = world_size_ > 1 ? 2 * bytes * (world_size_ - 1) / world_size_ : 0;
+  record("all_reduce", tag, tensor.numel(), sent, world_size_ > 1 ? 1 : 0, sent);
   return pending;
 }
 
@@ -83,8 +88,8 @@ PendingCollective Comm::broadcast(const at::Tensor& tensor, int root, int64_t ta
     options.rootRank = root;
     pending.works.push_back(group_->broadcast(tensors, options));
   }
-  record("broadcast", tag, tensor.numel(), world_size_ > 1 ? tensor.numel() * tensor.element_size() : 0,
-         world_size_ > 1 ? 1 : 0);
+  const int64_t sent = world_size_ > 1 ? tensor.numel() * tensor.element_size() : 0;
+  record("broadcast", tag, tensor.numel(), sent, world_size_ > 1 ? 1 : 0, sent);
   return pending;
 }
 

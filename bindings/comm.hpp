@@ -69,6 +69,7 @@ struct CollectiveStats {
   int64_t logical_elements = 0;  // elements of the full buffer each logical collective covers
   int64_t algorithm_bytes = 0;   // bytes this rank sends under the algorithm used (ring estimate)
   int64_t backend_calls = 0;     // calls into the ProcessGroup (several broadcasts make one all-gather)
+  int64_t unquantized_bytes = 0; // what a ring over the bucket's own dtype would send: algorithm_bytes before quantization
 };
 
 class Comm {
@@ -76,7 +77,7 @@ class Comm {
   // Algorithms are registered names or "auto", the fastest known for the backend (Note [Collective
   // algorithms]); an unknown name throws InvalidArgument (ValueError) listing the registered ones.
   Comm(c10::intrusive_ptr<c10d::ProcessGroup> group, const std::string& reduce_scatter_algo,
-       const std::string& all_gather_algo);
+       const std::string& all_gather_algo, const StrategyOptions& options = StrategyOptions{});
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
@@ -107,7 +108,8 @@ class Comm {
   PendingCollective issue_bucket(CollectiveStrategy& strategy, const char* op, const at::Tensor& bucket, int64_t tag,
                                  const std::string& label);
   // The stats and log of every collective Comm issues.
-  void record(const std::string& op, int64_t tag, int64_t elements, int64_t algorithm_bytes, int64_t backend_calls);
+  void record(const std::string& op, int64_t tag, int64_t elements, int64_t algorithm_bytes, int64_t backend_calls,
+              int64_t unquantized_bytes);
   void check_bucket(const at::Tensor& bucket, const char* op) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

@@ -1,5 +1,7 @@
 // zerocore._C classes for the ZeRO engine: Comm (collectives through c10d) and the list of its registered
 // algorithms, GradReducer (stages 1-2) and the pure ReadyTracker (exposed for tests of the launch order).
+#include <optional>
+
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "bindings.hpp"
@@ -20,11 +22,24 @@ void bind_distributed(py::module_& m) {
       .def_readonly("calls", &CollectiveStats::calls)
       .def_readonly("logical_elements", &CollectiveStats::logical_elements)
       .def_readonly("algorithm_bytes", &CollectiveStats::algorithm_bytes)
-      .def_readonly("backend_calls", &CollectiveStats::backend_calls);
+      .def_readonly("backend_calls", &CollectiveStats::backend_calls)
+      .def_readonly("unquantized_bytes", &CollectiveStats::unquantized_bytes);
 
   py::class_<Comm, std::shared_ptr<Comm>>(m, "Comm")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, const std::string&, const std::string&>(),
-           py::arg("process_group"), py::arg("reduce_scatter_algo") = "auto", py::arg("all_gather_algo") = "auto")
+      .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> group, const std::string& reduce_scatter_algo,
+                       const std::string& all_gather_algo, int64_t quantization_group_size, int node_size,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> node_group,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> cross_group) {
+             StrategyOptions options;
+             options.quantization_group_size = quantization_group_size;
+             options.node_size = node_size;
+             if (node_group) options.node_group = *node_group;
+             if (cross_group) options.cross_group = *cross_group;
+             return std::make_shared<Comm>(std::move(group), reduce_scatter_algo, all_gather_algo, options);
+           }),
+           py::arg("process_group"), py::arg("reduce_scatter_algo") = "auto", py::arg("all_gather_algo") = "auto",
+           py::arg("quantization_group_size") = 256, py::arg("node_size") = 1, py::arg("node_group") = py::none(),
+           py::arg("cross_group") = py::none())
       .def_property_readonly("rank", &Comm::rank)
       .def_property_readonly("world_size", &Comm::world_size)
       .def_property_readonly("backend", &Comm::backend)

@@ -25,6 +25,7 @@
 
 #include "bindings.hpp"
 #include "cpu_kernel_pool.hpp"
+#include "quantize_ops.hpp"
 #include "tensor_checks.hpp"
 #include "zerocore/error.hpp"
 #include "zerocore/quantize.hpp"
@@ -98,6 +99,55 @@ void* current_cuda_stream(const at::Device& device) {
 }
 #endif
 
+}  // namespace
+
+QuantizeResult quantize_tensor(const at::Tensor& input, int bits, int64_t group_size, uint8_t* q, float* scales) {
+  const int64_t n = input.numel();
+  const ScalarType in_type = to_scalar_type(input, "input");
+  const void* data = n > 0 ? input.data_ptr() : nullptr;
+  QuantizeResult result;
+  if (input.device().is_cpu()) {
+    const SimdPath path = active_simd_path();
+    run_on_cpu_kernel_pool([&](ThreadPool* pool) {
+      result = quantize_symmetric(data, in_type, n, bits, group_size, q, scales, pool, path);
+    });
+  } else {
+#if defined(ZEROCORE_HAVE_CUDA)
+    const c10::DeviceGuard guard(input.device());
+    const at::Tensor counters = at::empty({2}, input.options().dtype(at::kLong));
+    launch_quantize_symmetric(data, in_type, n, bits, group_size, q, scales, counters.data_ptr<int64_t>(),
+                              current_cuda_stream(input.device()));
+    const at::Tensor host = counters.cpu();  // synchronises with the stream
+    result.nonfinite_count = host.data_ptr<int64_t>()[0];
+    result.first_nonfinite = result.nonfinite_count > 0 ? host.data_ptr<int64_t>()[1] : -1;
+#else
+    throw InvalidArgument("quantize: this build has no CUDA kernels");
+#endif
+  }
+  return result;
+}
+
+void dequantize_into(const uint8_t* q, const float* scales, int64_t n, int bits, int64_t group_size,
+                     const at::Tensor& out) {
+  const ScalarType out_type = to_scalar_type(out, "out");
+  void* out_data = n > 0 ? out.data_ptr() : nullptr;
+  if (out.device().is_cpu()) {
+    const SimdPath path = active_simd_path();
+    run_on_cpu_kernel_pool([&](ThreadPool* pool) {
+      dequantize_symmetric(q, scales, n, bits, group_size, out_data, out_type, pool, path);
+    });
+  } else {
+#if defined(ZEROCORE_HAVE_CUDA)
+    const c10::DeviceGuard guard(out.device());
+    launch_dequantize_symmetric(q, scales, n, bits, group_size, out_data, out_type, current_cuda_stream(out.device()));
+#else
+    throw InvalidArgument("dequantize: this build has no CUDA kernels");
+#endif
+  }
+}
+
+namespace {
+
 std::tuple<int64_t, int64_t> quantize_py(const at::Tensor& input, int bits, int64_t group_size, const at::Tensor& q_out,
                                          const at::Tensor& scales_out) {
   constexpr const char* kCaller = "quantize";
@@ -116,28 +166,13 @@ std::tuple<int64_t, int64_t> quantize_py(const at::Tensor& input, int bits, int6
   check_no_overlap({{"input", &input}, {"q_out", &q_out}, {"scales_out", &scales_out}});
   check_writable(q_out, kCaller, "q_out");
   check_writable(scales_out, kCaller, "scales_out");
-  const ScalarType in_type = to_scalar_type(input, "input");
-  const void* data = n > 0 ? input.data_ptr() : nullptr;
   auto* q = n > 0 ? static_cast<uint8_t*>(q_out.data_ptr()) : nullptr;
   float* scales = n > 0 ? scales_out.data_ptr<float>() : nullptr;
 
   QuantizeResult result;
-  if (device.is_cpu()) {
-    const SimdPath path = active_simd_path();
+  {
     py::gil_scoped_release no_gil;
-    run_on_cpu_kernel_pool([&](ThreadPool* pool) {
-      result = quantize_symmetric(data, in_type, n, bits, group_size, q, scales, pool, path);
-    });
-  } else {
-#if defined(ZEROCORE_HAVE_CUDA)
-    const c10::DeviceGuard guard(device);
-    const at::Tensor counters = at::empty({2}, input.options().dtype(at::kLong));
-    launch_quantize_symmetric(data, in_type, n, bits, group_size, q, scales, counters.data_ptr<int64_t>(),
-                              current_cuda_stream(device));
-    const at::Tensor host = counters.cpu();  // synchronises with the stream
-    result.nonfinite_count = host.data_ptr<int64_t>()[0];
-    result.first_nonfinite = result.nonfinite_count > 0 ? host.data_ptr<int64_t>()[1] : -1;
-#endif
+    result = quantize_tensor(input, bits, group_size, q, scales);
   }
   bump_version(q_out);
   bump_version(scales_out);
@@ -161,23 +196,12 @@ void dequantize_py(const at::Tensor& q, const at::Tensor& scales, int64_t n, int
                "ceil(n / group_size): one per group");
   check_no_overlap({{"out", &out}, {"q", &q}, {"scales", &scales}});
   check_writable(out, kCaller, "out");
-  const ScalarType out_type = to_scalar_type(out, "out");
   const auto* q_data = n > 0 ? static_cast<const uint8_t*>(q.data_ptr()) : nullptr;
   const float* scale_data = n > 0 ? scales.data_ptr<float>() : nullptr;
-  void* out_data = n > 0 ? out.data_ptr() : nullptr;
 
-  if (device.is_cpu()) {
-    const SimdPath path = active_simd_path();
+  {
     py::gil_scoped_release no_gil;
-    run_on_cpu_kernel_pool([&](ThreadPool* pool) {
-      dequantize_symmetric(q_data, scale_data, n, bits, group_size, out_data, out_type, pool, path);
-    });
-  } else {
-#if defined(ZEROCORE_HAVE_CUDA)
-    const c10::DeviceGuard guard(device);
-    launch_dequantize_symmetric(q_data, scale_data, n, bits, group_size, out_data, out_type,
-                                current_cuda_stream(device));
-#endif
+    dequantize_into(q_data, scale_data, n, bits, group_size, out);
   }
   bump_version(out);
 }

@@ -42,6 +42,10 @@ FORMULAS = {
     },
 }
 
+# The quantized algorithms (ZeRO++), tested against explicitly quantized values in test_zeropp.py: their
+# results are not the exact ones, so the exact-result checks here leave them out.
+QUANTIZED = {"reduce_scatter": ["hierarchical"], "all_gather": ["quantized"]}
+
 RUN_TIMEOUT = 180.0  # per run_ranks call, so a hang fails fast
 
 
@@ -105,7 +109,7 @@ def strategies_worker(rank: int, world: int) -> dict[str, Any]:
 
     results: dict[str, dict[str, dict]] = {op: {} for op in OPS}
     for op in OPS:
-        for name in algorithms[op]:
+        for name in FORMULAS[op]:
             comm = _C.Comm(group, **{f"{op}_algo": name})
             assert (comm.reduce_scatter_algo if op == "reduce_scatter" else comm.all_gather_algo) == name
             comm.set_logging(True)
@@ -122,7 +126,7 @@ def strategies_worker(rank: int, world: int) -> dict[str, Any]:
                 assert torch.equal(tensor, native[key]), (op, name, key, tensor, native[key])
 
     # A mixed sequence through a Comm of each (reduce-scatter, all-gather) pair: the log must match across ranks.
-    for rs_name, ag_name in itertools.product(algorithms["reduce_scatter"], algorithms["all_gather"]):
+    for rs_name, ag_name in itertools.product(FORMULAS["reduce_scatter"], FORMULAS["all_gather"]):
         comm = _C.Comm(group, rs_name, ag_name)
         comm.set_logging(True)
         n = 4 * world
@@ -164,7 +168,7 @@ def reports(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
 def test_registry_lists_exactly_the_registered_algorithms():
     # FORMULAS is the test's list of the registered algorithms, in registration order, each with its cost:
     # a new algorithm adds its row there.
-    assert _C.collective_algorithms() == {op: list(FORMULAS[op]) for op in OPS}
+    assert _C.collective_algorithms() == {op: list(FORMULAS[op]) + QUANTIZED[op] for op in OPS}
     assert NATIVE["reduce_scatter"] in FORMULAS["reduce_scatter"] and NATIVE["all_gather"] in FORMULAS["all_gather"]
 
 
@@ -178,10 +182,9 @@ def test_every_algorithm_gives_the_expected_result_and_matches_native(reports):
 
 def test_stats_follow_the_documented_formulas(reports):
     world, per_rank = reports
-    algorithms = _C.collective_algorithms()
     for op in OPS:
         label = op if op == "reduce_scatter" else GATHER_LABEL
-        for name in algorithms[op]:
+        for name in FORMULAS[op]:
             expected = {"calls": 0, "logical_elements": 0, "algorithm_bytes": 0, "backend_calls": 0}
             for _, dtype, numel in _cases(world):
                 nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -213,8 +216,7 @@ def test_collective_log_is_identical_across_ranks(reports):
     mixed = [f"reduce_scatter:7:{n}", f"all_gather:8:{n}", f"fwd:9:{2 * n}", "all_reduce:10:3", "all_reduce:11:1",
              "broadcast:12:5", "reduce_scatter:13:0"]
     mixed_logs = {key: log for key, log in logs.items() if key.startswith("mixed/")}
-    algorithms = _C.collective_algorithms()
-    assert len(mixed_logs) == len(algorithms["reduce_scatter"]) * len(algorithms["all_gather"])
+    assert len(mixed_logs) == len(FORMULAS["reduce_scatter"]) * len(FORMULAS["all_gather"])
     assert all(log == mixed for log in mixed_logs.values()), mixed_logs
     sizes = [numel for _, _, numel in _cases(world)]
     assert logs["reduce_scatter/all_reduce"] == [f"reduce_scatter:{100 + i}:{n}" for i, n in enumerate(sizes)]
@@ -232,6 +234,7 @@ def test_auto_is_the_backend_choice_and_unknown_names_list_the_registry(reports)
             assert report["errors"][op] == f"{op} algorithm must be {listed}, got '{bad}'"
     # Today's wording, unchanged by the move to a registry.
     assert per_rank[0]["errors"]["reduce_scatter"] == (
-        "reduce_scatter algorithm must be 'auto', 'reduce_scatter', 'all_reduce' or 'send_recv', got 'magic'")
+        "reduce_scatter algorithm must be 'auto', 'reduce_scatter', 'all_reduce', 'send_recv' or 'hierarchical', "
+        "got 'magic'")
     assert per_rank[0]["errors"]["all_gather"] == (
-        "all_gather algorithm must be 'auto', 'all_gather', 'broadcast' or 'all_reduce', got 'Broadcast'")
+        "all_gather algorithm must be 'auto', 'all_gather', 'broadcast', 'all_reduce' or 'quantized', got 'Broadcast'")
