@@ -23,6 +23,15 @@
 //   all_gather      "all_gather"     (NativeAllGather)         B (W-1)/W         1               not Gloo
 //                   "broadcast"      (BroadcastAllGather)      B/W (W-1)         W               Gloo
 //                   "all_reduce"     (AllReduceAllGather)      2 B (W-1)/W       1               -
+//   ZeRO++ (bindings/quantized_collectives.cpp, Note [Quantized collectives]; by name only):
+//   reduce_scatter  "hierarchical"   (qgZ: int4, node then     P(s) (N(L-1)+N-1)  2(L-1)+2(N-1)    -
+//                                     across nodes)
+//   all_gather      "quantized"      (qwZ: int8 + scales)      P(s) (W-1)        W on Gloo, else 1 -
+//
+// with P(s) the packed bytes of one shard of s elements, L ranks per node, N = W/L nodes. Quantized
+// strategies also report what the same collective would send unquantized (stats' unquantized_bytes: the
+// ring's B (W-1)/W), and take options (quantization group, node size, node and cross-node process groups)
+// from Comm's constructor through CollectiveStrategy::configure.
 //
 // with B the bucket's bytes and W the world size (ring estimates of the bytes each rank sends; world size 1
 // and empty buckets issue nothing and count 0 and 0). A per-op registry maps each name to a factory and

@@ -106,7 +106,8 @@ def test_comm_report_shows_psi_reduce_scattered_and_psi_all_gathered_per_step(st
         psi = report["psi_padded"]
         assert c["reduce_scatter"]["logical_elements"] == psi
         assert c["all_gather"]["logical_elements"] == psi
-        assert report["algorithms"] == {"reduce_scatter": "send_recv", "all_gather": "broadcast"}  # Gloo
+        assert report["algorithms"] == {"reduce_scatter": "send_recv", "all_gather": "broadcast",  # Gloo
+                                        "parameter_all_gather": "broadcast"}
         assert c["reduce_scatter"]["algorithm_bytes"] > 0 and c["all_gather"]["backend_calls"] >= 2
         assert report["optimizer_steps"] == 1
         assert report["per_step"]["reduce_scatter"]["logical_elements"] == psi

@@ -68,3 +68,158 @@ def test_quantized_collectives_equal_explicitly_quantized_values(world, node_siz
         weights, reduce = result["stats"]["weights"], result["stats"]["reduce_scatter"]
         assert weights[0] < 0.55 * weights[1]  # int8 + scales against the bucket's own dtype
         assert reduce[0] < 0.35 * reduce[1]
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------
+import zerocore  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 24)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(24, 24), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(24, 40)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens).mean(1)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _config(stage: int = 3, dtype: str = "fp32", **zeropp) -> dict:
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                    "zero_quantization_group_size": GROUP, "zero_node_size": 2, **zeropp}}
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+    return config
+
+
+def _train(engine, rank: int, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        tokens, target = torch.randint(0, 40, (8, 6), generator=g), torch.randint(0, 40, (8,), generator=g)
+        loss = nn.functional.cross_entropy(engine(tokens).float(), target)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_worker(rank: int, world: int, dtype: str, zeropp: dict, steps: int) -> dict:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(3 if zeropp.get("stage", 3) == 3 else 2, dtype,
+                                                **{k: v for k, v in zeropp.items() if k != "stage"}))
+    for comm in engine.comms.all().values():
+        comm.set_logging(True)
+    losses = _train(engine, rank, steps)
+    state = engine.full_state_dict(rank0_only=False)
+    logs = {name: list(comm.log()) for name, comm in engine.comms.all().items()}
+    per_comm = {name: {op: (st.algorithm_bytes, st.unquantized_bytes) for op, st in comm.stats().items()}
+                for name, comm in engine.comms.all().items()}
+    return {"per_comm": per_comm, "losses": losses, "state": {k: v.float().flatten().tolist() for k, v in state.items()},
+            "report": engine.comm_report(), "logs": logs}
+
+
+def test_hpz_changes_no_value_and_keeps_backward_gathers_inside_the_partition():
+    base = run_ranks(train_worker, 4, "bf16", {}, 3, timeout=240)
+    hpz = run_ranks(train_worker, 4, "bf16", {"zero_hpz_partition_size": 2}, 3, timeout=240)
+    for a, b in zip(base, hpz):  # the partition holds the very values the forward gathered
+        assert a["losses"] == b["losses"] and a["state"] == b["state"]
+    for result in hpz:
+        collectives = result["report"]["collectives"]
+        assert "all_gather_backward" not in collectives, collectives
+        assert collectives["hpz_partition:all_gather_backward"]["calls"] > 0
+        assert not any(entry.startswith("all_gather_backward") for entry in result["logs"]["global"])
+        assert all(entry.startswith("all_gather_backward") for entry in result["logs"]["hpz_partition"])
+
+
+def test_qwz_gathers_int8_and_the_forward_sees_the_dequantized_shards():
+    plain = run_ranks(train_worker, 2, "bf16", {}, 4, timeout=240)
+    qwz_config = {"zero_quantized_weights": True, "zero_quantization_group_size": 256}
+    qwz = run_ranks(train_worker, 2, "bf16", qwz_config, 4, timeout=240)
+    both = run_ranks(train_worker, 2, "bf16", {**qwz_config, "zero_hpz_partition_size": 2}, 4, timeout=240)
+    for result in qwz:
+        c = result["report"]["collectives"]
+        weights = result["per_comm"]["weights"]  # the quantized gathers (state dicts gather exact values)
+        sent = sum(weights[k][0] for k in ("all_gather_forward", "all_gather_backward"))
+        bf16 = sum(weights[k][1] for k in ("all_gather_forward", "all_gather_backward"))
+        assert sent <= 0.52 * bf16, (sent, bf16, c)
+        assert result["report"]["algorithms"]["parameter_all_gather"] == "quantized"
+    # quantized weights change the losses a little, not the training
+    for a, b in zip(plain, qwz):
+        assert a["losses"] != b["losses"]
+        assert all(abs(x - y) < 0.05 * abs(x) for x, y in zip(a["losses"], b["losses"]))
+    # hpZ on top gathers the forward's dequantized values again: the same run bit for bit
+    for a, b in zip(qwz, both):
+        assert a["losses"] == b["losses"] and a["state"] == b["state"]
+
+
+def forward_values_worker(rank: int, world: int) -> bool:
+    """Inside the forward, every parameter equals dequantize(quantize(its owner's shard)) of the unit's flat
+    buffer: the communication adds no error beyond the quantization."""
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(3, "fp32", zero_quantized_weights=True))
+    _train(engine, rank, 1)  # units still whole from initialize have released: every one is gathered anew
+    seen = {}
+    for name, module in engine.module.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.register_forward_pre_hook(
+                lambda m, args, name=name: seen.update({f"{name}.{k}": p.detach().clone()
+                                                         for k, p in m.named_parameters(recurse=False)}))
+    with torch.no_grad():
+        engine(torch.randint(0, 40, (2, 3)))
+    exact = engine.full_state_dict(rank0_only=False)  # the exact values, never the quantized ones
+    masters = {}
+    for unit in engine.stage3.units:
+        for shard in unit.buffer.optimizer_shards:
+            masters[id(shard)] = shard.master.clone()
+    for unit in engine.stage3.units:
+        buffer = unit.buffer
+        flat = torch.zeros(buffer.full.numel())
+        for name, param, offset in zip(unit.spec.param_names, buffer.params, buffer.offsets):
+            flat[offset:offset + param.numel()] = exact[name].flatten()
+        shard = flat.numel() // world
+        (mine,) = buffer.optimizer_shards  # the state dict is exact: this rank's part of it is its fp32 master
+        assert torch.equal(flat[rank * shard:(rank + 1) * shard], mine.master)
+        expected = torch.cat([_qdq(flat[r * shard:(r + 1) * shard], 8) for r in range(world)])
+        for name, param, offset in zip(unit.spec.param_names, buffer.params, buffer.offsets):
+            assert torch.equal(seen[name].flatten(), expected[offset:offset + param.numel()]), name
+    state = engine.full_state_dict(rank0_only=False)
+    assert all(torch.equal(state[k], v) for k, v in exact.items())
+    with zerocore.gathered(list(engine.module.parameters()), modifier_rank=0):
+        pass  # nothing written: the masters keep their bits (the gathered values were exact)
+    for unit in engine.stage3.units:
+        for shard in unit.buffer.optimizer_shards:
+            assert torch.equal(shard.master, masters[id(shard)])
+    return True
+
+
+def test_qwz_forward_sees_exactly_the_quantized_shards():
+    assert all(run_ranks(forward_values_worker, 2, timeout=120))
+
+
+def test_qgz_reduces_int4_across_two_nodes_and_trains_like_the_exact_reduction():
+    plain = run_ranks(train_worker, 4, "bf16", {"stage": 2}, 4, timeout=240)
+    qgz = run_ranks(train_worker, 4, "bf16", {"stage": 2, "zero_quantized_gradients": True}, 4, timeout=240)
+    for a, b in zip(plain, qgz):
+        assert all(abs(x - y) < 0.05 * abs(x) for x, y in zip(a["losses"], b["losses"]))
+        reduce = b["report"]["collectives"]["reduce_scatter"]
+        assert reduce["algorithm_bytes"] <= 0.30 * reduce["unquantized_bytes"], reduce
+        assert b["report"]["algorithms"]["reduce_scatter"] == "hierarchical"
+
+
+@pytest.mark.parametrize("zeropp,message", [
+    ({"stage": 2, "zero_quantized_weights": True}, "qwZ works on the parameter gathers of stage 3"),
+    ({"stage": 2, "zero_hpz_partition_size": 2}, "hpZ works on the parameter gathers of stage 3"),
+    ({"stage": 1, "zero_quantized_gradients": True}, "qgZ quantizes the gradient reduce-scatter of stages 2-3"),
+    ({"zero_quantization_group_size": 63}, "must be even"),
+])
+def test_zeropp_config_errors_name_the_key(zeropp, message):
+    config = _config(zeropp.pop("stage", 3), **zeropp)
+    with pytest.raises(ValueError, match=message):
+        zerocore.ZeroConfig.from_deepspeed(config)

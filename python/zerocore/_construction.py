@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from .config import ZeroConfig
 
 from ._native import _C
+from ._topology import Topology, build_topology
 from ._transforms import outside_transforms
 
 if TYPE_CHECKING:
@@ -73,6 +75,59 @@ def comm_algorithms_for(explicit: Mapping[str, str] | None, config: ZeroConfig) 
                              f"asks for reduce_scatter={reduce_scatter!r}; drop one of them")
         reduce_scatter = "all_reduce"
     return reduce_scatter, algorithms.get("all_gather", "auto")
+
+
+@dataclass
+class Comms:
+    """The engine's collectives (Note [Collective algorithms]): ``main`` for everything but stage 3's
+    parameter gathers (gradient reduce-scatters: qgZ's "hierarchical" with ``zero_quantized_gradients``),
+    ``weights`` for those (qwZ's "quantized" all-gather with ``zero_quantized_weights``, else ``main``),
+    and ``hpz``, the Comm of this rank's hpZ partition (``zero_hpz_partition_size`` > 1) with its topology."""
+
+    main: Any
+    weights: Any
+    hpz: Any = None
+    hpz_topology: Topology | None = None
+
+    def all(self) -> dict[str, Any]:
+        """Each distinct Comm by the name comm_report() gives it."""
+        out = {"global": self.main}
+        if self.weights is not self.main:
+            out["weights"] = self.weights
+        if self.hpz is not None:
+            out["hpz_partition"] = self.hpz
+        return out
+
+
+def build_comms(process_group: Any, explicit: Mapping[str, str] | None, config: ZeroConfig) -> Comms:
+    """The engine's Comms (collective: every rank builds the same ones, in the same order)."""
+    zo = config.zero_optimization
+    reduce_scatter, all_gather = comm_algorithms_for(explicit, config)
+    world = dist.get_world_size(process_group)
+    hierarchical = zo.zero_quantized_gradients or zo.zero_hpz_partition_size > 1
+    if hierarchical and world != dist.get_world_size():
+        raise ValueError("ZeRO++ hpZ and qgZ build process groups of nodes, which every rank of the job must take part "
+                         f"in; the engine's process group has {world} of the job's {dist.get_world_size()} ranks")
+    options: dict[str, Any] = {"quantization_group_size": zo.zero_quantization_group_size}
+    if zo.zero_quantized_gradients:
+        if (explicit or {}).get("reduce_scatter", "auto") not in ("auto", "hierarchical"):
+            raise ValueError(f"zero_optimization.zero_quantized_gradients asks for the 'hierarchical' reduce-scatter, "
+                             f"but comm_algorithms asks for {explicit['reduce_scatter']!r}; drop one of them")
+        node_size = zo.zero_node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        topology = build_topology(process_group, node_size)
+        reduce_scatter = "hierarchical"
+        options.update(node_size=node_size, node_group=topology.node_group, cross_group=topology.cross_group)
+    main = _C.Comm(process_group, reduce_scatter, all_gather, **options)
+    weights = main
+    if zo.zero_quantized_weights:
+        weights = _C.Comm(process_group, reduce_scatter, "quantized",
+                          quantization_group_size=zo.zero_quantization_group_size)
+    comms = Comms(main, weights)
+    if zo.zero_hpz_partition_size > 1:
+        comms.hpz_topology = build_topology(process_group, zo.zero_hpz_partition_size)
+        if comms.hpz_topology.node_group is not None:
+            comms.hpz = _C.Comm(comms.hpz_topology.node_group)
+    return comms
 
 
 def broadcast_module_state(comm: Any, module: nn.Module) -> None:

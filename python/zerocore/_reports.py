@@ -74,24 +74,33 @@ def _placement(engine: Engine) -> str:
     return "nvme" if state.store is not None else state.placement.type
 
 
+_COUNTS = ("calls", "logical_elements", "algorithm_bytes", "backend_calls", "unquantized_bytes")
+
+
 def comm_report(engine: Engine) -> dict[str, Any]:
     """Collectives issued since the last ``reset_comm_stats()``, counted in C++ where they are issued.
 
     ``logical_elements`` is the collective's size as ZeRO defines it (a reduce-scatter of a bucket counts
-    the whole bucket); ``algorithm_bytes`` the bytes this rank sent under the algorithm actually used.
+    the whole bucket); ``algorithm_bytes`` the bytes this rank sent under the algorithm actually used;
+    ``unquantized_bytes`` what a ring would have sent in the bucket's own dtype (equal to ``algorithm_bytes``
+    unless ZeRO++ quantized it). Stage 3's gathers inside an hpZ partition are listed as
+    ``hpz_partition:<label>``; every other entry is a collective over the whole group.
     """
-    stats = {
-        op: {"calls": s.calls, "logical_elements": s.logical_elements, "algorithm_bytes": s.algorithm_bytes,
-             "backend_calls": s.backend_calls}
-        for op, s in engine.comm.stats().items()
-    }
+    stats: dict[str, dict[str, int]] = {}
+    for where, comm in engine.comms.all().items():
+        prefix = "" if where != "hpz_partition" else "hpz_partition:"  # gathers that never leave the partition
+        for op, s in comm.stats().items():
+            counts = stats.setdefault(prefix + op, dict.fromkeys(_COUNTS, 0))
+            for key in _COUNTS:
+                counts[key] += getattr(s, key)
     steps = engine.steps_since_comm_reset
     per_step = {op: {key: value / steps for key, value in counts.items()} for op, counts in stats.items()} if steps else {}
     return {
         "optimizer_steps": steps,
         "per_step": per_step,
         "backend": engine.comm.backend,
-        "algorithms": {"reduce_scatter": engine.comm.reduce_scatter_algo, "all_gather": engine.comm.all_gather_algo},
+        "algorithms": {"reduce_scatter": engine.comm.reduce_scatter_algo, "all_gather": engine.comm.all_gather_algo,
+                       "parameter_all_gather": engine.comms.weights.all_gather_algo},
         "collectives": stats,
         "psi_padded": _psi(engine)[1],
         "buckets": engine.buckets.report() if engine.stage3 is None else {

@@ -163,6 +163,18 @@ class ShardedBuffer:
             self._own_region(self.full, bucket).copy_(self.param_shard(bucket))
         return comm.all_gather(self.param_bucket(bucket), bucket, label)
 
+    def gather_from_slice(self, comm: Any, values: torch.Tensor, parts: int, index: int, label: str) -> Any:
+        """Parameters sharded: starts filling ``full`` (one bucket) from ``parts`` equal slices, this rank's
+        (``values``, slice ``index``) in place, over ``comm``, a group of ``parts`` ranks (hpZ)."""
+        assert self.policy.params_sharded and len(self.buckets) == 1
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.numel * self.full.element_size())
+        assert self.param_bucket(0).numel() == self.full.numel()
+        part = self.full.numel() // parts
+        self.full[index * part : (index + 1) * part].copy_(values)
+        return comm.all_gather(self.param_bucket(0), 0, label)
+
     def regather(self, comm: Any, label: str) -> None:
         """Every bucket of ``full`` again from every rank's shard, landed on return (a collective)."""
         for bucket in range(len(self.buckets)):

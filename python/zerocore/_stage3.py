@@ -67,6 +67,8 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 _NO_BUCKET_CAP = 2**62  # one bucket per unit: one all-gather gathers the whole unit
+# the gathers that feed computation, which qwZ quantizes; state dicts, gathered(), close() get exact values
+_QUANTIZED_LABELS = frozenset({"all_gather_forward", "all_gather_backward", "all_gather_external"})
 
 
 class UnitState(enum.Enum):
@@ -93,6 +95,11 @@ class Unit:
         self.pinned = False  # used outside its own forward: gathered until the backward ends (Note [External parameters])
         self.in_backward = False
         self._tag_check: Any = None
+        # hpZ: this rank's slice of the unit's values from its last forward gather, which its backward gathers
+        # within the partition; (slice, partition size, index in the partition) or None
+        self.secondary: tuple[torch.Tensor, int, int] | None = None
+        self._keep_secondary: tuple[int, int] | None = None
+        self.quantized = False  # gathered through qwZ: the values are the dequantized int8 ones
 
     @property
     def numel(self) -> int:
@@ -120,11 +127,23 @@ class Unit:
                                f"{to.value}, but only {expected.value} -> {to.value} is legal")
         self.state = to
 
-    def start_gather(self, comm: Any, label: str, check: DivergenceCheck, tag: Any) -> None:
-        """SHARDED -> GATHERING: the all-gather is issued right after its divergence tag's (``tag``)."""
+    def start_gather(self, comm: Any, label: str, check: DivergenceCheck, tag: Any,
+                     keep_secondary: tuple[int, int] | None = None) -> None:
+        """SHARDED -> GATHERING: the all-gather is issued right after its divergence tag's (``tag``). With
+        ``keep_secondary`` (hpZ partition size, index in it) the landed values' slice is kept for the backward."""
         self._move(UnitState.SHARDED, UnitState.GATHERING)
         self.pending = self.buffer.gather(comm, 0, label)
         self._tag_check = (check, tag)
+        self._keep_secondary = keep_secondary
+
+    def start_partition_gather(self, comm: Any, label: str, check: DivergenceCheck, tag: Any) -> None:
+        """SHARDED -> GATHERING from the hpZ secondary slices, inside the partition only (``comm``)."""
+        assert self.secondary is not None
+        self._move(UnitState.SHARDED, UnitState.GATHERING)
+        values, size, index = self.secondary
+        self.pending = self.buffer.gather_from_slice(comm, values, size, index, label)
+        self._tag_check = (check, tag)
+        self._keep_secondary = None
 
     def wait(self) -> None:
         """GATHERING -> GATHERED: the tag is checked first (Note [Divergence tags]), then the gather lands."""
@@ -135,6 +154,11 @@ class Unit:
             self.pending.wait()
             self.pending = None
             self._move(UnitState.GATHERING, UnitState.GATHERED)
+            if self._keep_secondary is not None:
+                size, index = self._keep_secondary
+                part = self.buffer.full.numel() // size
+                self.secondary = (self.buffer.full[index * part : (index + 1) * part].clone(), size, index)
+                self._keep_secondary = None
             self.buffer.attach_views()
 
     def release(self) -> None:
@@ -151,6 +175,10 @@ class Stage3Runtime:
                  meta: bool = False, strict_spmd: bool = False) -> None:
         self.engine = engine
         self.comm = engine.comm
+        self.weight_comm = engine.comms.weights  # parameter gathers (qwZ quantizes them)
+        self.hpz_comm = engine.comms.hpz  # backward gathers inside the hpZ partition
+        topology = engine.comms.hpz_topology
+        self.hpz_slot = None if topology is None else (topology.node_size, topology.local_rank)
         zo = engine.config.zero_optimization
         self.max_live = zo.stage3_max_live_parameters
         self.prefetch_elements = zo.stage3_prefetch_bucket_size
@@ -366,12 +394,16 @@ class Stage3Runtime:
         """A parameter of the unit that owns ``buffer`` got its gradient; the last one releases the unit."""
         unit = self.unit_of_buffer(buffer)
         unit.grads_left -= 1
+        if unit.grads_left == 0:
+            unit.secondary = None  # its backward is done; the next forward gathers the updated values
         if unit.grads_left == 0 and not unit.persistent and not unit.pinned:
             self.release(unit)
 
     # ---- gather / release -----------------------------------------------------------------------------
     @outside_transforms  # gathers and releases are the engine's, never a transform's (Note [torch.func transforms])
     def ensure_gathered(self, unit: Unit, label: str) -> None:
+        if unit.quantized and label not in _QUANTIZED_LABELS and unit.state is not UnitState.SHARDED:
+            self.release(unit)  # a reader of the values themselves (state dict, gathered()) gets them exact
         if unit.state is UnitState.SHARDED:
             self._gather(unit, label)
         unit.wait()
@@ -380,7 +412,14 @@ class Stage3Runtime:
     def _gather(self, unit: Unit, label: str) -> None:
         unit.calls += 1
         tag = self.divergence.before_gather(unit.index, unit.calls, self.step)
-        unit.start_gather(self.comm, label, self.divergence, tag)
+        if self.hpz_slot is not None and label == "all_gather_backward" and unit.secondary is not None:
+            unit.start_partition_gather(self.hpz_comm, label, self.divergence, tag)
+            unit.quantized = self.weight_comm is not self.comm  # the forward's values, as they were gathered
+        else:  # forward gathers refresh the hpZ slice the backward will gather from
+            quantized = self.weight_comm is not self.comm and label in _QUANTIZED_LABELS
+            keep = self.hpz_slot if not unit.in_backward and label in _QUANTIZED_LABELS else None
+            unit.start_gather(self.weight_comm if quantized else self.comm, label, self.divergence, tag, keep)
+            unit.quantized = quantized
         self.live_elements += unit.numel
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
 

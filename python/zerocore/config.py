@@ -307,6 +307,18 @@ class ZeroOptimizationConfig:
         offload_param: parameter offload, stage 3 only (:class:`OffloadParamConfig`); also set by DeepSpeed's
             deprecated ``cpu_offload_param: true`` (device ``"cpu"``). ``cpu_offload_use_pin_memory`` sets the
             ``pin_memory`` of both.
+        zero_quantized_weights: ZeRO++ qwZ, stage 3: parameters are all-gathered as int8 with one fp32 scale
+            per quantization group (the fp32 master is never quantized).
+        zero_quantized_nontrainable_weights: accepted for DeepSpeed configs; zerocore never gathers frozen
+            parameters (they stay replicated, like buffers), so there is nothing to quantize.
+        zero_hpz_partition_size: ZeRO++ hpZ, stage 3: ranks per secondary partition (a node's GPUs; 1 = off).
+            After a unit's forward gather each rank keeps its 1/hpz slice of it, and backward gathers run
+            inside those groups of consecutive ranks only.
+        zero_quantized_gradients: ZeRO++ qgZ, stages 2-3: gradients are reduce-scattered as int4 with one fp32
+            scale per group, inside each node first, then across nodes, summed in fp32.
+        zero_quantization_group_size: elements per quantization scale of qwZ and qgZ (zerocore's; even, >= 2).
+        zero_node_size: ranks per node for qgZ (zerocore's; default the ``LOCAL_WORLD_SIZE`` torchrun sets,
+            else one node); lets one machine act as several nodes.
 
     Raises:
         ValueError: naming the key path of the first invalid value.
@@ -324,6 +336,12 @@ class ZeroOptimizationConfig:
     sub_group_size: int = 1_000_000_000
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantized_gradients: bool = False
+    zero_quantization_group_size: int = 256
+    zero_node_size: int | None = None
 
     def __post_init__(self) -> None:
         p = "zero_optimization."
@@ -352,6 +370,28 @@ class ZeroOptimizationConfig:
         if self.offload_param.device != "none" and self.stage < 3:
             _fail(p + "offload_param", f"parameter offload needs stage 3 (device is {self.offload_param.device!r}, "
                   f"zero_optimization.stage is {self.stage}); use stage 3, or device 'none'")
+        for name in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+            object.__setattr__(self, name, _bool(getattr(self, name), p + name))
+        object.__setattr__(self, "zero_hpz_partition_size",
+                           _int(self.zero_hpz_partition_size, p + "zero_hpz_partition_size", 1, 1 << 20))
+        group = _int(self.zero_quantization_group_size, p + "zero_quantization_group_size", 2, 1 << 30)
+        if group % 2:
+            _fail(p + "zero_quantization_group_size", f"must be even (int4 packs two values per byte), got {group}")
+        object.__setattr__(self, "zero_quantization_group_size", group)
+        if self.zero_node_size is not None:
+            object.__setattr__(self, "zero_node_size", _int(self.zero_node_size, p + "zero_node_size", 1, 1 << 20))
+        if self.stage < 3:
+            for name, on, what in (("zero_quantized_weights", self.zero_quantized_weights, "qwZ"),
+                                   ("zero_hpz_partition_size", self.zero_hpz_partition_size > 1, "hpZ")):
+                if on:
+                    _fail(p + name, f"ZeRO++ {what} works on the parameter gathers of stage 3, but "
+                          f"zero_optimization.stage is {self.stage}; use stage 3 or remove it")
+        if self.zero_quantized_gradients and self.stage < 2:
+            _fail(p + "zero_quantized_gradients", "ZeRO++ qgZ quantizes the gradient reduce-scatter of stages 2-3, "
+                  "but zero_optimization.stage is 1; use stage 2 or 3, or remove it")
+        if self.zero_quantized_gradients and not self.reduce_scatter:
+            _fail(p + "zero_quantized_gradients", "qgZ is a reduce-scatter, but zero_optimization.reduce_scatter is "
+                  "false (all-reduce); drop one of them")
 
 
 @dataclass(frozen=True)
@@ -765,7 +805,8 @@ class ZeroConfig:
     def to_deepspeed(self) -> dict[str, Any]:
         """Returns a DeepSpeed config dict (JSON-serializable); ``from_deepspeed`` of it equals ``self``."""
         o, a = self.optimizer, self.aio
-        zero = {k: v for k, v in dataclasses.asdict(self.zero_optimization).items() if v is not None}
+        zero = {k: v for k, v in dataclasses.asdict(self.zero_optimization).items()
+                if v is not None and k not in _ZEROCORE_ONLY}  # DeepSpeed refuses keys it does not know
         for name in ("offload_optimizer", "offload_param"):
             zero[name] = {k: v for k, v in zero[name].items() if v is not None}  # nvme_path unset: left out
         out: dict[str, Any] = {
@@ -798,6 +839,7 @@ _LEGACY_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "off
                    "cpu_offload_use_pin_memory": "pin_memory"}
 # Per section (key path, "" = top level): supported keys, aliases DeepSpeed also accepts, keys accepted and
 # ignored, and real DeepSpeed keys that zerocore does not support yet.
+_ZEROCORE_ONLY = frozenset({"zero_quantization_group_size", "zero_node_size"})  # zero_optimization keys
 _Z3 = ("max_reuse_distance model_persistence_threshold gather_16bit_weights_on_model_save "
        "module_granularity_threshold use_all_reduce_for_fetch_params allgather_sequential").split()
 _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozenset[str]]] = {
@@ -824,8 +866,7 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
         frozenset(),
         frozenset((
             "load_from_fp32_weights elastic_checkpoint allgather_partitions use_multi_rank_bucket_allreduce "
-            "ignore_unused_parameters legacy_stage1 round_robin_gradients zero_hpz_partition_size "
-            "zero_quantized_weights zero_quantized_nontrainable_weights zero_quantized_gradients zeropp_loco_param "
+            "ignore_unused_parameters legacy_stage1 round_robin_gradients zeropp_loco_param "
             "mics_shard_size mics_hierarchical_params_gather memory_efficient_linear pipeline_loading_checkpoint "
             "override_module_apply log_trace_cache_warnings stage3_gather_fp16_weights_on_model_save zenflow "
             "leaf_module").split() + _Z3 + ["stage3_" + name for name in _Z3])),

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._buckets import BucketSizes
-from ._construction import (broadcast_module_state, build_reducer, cast_untracked_tensors, comm_algorithms_for,
+from ._construction import (broadcast_module_state, build_reducer, cast_untracked_tensors, build_comms,
                             default_process_group, sync_buffers)
 from ._divergence import RanksDivergedError
 from ._full_state import full_state_dict, gather_for_user, release_for_user
@@ -162,7 +162,8 @@ class Engine:
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self.config = config = config.for_world_size(self.world_size)
-        self.comm = _C.Comm(self.process_group, *comm_algorithms_for(comm_algorithms, config))
+        self.comms = build_comms(self.process_group, comm_algorithms, config)
+        self.comm = self.comms.main
         self.buckets = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype)
 
         for name, param in model.named_parameters():
@@ -589,7 +590,8 @@ class Engine:
 
     def reset_comm_stats(self) -> None:
         """Starts comm_report()'s counts afresh (its per-step figures divide by the steps since then)."""
-        self.comm.reset_stats()
+        for comm in self.comms.all().values():
+            comm.reset_stats()
         self.host_syncs = 0
         self._comm_reset_at_step = self.global_steps + self.skipped_steps
         if self.optimizer_state.store is not None:
@@ -718,6 +720,7 @@ class Engine:
             self.stage3.land_gathers()
             for unit in self.stage3.units:
                 unit.pinned = False
+                unit.secondary = None  # hpZ slices of the old values
                 self.stage3.release(unit)
             return
         for buffer in self.buffers:
@@ -733,6 +736,9 @@ class Engine:
         """Leaving ``zerocore.gathered(params)``: ``modifier_rank``'s values reach every rank's shard and
         the fp32 master."""
         release_for_user(self, params, modifier_rank)
+        if self.stage3 is not None:
+            for unit in self.stage3.units:
+                unit.secondary = None  # hpZ slices of the values before the write
 
 
 def _optimizer_state_for(config: ZeroConfig, device: torch.device, rank: int) -> OptimizerState:

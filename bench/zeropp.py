@@ -1,0 +1,171 @@
+"""ZeRO++ (issue 12) on one machine acting as 2 nodes of 2 ranks: step time, bytes per step and convergence of
+stage 3 bf16 with qwZ (``zero_quantized_weights``), hpZ (``zero_hpz_partition_size: 2``), qgZ
+(``zero_quantized_gradients``), all three, and none, in the same run; then the quantization kernels' GB/s
+against the memory roofline (``zerocore-bench quantize``, when the C++ harness is built).
+
+Every variant trains the same GPT (``_peers.build_model``) from the same initial weights on the same batches
+for ``--steps`` steps at world 4 on Gloo (``zero_node_size: 2``, so qgZ and hpZ see 2 nodes). The data is
+learnable (each next token is a fixed function of the current one), so the loss falls far below ln(vocab) and
+a quantization that hurt training would show. Printed per variant: median step seconds over the steps after
+``--warmup``, the ratio to the baseline's (same run), bytes each rank sent per step in the parameter
+all-gathers and in the gradient reduce-scatters (``comm_report()``: after quantization, and as a fraction
+of what the same collectives send unquantized in bf16), and the mean loss of the last 20 steps with its
+relative difference to the baseline's (issue 12's target: within 1%).
+
+    python bench/zeropp.py [--steps 300] [--layers 2 --dim 256 --seq 64 --batch 8 --vocab 1024] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import format_table, print_header, run_header, run_ranks  # noqa: E402
+from _peers import build_model, loss_of  # noqa: E402
+
+VARIANTS = {
+    "none": {},
+    "qwZ": {"zero_quantized_weights": True},
+    "hpZ": {"zero_hpz_partition_size": 2},
+    "qgZ": {"zero_quantized_gradients": True},
+    "qwZ+hpZ+qgZ": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True},
+}
+WORLD, NODE = 4, 2
+LAST = 20  # steps whose mean loss is compared
+
+
+def _batch(cfg: dict[str, Any], step: int, rank: int):
+    """Sequences where each token is (7 t + 3) mod vocab of the one before, from a random start."""
+    import torch
+
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    start = torch.randint(0, cfg["vocab"], (cfg["batch"], 1), generator=g)
+    tokens = [start]
+    for _ in range(cfg["seq"]):
+        tokens.append((7 * tokens[-1] + 3) % cfg["vocab"])
+    tokens = torch.cat(tokens, dim=1)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _config(zeropp: dict[str, Any]) -> dict[str, Any]:
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "zero_node_size": NODE, **zeropp}}
+
+
+def _rank_main(rank: int, world: int, cfg: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+    sys.stdout.flush()
+    os.dup2(2, 1)  # library chatter to stderr: stdout is the parent's table or JSON
+    import torch.distributed as dist
+
+    import zerocore
+
+    out: dict[str, Any] = {}
+    for name, zeropp in VARIANTS.items():
+        engine = zerocore.initialize(build_model(cfg), _config(zeropp))
+        losses, times = [], []
+        for step in range(steps):
+            if step == warmup:
+                engine.reset_comm_stats()
+            x, y = _batch(cfg, step, rank)
+            dist.barrier()
+            start = time.perf_counter()
+            loss = loss_of(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+        report = engine.comm_report()
+        per_step = report["per_step"]
+        gathers = [k for k in per_step if "all_gather_forward" in k or "all_gather_backward" in k]
+        reduce = per_step.get("reduce_scatter", {})
+        out[name] = {
+            "step_seconds": statistics.median(times[warmup:]),
+            "gather_bytes": sum(per_step[k]["algorithm_bytes"] for k in gathers),
+            "gather_unquantized": sum(per_step[k]["unquantized_bytes"] for k in gathers),
+            "gather_outside_partition": sum(per_step[k]["algorithm_bytes"] for k in gathers
+                                            if not k.startswith("hpz_partition:") and "backward" in k),
+            "reduce_bytes": reduce.get("algorithm_bytes", 0.0),
+            "reduce_unquantized": reduce.get("unquantized_bytes", 0.0),
+            "losses": losses,
+        }
+        engine.close()
+    return out
+
+
+def _kernels() -> str:
+    """The C++ harness's quantization table, if the harness is built here."""
+    harness = shutil.which("zerocore-bench") or next(
+        (p for p in ("build/zerocore-bench", "build/bench/zerocore-bench") if os.path.exists(p)), None)
+    if harness is None:
+        return "zerocore-bench is not built here (cmake --build build --target zerocore-bench): kernel GB/s skipped"
+    done = subprocess.run([harness, "quantize"], capture_output=True, text=True, timeout=600, check=False)
+    return done.stdout if done.returncode == 0 else f"zerocore-bench quantize failed: {done.stderr[-2000:]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    args = parser.parse_args()
+    if args.steps <= max(args.warmup, LAST):
+        parser.error(f"--steps must exceed --warmup and {LAST}")
+    cfg = {"layers": args.layers, "dim": args.dim, "seq": args.seq, "batch": args.batch, "vocab": args.vocab}
+    header = run_header()
+    per_rank = run_ranks(_rank_main, WORLD, cfg, args.steps, args.warmup, timeout=args.timeout)
+    base = per_rank[0]["none"]
+    base_loss = statistics.fmean(statistics.fmean(r["none"]["losses"][-LAST:]) for r in per_rank)
+    rows, results = [], {}
+    for name in VARIANTS:
+        slowest = max(r[name]["step_seconds"] for r in per_rank)
+        mine = per_rank[0][name]
+        loss = statistics.fmean(statistics.fmean(r[name]["losses"][-LAST:]) for r in per_rank)
+        base_step = max(r["none"]["step_seconds"] for r in per_rank)
+        result = {
+            "step_seconds": slowest, "speed_vs_none": base_step / slowest,
+            "gather_bytes_per_step": mine["gather_bytes"],
+            "gather_vs_bf16": mine["gather_bytes"] / mine["gather_unquantized"] if mine["gather_unquantized"] else None,
+            "backward_gather_bytes_leaving_partition": mine["gather_outside_partition"],
+            "reduce_bytes_per_step": mine["reduce_bytes"],
+            "reduce_vs_bf16": mine["reduce_bytes"] / mine["reduce_unquantized"] if mine["reduce_unquantized"] else None,
+            "first_loss": statistics.fmean(r[name]["losses"][0] for r in per_rank),
+            "last20_loss": loss, "loss_vs_none": loss / base_loss - 1.0,
+        }
+        results[name] = result
+        rows.append([name, f"{slowest:.4f}", f"{result['speed_vs_none']:.2f}",
+                     f"{mine['gather_bytes']:.0f}", f"{result['gather_vs_bf16']:.3f}",
+                     f"{mine['gather_outside_partition']:.0f}", f"{mine['reduce_bytes']:.0f}",
+                     f"{result['reduce_vs_bf16']:.3f}", f"{result['first_loss']:.3f}", f"{loss:.4f}",
+                     f"{100 * result['loss_vs_none']:+.2f}%"])
+    del base
+    kernels = _kernels()
+    if args.json:
+        print(json.dumps({"header": header, "config": cfg, "steps": args.steps, "variants": results,
+                          "kernels": kernels}))
+        return
+    print_header(header)
+    print(f"world {WORLD} = {WORLD // NODE} nodes x {NODE} (Gloo, one machine), stage 3 bf16, GPT {cfg}, "
+          f"{args.steps} steps (timing after {args.warmup})")
+    print(format_table(["variant", "step s", "x none", "gather B/step", "x bf16", "bwd gather B off-node",
+                        "reduce B/step", "x bf16", "first loss", f"last {LAST} loss", "vs none"], rows))
+    print()
+    print(kernels)
+
+
+if __name__ == "__main__":
+    main()
