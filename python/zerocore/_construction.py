@@ -120,7 +120,7 @@ def build_comms(process_group: Any, explicit: Mapping[str, str] | None, config: 
     main = _C.Comm(process_group, reduce_scatter, all_gather, **options)
     weights = main
     if zo.zero_quantized_weights:
-        weights = _C.Comm(process_group, reduce_scatter, "quantized",
+        weights = _C.Comm(process_group, "auto", "quantized",  # it only gathers
                           quantization_group_size=zo.zero_quantization_group_size)
     comms = Comms(main, weights)
     if zo.zero_hpz_partition_size > 1:
