@@ -12,7 +12,10 @@ all-gathers and in the gradient reduce-scatters (``comm_report()``: after quanti
 of what a ring sends for the same elements in bf16; gradients are otherwise reduced in fp32, twice that), and the mean loss of the last 20 steps with its
 relative difference to the baseline's (issue 12's target: within 1%).
 
-    python bench/zeropp.py [--steps 300] [--layers 2 --dim 256 --seq 64 --batch 8 --vocab 1024] [--json]
+Then the issue's convergence check on the demo GPT (``--demo-steps``, 300 by default; see ``_demo``).
+
+    python bench/zeropp.py [--steps 300] [--layers 2 --dim 256 --seq 64 --batch 8 --vocab 1024]
+                           [--demo-steps 300] [--json]
 """
 
 from __future__ import annotations
@@ -110,6 +113,31 @@ def _bf16_ring(counts: dict[str, float], world: int, key: str) -> float:
     return counts["logical_elements"] * 2 * (group - 1) / group
 
 
+def _demo(steps: int) -> dict[str, dict[str, float]]:
+    """Issue 12's convergence check: the demo GPT (``python -m zerocore.examples.train_gpt``: its text corpus,
+    warmup and cosine schedule) trained ``steps`` steps at world 4, stage 3 bf16, per variant; the mean loss
+    of the last 20 steps and its difference to the run without ZeRO++."""
+    import tempfile
+
+    out: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, zeropp in VARIANTS.items():
+            path = os.path.join(tmp, "config.json")
+            with open(path, "w") as f:
+                json.dump({"zero_optimization": {"stage": 3, "zero_node_size": NODE, **zeropp}}, f)
+            done = subprocess.run([sys.executable, "-m", "zerocore.examples.train_gpt", "--config", path, "--nproc",
+                                   str(WORLD), "--steps", str(steps), "--bf16", "--no-sample", "--json"],
+                                  capture_output=True, text=True, timeout=3600, check=False)
+            if done.returncode:
+                raise RuntimeError(f"train_gpt ({name}) failed: {done.stderr[-3000:]}")
+            summary = json.loads(done.stdout.strip().splitlines()[-1])
+            out[name] = {"first_loss": summary["losses"][0], "last20_loss": statistics.fmean(summary["losses"][-LAST:]),
+                         "elapsed_s": summary["elapsed_s"]}
+    for result in out.values():
+        result["loss_vs_none"] = result["last20_loss"] / out["none"]["last20_loss"] - 1.0
+    return out
+
+
 def _kernels() -> str:
     """The C++ harness's quantization table, if the harness is built here."""
     harness = shutil.which("zerocore-bench") or next(
@@ -129,6 +157,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--demo-steps", type=int, default=300,
+                        help="steps of the demo GPT per variant for the convergence check (0: skip it)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--timeout", type=float, default=3600.0)
     args = parser.parse_args()
@@ -162,16 +192,24 @@ def main() -> None:
                      f"{result['reduce_vs_bf16']:.3f}", f"{result['first_loss']:.3f}", f"{loss:.4f}",
                      f"{100 * result['loss_vs_none']:+.2f}%"])
     del base
+    demo = _demo(args.demo_steps) if args.demo_steps > LAST else {}
     kernels = _kernels()
     if args.json:
         print(json.dumps({"header": header, "config": cfg, "steps": args.steps, "variants": results,
-                          "kernels": kernels}))
+                          "demo": demo, "kernels": kernels}))
         return
     print_header(header)
     print(f"world {WORLD} = {WORLD // NODE} nodes x {NODE} (Gloo, one machine), stage 3 bf16, GPT {cfg}, "
           f"{args.steps} steps (timing after {args.warmup})")
     print(format_table(["variant", "step s", "x none", "gather B/step", "x bf16", "bwd gather B off-node",
                         "reduce B/step", "x bf16", "first loss", f"last {LAST} loss", "vs none"], rows))
+    if demo:
+        print()
+        print(f"demo GPT (python -m zerocore.examples.train_gpt --bf16 --nproc {WORLD}, stage 3), "
+              f"{args.demo_steps} steps per variant:")
+        print(format_table(["variant", "first loss", f"last {LAST} loss", "vs none", "seconds"],
+                           [[name, f"{r['first_loss']:.4f}", f"{r['last20_loss']:.4f}",
+                             f"{100 * r['loss_vs_none']:+.2f}%", f"{r['elapsed_s']:.1f}"] for name, r in demo.items()]))
     print()
     print(kernels)
 
