@@ -235,3 +235,25 @@ def test_zeropp_config_errors_name_the_key(zeropp, message):
     config = _config(zeropp.pop("stage", 3), **zeropp)
     with pytest.raises(ValueError, match=message):
         zerocore.ZeroConfig.from_deepspeed(config)
+
+
+def hpz_memory_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    config = _config(3, "bf16", zero_hpz_partition_size=2)
+    planned = zerocore.estimate_memory(Net(), config, world)["step"]["hpz_secondary_peak"]
+    engine = zerocore.initialize(Net(), config)
+    at_rest = engine.memory_report()["bytes"]["hpz_secondary"]
+    tokens = torch.randint(0, 40, (4, 6))
+    loss = engine(tokens).float().sum()
+    between = engine.memory_report()["bytes"]["hpz_secondary"]
+    engine.backward(loss)
+    engine.step()
+    after = engine.memory_report()["bytes"]["hpz_secondary"]
+    full = sum(unit.buffer.full.numel() for unit in engine.stage3.units) * 2  # bf16
+    return {"planned": planned, "at_rest": at_rest, "between": between, "after": after, "half": full // 2}
+
+
+def test_hpz_slices_are_in_the_memory_report_and_the_estimate():
+    for r in run_ranks(hpz_memory_worker, 2, timeout=120):
+        assert r["at_rest"] == 0 and r["after"] == 0
+        assert r["between"] == r["half"] == r["planned"], r

@@ -508,7 +508,9 @@ class Stage3Runtime:
     def memory(self) -> dict[str, int]:
         width = torch.empty((), dtype=self.engine.compute_dtype).element_size()
         return {"gathered_params_live": self.live_elements * width,
-                "gathered_params_peak_last_step": self.last_step_peak_elements * width}
+                "gathered_params_peak_last_step": self.last_step_peak_elements * width,
+                # hpZ: each unit's slice of its forward values, held until its backward is done
+                "hpz_secondary": sum(u.secondary[0].numel() * width for u in self.units if u.secondary is not None)}
 
     # ---- outside forward ------------------------------------------------------------------------------
     def unit_of_buffer(self, buffer: ShardedBuffer) -> Unit:

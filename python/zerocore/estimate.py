@@ -56,7 +56,8 @@ from .layout import FlatLayout
 
 __all__ = ["estimate_memory", "main"]
 
-_DEVICE_KEYS = ("params", "grads", "gathered_params_live", "gathered_params_peak_last_step", "reduce_buckets",
+_DEVICE_KEYS = ("params", "grads", "gathered_params_live", "gathered_params_peak_last_step", "hpz_secondary",
+                "reduce_buckets",
                 "allgather_buckets", "temporaries", "frozen_params")
 _STATE_KEYS = ("master_params", "optimizer_moments")  # where the optimizer state lives
 _HOST_KEYS = ("offload_staging", "nvme_buffers")
@@ -251,7 +252,8 @@ def _rank_bytes(plan: _Plan, rank: int) -> dict[str, Any]:
     state, nvme_file = _state_bytes(plan, shards)
     items.update(state)
     if policy.params_sharded:
-        items.update({"gathered_params_live": 0, "gathered_params_peak_last_step": 0})  # all units at rest
+        items.update({"gathered_params_live": 0, "gathered_params_peak_last_step": 0,  # all units at rest
+                      "hpz_secondary": 0})
     items.update({"reduce_buckets": 0,  # the reducer's pool is allocated by the first backward
                   "allgather_buckets": 0, "temporaries": 0, "frozen_params": plan.frozen_bytes})
     device_bytes = sum(v for k, v in items.items() if _where(plan)[k] == "device")
@@ -306,8 +308,13 @@ def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
     buffer = 0 if in_place else max(buckets) * _width(plan.config.reduce_dtype)
     count = 0 if in_place else min(_STEP_BUFFERS, len(buckets))
     gathered = _stage3_gathered_peak(plan) * plan.width if plan.policy.params_sharded else 0
+    # hpZ: between forward and backward every unit's 1/K slice of its values is held
+    hpz = plan.config.zero_optimization.zero_hpz_partition_size
+    secondary = (sum(b.layout.total_size for b in plan.buffers) // hpz * plan.width
+                 if plan.policy.params_sharded and hpz > 1 else 0)
     return {"reduce_bucket_buffer": buffer, "reduce_bucket_buffers": count, "reduce_buckets": count * buffer,
-            "gathered_params_peak": gathered, "peak_bytes": total + count * buffer + gathered,
+            "gathered_params_peak": gathered, "hpz_secondary_peak": secondary,
+            "peak_bytes": total + count * buffer + gathered + secondary,
             "assumes": f"{count} reduce bucket buffer(s) of the largest bucket in flight"
                        + ("; stage 3: units run once each, in registration order, none reading another "
                           "unit's parameters" if plan.policy.params_sharded else "")}
