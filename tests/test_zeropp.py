@@ -125,9 +125,20 @@ def train_worker(rank: int, world: int, dtype: str, zeropp: dict, steps: int) ->
             "report": engine.comm_report(), "logs": logs}
 
 
+_RUNS: dict[str, list] = {}
+
+
+def _train_run(world: int, dtype: str, zeropp: dict, steps: int) -> list:
+    """run_ranks(train_worker, ...), each distinct run once per session (tests share the unquantized ones)."""
+    key = repr((world, dtype, sorted(zeropp.items()), steps))
+    if key not in _RUNS:
+        _RUNS[key] = run_ranks(train_worker, world, dtype, zeropp, steps, timeout=240)
+    return _RUNS[key]
+
+
 def test_hpz_changes_no_value_and_keeps_backward_gathers_inside_the_partition():
-    base = run_ranks(train_worker, 4, "bf16", {}, 3, timeout=240)
-    hpz = run_ranks(train_worker, 4, "bf16", {"zero_hpz_partition_size": 2}, 3, timeout=240)
+    base = _train_run(4, "bf16", {}, 4)
+    hpz = _train_run(4, "bf16", {"zero_hpz_partition_size": 2}, 4)
     for a, b in zip(base, hpz):  # the partition holds the very values the forward gathered
         assert a["losses"] == b["losses"] and a["state"] == b["state"]
     for result in hpz:
@@ -215,9 +226,9 @@ def test_qgz_reduces_int4_across_two_nodes_and_trains_like_the_exact_reduction()
 
 
 def test_all_three_at_stage_3_train_like_none():
-    plain = run_ranks(train_worker, 4, "bf16", {}, 4, timeout=240)
+    plain = _train_run(4, "bf16", {}, 4)
     zeropp = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
-    both = run_ranks(train_worker, 4, "bf16", zeropp, 4, timeout=240)
+    both = _train_run(4, "bf16", zeropp, 4)
     for a, b in zip(plain, both):
         assert all(abs(x - y) < 0.05 * abs(x) for x, y in zip(a["losses"], b["losses"]))
         algorithms = b["report"]["algorithms"]
