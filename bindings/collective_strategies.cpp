@@ -106,6 +106,32 @@ StrategyRegistry<AllGatherStrategy>& all_gather_strategies() {
   return registry;
 }
 
+std::vector<c10::intrusive_ptr<c10d::Work>> broadcast_each(c10d::ProcessGroup& group,
+                                                           const std::vector<at::Tensor>& slots) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (int root = 0; root < static_cast<int>(slots.size()); ++root) {
+    std::vector<at::Tensor> tensors{slots[root]};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    works.push_back(group.broadcast(tensors, options));
+  }
+  return works;
+}
+
+std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(c10d::ProcessGroup& group, int self,
+                                                                const std::vector<at::Tensor>& messages,
+                                                                const std::vector<at::Tensor>& inbox, int tag) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (int peer = 0; peer < static_cast<int>(messages.size()); ++peer) {
+    if (peer == self) continue;
+    std::vector<at::Tensor> send{messages[peer]};
+    works.push_back(group.send(send, peer, tag));
+    std::vector<at::Tensor> recv{inbox[peer]};
+    works.push_back(group.recv(recv, peer, tag));
+  }
+  return works;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // The algorithms. Registration order is the order names are listed in (error messages,
 // _C.collective_algorithms()). Bytes are per rank, ring estimates, with B = the bucket's bytes, W = world size.
@@ -191,14 +217,13 @@ class SendRecvReduceScatter final : public ReduceScatterStrategy {
     IssuedCollective out;
     const int tag = static_cast<int>(next_tag_++ % (1 << 30));
     at::Tensor received = at::empty({b.world_size - 1, b.shard}, b.bucket.options());
+    std::vector<at::Tensor> messages, inbox;
     int64_t row = 0;
     for (int peer = 0; peer < b.world_size; ++peer) {
-      if (peer == b.rank) continue;
-      std::vector<at::Tensor> send{b.shard_of(peer)};
-      out.pending.works.push_back(group.send(send, peer, tag));
-      std::vector<at::Tensor> recv{received[row++]};
-      out.pending.works.push_back(group.recv(recv, peer, tag));
+      messages.push_back(b.shard_of(peer));
+      inbox.push_back(peer == b.rank ? at::Tensor() : received[row++]);
     }
+    out.pending.works = exchange_with_peers(group, b.rank, messages, inbox, tag);
     out.pending.buffer = b.bucket;
     out.pending.addends = received;
     out.pending.accumulator = b.local_shard();
@@ -241,12 +266,9 @@ class BroadcastAllGather final : public AllGatherStrategy {
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
     IssuedCollective out;
     out.pending.buffer = b.bucket;
-    for (int root = 0; root < b.world_size; ++root) {
-      std::vector<at::Tensor> tensors{b.shard_of(root)};
-      c10d::BroadcastOptions options;
-      options.rootRank = root;
-      out.pending.works.push_back(group.broadcast(tensors, options));
-    }
+    std::vector<at::Tensor> slots;
+    for (int root = 0; root < b.world_size; ++root) slots.push_back(b.shard_of(root));
+    out.pending.works = broadcast_each(group, slots);
     out.algorithm_bytes = b.bytes / b.world_size * (b.world_size - 1);
     out.backend_calls = b.world_size;
     return out;

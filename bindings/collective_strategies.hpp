@@ -97,6 +97,16 @@ class AllGatherStrategy : public CollectiveStrategy {
   static constexpr const char* kOp = "all_gather";
 };
 
+// Backend calls more than one algorithm makes. Rank r of `group` broadcasts slots[r] to the others, in
+// place: an all-gather of equal slots as W broadcasts (faster than Gloo's all-gather).
+std::vector<c10::intrusive_ptr<c10d::Work>> broadcast_each(c10d::ProcessGroup& group,
+                                                           const std::vector<at::Tensor>& slots);
+// Sends messages[peer] to every other rank of `group` and receives that rank's message into inbox[peer]
+// (the entries at index `self` are not used), all in flight at once, under message tag `tag`.
+std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(c10d::ProcessGroup& group, int self,
+                                                                const std::vector<at::Tensor>& messages,
+                                                                const std::vector<at::Tensor>& inbox, int tag);
+
 // In a registration's `auto_on`: "auto" picks the algorithm on any backend that no other algorithm names.
 inline constexpr const char* kOtherBackends = "*";
 

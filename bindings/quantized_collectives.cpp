@@ -88,33 +88,25 @@ class QuantizedAllGather final : public AllGatherStrategy {
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
     const Packing packing(8, group_size_, b.shard);
     at::Tensor packed = at::empty({b.world_size * packing.bytes}, b.bucket.options().dtype(at::kByte));
-    packing.pack(b.local_shard(), packed.narrow(0, b.rank * packing.bytes, packing.bytes));
+    std::vector<at::Tensor> slots;  // rank r's message
+    for (int r = 0; r < b.world_size; ++r) slots.push_back(packed.narrow(0, r * packing.bytes, packing.bytes));
+    packing.pack(b.local_shard(), slots[b.rank]);
     IssuedCollective out;
     at::Tensor input;  // the backend's all-gather reads a copy of this rank's message
     if (is_gloo(group)) {
-      for (int root = 0; root < b.world_size; ++root) {
-        std::vector<at::Tensor> tensors{packed.narrow(0, root * packing.bytes, packing.bytes)};
-        c10d::BroadcastOptions options;
-        options.rootRank = root;
-        out.pending.works.push_back(group.broadcast(tensors, options));
-      }
+      out.pending.works = broadcast_each(group, slots);
       out.backend_calls = b.world_size;
     } else {
-      std::vector<std::vector<at::Tensor>> outputs{{}};
-      for (int r = 0; r < b.world_size; ++r) outputs[0].push_back(packed.narrow(0, r * packing.bytes, packing.bytes));
-      input = packed.narrow(0, b.rank * packing.bytes, packing.bytes).clone();
+      std::vector<std::vector<at::Tensor>> outputs{slots};
+      input = slots[b.rank].clone();
       std::vector<at::Tensor> inputs{input};
       out.pending.works.push_back(group.allgather(outputs, inputs, c10d::AllgatherOptions()));
       out.backend_calls = 1;
     }
-    const at::Tensor bucket = b.bucket;
-    const int world = b.world_size;
-    const int64_t shard = b.shard;
+    const BucketCollective geometry = b;
     out.pending.buffer = packed;
-    out.pending.finish = [packing, packed, input, bucket, world, shard] {
-      for (int r = 0; r < world; ++r) {
-        packing.unpack(packed.narrow(0, r * packing.bytes, packing.bytes), bucket.narrow(0, r * shard, shard));
-      }
+    out.pending.finish = [packing, slots, input, geometry] {
+      for (int r = 0; r < geometry.world_size; ++r) packing.unpack(slots[r], geometry.shard_of(r));
     };
     out.algorithm_bytes = packing.bytes * (b.world_size - 1);
     out.quantized = true;
@@ -125,22 +117,6 @@ class QuantizedAllGather final : public AllGatherStrategy {
   int64_t group_size_ = 256;
 };
 const RegisterStrategy<QuantizedAllGather> kRegisterQuantizedAllGather;
-
-// Sends messages[peer] to every other rank of `group` and receives theirs into received[peer]
-// (received[self] is the caller's); returns the pending works.
-std::vector<c10::intrusive_ptr<c10d::Work>> exchange(c10d::ProcessGroup& group, int self,
-                                                      const std::vector<at::Tensor>& messages,
-                                                      const std::vector<at::Tensor>& received, int tag) {
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (int peer = 0; peer < static_cast<int>(messages.size()); ++peer) {
-    if (peer == self) continue;
-    std::vector<at::Tensor> send{messages[peer]};
-    works.push_back(group.send(send, peer, tag));
-    std::vector<at::Tensor> recv{received[peer]};
-    works.push_back(group.recv(recv, peer, tag));
-  }
-  return works;
-}
 
 // qgZ: see Note [Quantized collectives].
 class HierarchicalQuantizedReduceScatter final : public ReduceScatterStrategy {
@@ -188,7 +164,7 @@ class HierarchicalQuantizedReduceScatter final : public ReduceScatterStrategy {
         messages.push_back(sent[peer]);
         inbox.push_back(received[peer]);
       }
-      for (auto& work : exchange(*options_.node_group, local, messages, inbox, tag)) work->wait();
+      for (auto& work : exchange_with_peers(*options_.node_group, local, messages, inbox, tag)) work->wait();
       out.backend_calls += 2 * (local_size - 1);
     }
     // this node's partial sums of the shards (n', l), in fp32, local ranks in order
@@ -211,7 +187,7 @@ class HierarchicalQuantizedReduceScatter final : public ReduceScatterStrategy {
         messages.push_back(sent2[n]);
         inbox.push_back(received2[n]);
       }
-      out.pending.works = exchange(*options_.cross_group, node, messages, inbox, tag);
+      out.pending.works = exchange_with_peers(*options_.cross_group, node, messages, inbox, tag);
       out.backend_calls += 2 * (nodes - 1);
     }
     const at::Tensor destination = b.local_shard();

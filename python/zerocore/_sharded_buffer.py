@@ -157,23 +157,29 @@ class ShardedBuffer:
     def gather(self, comm: Any, bucket: int, label: str) -> Any:
         """Starts filling ``bucket`` of ``full`` from every rank's shard; returns the pending collective."""
         if self.policy.params_sharded:
-            storage = self.full.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(self.numel * self.full.element_size())
+            self._allocate_full()
             self._own_region(self.full, bucket).copy_(self.param_shard(bucket))
         return comm.all_gather(self.param_bucket(bucket), bucket, label)
 
+    def partition_slice(self, parts: int, index: int) -> torch.Tensor:
+        """Slice ``index`` of ``full`` cut into ``parts`` equal slices (one bucket: hpZ's partitions)."""
+        assert len(self.buckets) == 1 and self.param_bucket(0).numel() == self.full.numel()
+        part = self.full.numel() // parts
+        return self.full[index * part : (index + 1) * part]
+
     def gather_from_slice(self, comm: Any, values: torch.Tensor, parts: int, index: int, label: str) -> Any:
-        """Parameters sharded: starts filling ``full`` (one bucket) from ``parts`` equal slices, this rank's
-        (``values``, slice ``index``) in place, over ``comm``, a group of ``parts`` ranks (hpZ)."""
-        assert self.policy.params_sharded and len(self.buckets) == 1
+        """Parameters sharded: starts filling ``full`` from ``parts`` equal slices, this rank's (``values``,
+        slice ``index``) in place, over ``comm``, a group of ``parts`` ranks (hpZ)."""
+        assert self.policy.params_sharded
+        self._allocate_full()
+        self.partition_slice(parts, index).copy_(values)
+        return comm.all_gather(self.param_bucket(0), 0, label)
+
+    def _allocate_full(self) -> None:
+        """Parameters sharded and at rest: ``full`` gets its memory back before a gather fills it."""
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.numel * self.full.element_size())
-        assert self.param_bucket(0).numel() == self.full.numel()
-        part = self.full.numel() // parts
-        self.full[index * part : (index + 1) * part].copy_(values)
-        return comm.all_gather(self.param_bucket(0), 0, label)
 
     def regather(self, comm: Any, label: str) -> None:
         """Every bucket of ``full`` again from every rank's shard, landed on return (a collective)."""

@@ -96,8 +96,8 @@ class Unit:
         self.in_backward = False
         self._tag_check: Any = None
         # hpZ: this rank's slice of the unit's values from its last forward gather, which its backward gathers
-        # within the partition; (slice, partition size, index in the partition) or None
-        self.secondary: tuple[torch.Tensor, int, int] | None = None
+        # within the partition (Stage3Runtime.hpz_slot says which slice)
+        self.secondary: torch.Tensor | None = None
         self._keep_secondary: tuple[int, int] | None = None
         self.quantized = False  # gathered through qwZ: the values are the dequantized int8 ones
 
@@ -136,12 +136,13 @@ class Unit:
         self._tag_check = (check, tag)
         self._keep_secondary = keep_secondary
 
-    def start_partition_gather(self, comm: Any, label: str, check: DivergenceCheck, tag: Any) -> None:
-        """SHARDED -> GATHERING from the hpZ secondary slices, inside the partition only (``comm``)."""
+    def start_partition_gather(self, comm: Any, label: str, check: DivergenceCheck, tag: Any,
+                               slot: tuple[int, int]) -> None:
+        """SHARDED -> GATHERING from the hpZ secondary slices (``slot``: partition size, index in it), inside
+        the partition only (``comm``)."""
         assert self.secondary is not None
         self._move(UnitState.SHARDED, UnitState.GATHERING)
-        values, size, index = self.secondary
-        self.pending = self.buffer.gather_from_slice(comm, values, size, index, label)
+        self.pending = self.buffer.gather_from_slice(comm, self.secondary, *slot, label)
         self._tag_check = (check, tag)
         self._keep_secondary = None
 
@@ -155,9 +156,7 @@ class Unit:
             self.pending = None
             self._move(UnitState.GATHERING, UnitState.GATHERED)
             if self._keep_secondary is not None:
-                size, index = self._keep_secondary
-                part = self.buffer.full.numel() // size
-                self.secondary = (self.buffer.full[index * part : (index + 1) * part].clone(), size, index)
+                self.secondary = self.buffer.partition_slice(*self._keep_secondary).clone()
                 self._keep_secondary = None
             self.buffer.attach_views()
 
@@ -176,6 +175,7 @@ class Stage3Runtime:
         self.engine = engine
         self.comm = engine.comm
         self.weight_comm = engine.comms.weights  # parameter gathers (qwZ quantizes them)
+        self.quantizes_weights = self.weight_comm is not self.comm
         self.hpz_comm = engine.comms.hpz  # backward gathers inside the hpZ partition
         topology = engine.comms.hpz_topology
         self.hpz_slot = None if topology is None else (topology.node_size, topology.local_rank)
@@ -413,10 +413,10 @@ class Stage3Runtime:
         unit.calls += 1
         tag = self.divergence.before_gather(unit.index, unit.calls, self.step)
         if self.hpz_slot is not None and label == "all_gather_backward" and unit.secondary is not None:
-            unit.start_partition_gather(self.hpz_comm, label, self.divergence, tag)
-            unit.quantized = self.weight_comm is not self.comm  # the forward's values, as they were gathered
+            unit.start_partition_gather(self.hpz_comm, label, self.divergence, tag, self.hpz_slot)
+            unit.quantized = self.quantizes_weights  # the forward's values, as they were gathered
         else:  # forward gathers refresh the hpZ slice the backward will gather from
-            quantized = self.weight_comm is not self.comm and label in _QUANTIZED_LABELS
+            quantized = self.quantizes_weights and label in _QUANTIZED_LABELS
             keep = self.hpz_slot if not unit.in_backward and label in _QUANTIZED_LABELS else None
             unit.start_gather(self.weight_comm if quantized else self.comm, label, self.divergence, tag, keep)
             unit.quantized = quantized
@@ -510,7 +510,13 @@ class Stage3Runtime:
         return {"gathered_params_live": self.live_elements * width,
                 "gathered_params_peak_last_step": self.last_step_peak_elements * width,
                 # hpZ: each unit's slice of its forward values, held until its backward is done
-                "hpz_secondary": sum(u.secondary[0].numel() * width for u in self.units if u.secondary is not None)}
+                "hpz_secondary": sum(u.secondary.numel() * width for u in self.units if u.secondary is not None)}
+
+    def forget_partition_slices(self) -> None:
+        """The shards changed outside a step (a checkpoint load, a write in ``gathered()``): no backward may
+        gather the hpZ slices of the old values."""
+        for unit in self.units:
+            unit.secondary = None
 
     # ---- outside forward ------------------------------------------------------------------------------
     def unit_of_buffer(self, buffer: ShardedBuffer) -> Unit:

@@ -718,9 +718,9 @@ class Engine:
         issuing the same all-gathers (stages 1-2) or releasing every unit (stage 3, gathered again on use)."""
         if self.stage3 is not None:
             self.stage3.land_gathers()
+            self.stage3.forget_partition_slices()
             for unit in self.stage3.units:
                 unit.pinned = False
-                unit.secondary = None  # hpZ slices of the old values
                 self.stage3.release(unit)
             return
         for buffer in self.buffers:
@@ -737,8 +737,7 @@ class Engine:
         the fp32 master."""
         release_for_user(self, params, modifier_rank)
         if self.stage3 is not None:
-            for unit in self.stage3.units:
-                unit.secondary = None  # hpZ slices of the values before the write
+            self.stage3.forget_partition_slices()
 
 
 def _optimizer_state_for(config: ZeroConfig, device: torch.device, rank: int) -> OptimizerState:
