@@ -4,6 +4,7 @@ build, divergence detection, memory at rest and during a step, comm volume, gath
 from __future__ import annotations
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -352,6 +353,47 @@ def sharded_access_worker(rank: int, world: int) -> str:
 def test_module_run_while_sharded_raises_naming_the_parameter():
     for message in run_ranks(sharded_access_worker, 2):
         assert "blocks.1.linear.weight" in message and "zerocore.gathered" in message, message
+
+
+def sharded_read_worker(rank: int, world: int) -> list[str]:
+    """Issue 9 item 5: a parameter read at rest (outside any gather) raises instead of computing on NaN."""
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config())
+    engine.backward(loss_of(engine, *data(0, rank)))
+    engine.step()
+    weight = model.blocks[1].linear.weight
+    # Metadata needs no values: what optimizers, schedulers and Hugging Face's num_parameters()/dtype read.
+    assert isinstance(weight, nn.Parameter) and weight.shape == (DIM, DIM) and weight.dtype == torch.float32
+    assert weight.numel() == DIM * DIM and weight.requires_grad and weight.is_leaf and weight.device.type == "cpu"
+    assert weight in set(model.parameters()) and "sharded by ZeRO stage 3" in repr(weight)
+    messages = []
+    for read in (lambda: weight.sum(), lambda: torch.nn.functional.linear(torch.randn(2, DIM), weight),
+                 lambda: weight.data, lambda: weight.detach(), lambda: weight[0, 0].item(),
+                 lambda: copy.deepcopy(model.blocks[1]), lambda: torch.save(weight, io.BytesIO())):
+        try:
+            value = read()
+            messages.append(f"no error: {value!r}")
+        except RuntimeError as error:
+            messages.append(str(error))
+    # The refusals changed nothing: training goes on and matches what the gathered values say.
+    engine.backward(loss_of(engine, *data(1, rank)))
+    engine.step()
+    with zerocore.gathered([weight]):
+        inside = weight.detach().clone()
+        assert type(weight) is nn.Parameter and torch.isfinite(inside).all()
+    full = engine.full_state_dict(rank0_only=False)
+    assert torch.equal(full["blocks.1.linear.weight"], inside)
+    engine.close()
+    assert type(weight) is nn.Parameter and torch.equal(weight.detach(), inside)
+    return messages
+
+
+def test_reading_a_sharded_parameter_at_rest_raises_instead_of_computing_on_placeholders():
+    for messages in run_ranks(sharded_read_worker, 2):
+        assert len(messages) == 7
+        for message in messages:
+            assert "'blocks.1.linear.weight'" in message and "zerocore.gathered" in message, message
 
 
 def state_dict_worker(rank: int, world: int) -> str:

@@ -31,6 +31,7 @@ from torch import nn
 
 from ._optimizer_state import OptimizerState, Shard, shard_geometry
 from ._policy import StagePolicy
+from ._sharded_param import mark_sharded, mark_whole
 from .layout import Bucket, FlatLayout
 
 _ALIGNMENT = 64  # elements: 128 bytes of a 16-bit dtype (vector loads, cache lines, coalesced access)
@@ -190,6 +191,7 @@ class ShardedBuffer:
     def attach_views(self) -> None:
         for param, view in zip(self.params, self.views):
             param.data = view
+            mark_whole(param)
         self.note_param_versions()
 
     # ---- writes by the user (Note [Writes to parameters]) ---------------------------------------------
@@ -222,9 +224,11 @@ class ShardedBuffer:
                 self.param_shard(b).copy_(self._own_region(self.full, b))
 
     def free(self) -> None:
-        """Parameters sharded: the full storage goes, the parameters hold placeholders."""
-        for param, placeholder in zip(self.params, self.placeholders):
+        """Parameters sharded: the full storage goes, the parameters hold placeholders (computing with them
+        raises: Note [Sharded parameters refuse compute])."""
+        for param, placeholder, name in zip(self.params, self.placeholders, self.names):
             param.data = placeholder
+            mark_sharded(param, name)
         self.full.untyped_storage().resize_(0)
 
     def take_shard_from_full(self) -> None:

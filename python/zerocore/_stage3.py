@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten
 from ._divergence import DivergenceCheck
 from ._native import _C
 from ._sharded_buffer import ShardedBuffer
+from ._sharded_param import mark_whole
 from ._transforms import outside_transforms, wrapped_values
 from ._units import UnitSpec
 from .layout import FlatLayout
@@ -234,6 +235,7 @@ class Stage3Runtime:
             self.release(unit)
             for param, value in zip(unit.params, whole):
                 param.data = value
+                mark_whole(param)
 
     def _register_module_hooks(self) -> None:
         self.hook_handles: list[Any] = []

@@ -250,7 +250,7 @@ class Engine:
             param = owner.params[local]
             # The parameter's gradient accumulator runs only when a backward accumulates into .grad (not for
             # torch.autograd.grad); its pre-hook rejects a stray loss.backward() before anything accumulates.
-            with torch.enable_grad():
+            with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():  # reads no values of a sharded param
                 accumulator = param.view_as(param).grad_fn.next_functions[0][0]
             self._hook_handles.append(accumulator.register_prehook(before_accumulation))
             self._grad_accumulators.append(accumulator)  # keeps the node (and so its hook) alive

@@ -1,0 +1,86 @@
+"""A stage-3 parameter at rest refuses to be computed with (Note [Sharded parameters refuse compute]).
+
+Note [Sharded parameters refuse compute]
+----------------------------------------
+While its unit is sharded, a parameter's ``.data`` is a NaN placeholder of its global shape (Note [Sharded
+placeholders]). ``model.fc.weight.sum()``, ``copy.deepcopy(model)``, ``model.to(...)`` or pickling would
+then silently compute on, or save, NaN. So a released parameter's class is swapped for a subclass of its
+own class whose ``__torch_function__`` raises for every operation that reads values, naming the parameter
+and the ways to get its values; operations on metadata (shape, dtype, device, ``numel``, hashing, hooks,
+``requires_grad``, ``.grad``) and the engine's ``.data =`` go through. Gathering swaps the class back, so
+the forward and backward, which only run on gathered units, never pay for the Python override. The class
+stays a subclass of the original, so ``isinstance(p, nn.Parameter)`` holds throughout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# Operations that read no values: they may run on a placeholder. Properties are named by their descriptor.
+_METADATA = frozenset({
+    "shape", "dtype", "device", "layout", "ndim", "names", "requires_grad", "is_leaf", "grad", "grad_fn",
+    "_version", "_base", "_is_view", "_backward_hooks", "_post_accumulate_grad_hooks", "itemsize", "nbytes",
+    "is_cuda", "is_cpu", "is_meta", "is_xpu", "is_mps", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
+    "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+    "is_signed", "get_device", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+    "__hash__", "__len__",
+})
+_NAME = "_zerocore_sharded_name"
+
+
+def _operation(func: Any) -> tuple[str, str]:
+    """(name, kind): a property's getter/setter is named by its descriptor."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        return getattr(getattr(func, "__self__", None), "__name__", name), name
+    return name, "call"
+
+
+class _RefusesCompute:
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name, kind = _operation(func)
+        if name in _METADATA or (name == "data" and kind == "__set__"):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        sharded = list({id(a): a for a in args if isinstance(a, _RefusesCompute)}.values())
+        if name in ("__repr__", "__format__") and sharded and not (kind == "call" and name == "__format__" and args[1]):
+            param = sharded[0]
+            return (f"<parameter {param.__dict__.get(_NAME, '?')!r} of shape {tuple(param.shape)} and {param.dtype}, "
+                    "sharded by ZeRO stage 3: its values are not on this rank; read them inside "
+                    "`with zerocore.gathered(params):`>")
+        names = ", ".join(repr(p.__dict__.get(_NAME, "?")) for p in sharded) or "a stage-3 parameter"
+        raise RuntimeError(
+            f"{name}() on parameter {names}, which is sharded by ZeRO stage 3 (outside its unit's forward this rank "
+            "holds only a placeholder, not its values): wrap the access in `with zerocore.gathered(params):` "
+            "(a collective: every rank enters it; pass modifier_rank=0 to write), take engine.full_state_dict(), "
+            "or engine.close() to get the plain model back"
+        )
+
+
+_subclasses: dict[type, type] = {}
+_originals: dict[type, type] = {}
+
+
+def _refusing(cls: type) -> type:
+    if cls not in _subclasses:
+        sub = type(f"ZeroSharded{cls.__name__}", (_RefusesCompute, cls), {"__module__": __name__})
+        _subclasses[cls], _originals[sub] = sub, cls
+    return _subclasses[cls]
+
+
+def mark_sharded(param: nn.Parameter, name: str) -> None:
+    """``param`` holds a placeholder now: computing with it raises, naming ``name``."""
+    if not isinstance(param, _RefusesCompute):
+        param.__dict__[_NAME] = name
+        param.__class__ = _refusing(type(param))
+
+
+def mark_whole(param: nn.Parameter) -> None:
+    """``param`` holds its values again: an ordinary parameter of its own class."""
+    if isinstance(param, _RefusesCompute):
+        param.__class__ = _originals[type(param)]
+        param.__dict__.pop(_NAME, None)
