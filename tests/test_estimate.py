@@ -43,6 +43,9 @@ def _config(stage: int, dtype: str, offload: str, nvme_path: str, variant: int) 
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
         zero["sub_group_size"] = 37 if variant % 2 else 10**9
         config["aio"] = {"block_size": 4096, "queue_depth": 4, "thread_count": 1}
+    if stage == 3 and variant % 3 != 1:  # parameter shards on NVMe: all of them, or those past 500 elements
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 500 * (variant % 3)}
+        config["aio"] = {"block_size": 4096, "queue_depth": 4, "thread_count": 1}
     return config
 
 
@@ -84,8 +87,10 @@ def compare_worker(rank: int, world: int, cases: list, nvme_root: str) -> list[s
         engine = zerocore.initialize(build(name), config)
         report = engine.memory_report()
         got = {"bytes": estimate["bytes"], "nvme": estimate["nvme_file_bytes"], "total": estimate["total_bytes"],
+               "param_file": estimate["nvme_param_file_bytes"],
                "placement": estimate["optimizer_placement"], "psi": (estimate["psi"], estimate["psi_padded"])}
         want = {"bytes": report["bytes"], "nvme": report["nvme"]["file_bytes"], "total": report["total_bytes"],
+                "param_file": report["nvme"]["param_file_bytes"],
                 "placement": report["optimizer_placement"], "psi": (report["psi"], report["psi_padded"])}
         if got != want or list(got["bytes"]) != list(want["bytes"]):
             problems.append(f"{label}: estimate {got} != memory_report {want}")

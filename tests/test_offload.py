@@ -182,7 +182,7 @@ def one_rank_path_missing_worker(rank: int, world: int, path: str) -> str:
 
 def test_a_path_missing_on_one_rank_raises_on_every_rank(tmp_path):
     messages = run_ranks(one_rank_path_missing_worker, 2, str(tmp_path), timeout=90)
-    assert "1 of 2 ranks could not create their optimizer state file" in messages[0]
+    assert "1 of 2 ranks could not create their NVMe files" in messages[0]
     assert "missing-on-this-node does not exist" in messages[1]
     assert os.listdir(tmp_path) == []  # rank 0's file is removed
 

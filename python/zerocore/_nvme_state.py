@@ -191,10 +191,12 @@ class NvmeStateStore:
         return None
 
     def step(self, update: Callable[[SubGroup, dict[str, torch.Tensor]], None],
-             after_shard: Callable[[int], None] | None) -> None:
+             after_shard: Callable[[int], None] | None,
+             before_shard: Callable[[int], None] | None = None) -> None:
         """Reads, updates (``update(group, views)``) and writes back every sub-group, three deep; calls
-        ``after_shard(i)`` once shard ``i``'s last sub-group is updated. An I/O error is recorded in
-        ``failure`` (the remaining sub-groups are skipped, ``after_shard`` is still called for every shard)."""
+        ``before_shard(i)`` before shard ``i``'s first sub-group is updated and ``after_shard(i)`` once its
+        last one is. An I/O error is recorded in ``failure`` (the remaining sub-groups are skipped, both hooks
+        are still called for every shard)."""
         groups = self.sub_groups
         slots = len(self.buffers)
         reads: dict[int, int] = {}
@@ -210,6 +212,8 @@ class NvmeStateStore:
 
         start_read(0)
         for i, group in enumerate(groups):
+            if before_shard is not None and (i == 0 or groups[i - 1].shard != group.shard):
+                before_shard(group.shard)
             start_read(i + 1)
             if self.failure is None:
                 self._wait_in_step(reads.pop(i), group)

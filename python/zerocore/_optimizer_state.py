@@ -91,6 +91,21 @@ class Shard:
         self.separate_master = params.dtype != torch.float32  # settled by OptimizerState.build()
         self.flat_offsets: dict[str, int] = {}  # where the views start in the owner's flat tensors
         self.index = -1
+        # The ShardedBuffer whose parameter shard is on NVMe (Note [NVMe parameter shards]): ``params`` hold
+        # values only between its load_shard() and unload_shard(); None when they always do.
+        self.param_home: Any = None
+
+    @contextlib.contextmanager
+    def params_loaded(self, write: bool) -> Iterator[None]:
+        """``params`` hold the shard's values for the block (written back after it when ``write``)."""
+        if self.param_home is None:
+            yield
+            return
+        self.param_home.load_shard()
+        try:
+            yield
+        finally:
+            self.param_home.unload_shard(written=write)
 
     @property
     def numel(self) -> int:
@@ -202,7 +217,8 @@ class OptimizerState:
         for shard in self.shards:
             values, shard.initial_master = shard.initial_master, None
             if shard.separate_master:
-                shard.master.copy_(values if values is not None else shard.params)
+                with shard.params_loaded(write=False):
+                    shard.master.copy_(values if values is not None else shard.params)
 
     def _point_views(self) -> None:
         for shard in self.shards:
@@ -235,9 +251,14 @@ class OptimizerState:
         self._cache_slices()
 
     def _cache_slices(self) -> None:
-        """The views ``step()`` hands to C++, per param group and per shard, made once."""
-        self._slices_by_group = self._group_slices(self._resident_parts(self.shards))
-        self._slices_by_shard = [self._group_slices(self._resident_parts([shard])) for shard in self.shards]
+        """The views ``step()`` hands to C++, per param group and per shard, made once (an offloaded parameter
+        shard gets its address space meanwhile: a view of storage resized to nothing cannot be made)."""
+        with contextlib.ExitStack() as stack:
+            for shard in self.shards:
+                if shard.param_home is not None:
+                    stack.enter_context(shard.param_home.addressable())
+            self._slices_by_group = self._group_slices(self._resident_parts(self.shards))
+            self._slices_by_shard = [self._group_slices(self._resident_parts([shard])) for shard in self.shards]
 
     def _build_nvme(self) -> None:
         self.master = self.exp_avg = self.exp_avg_sq = torch.empty(0)
@@ -251,14 +272,16 @@ class OptimizerState:
     def resident(self, shard: Shard, write: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """The shard's ``master``, ``exp_avg`` and ``exp_avg_sq`` as tensors: views of the state itself, or,
         on NVMe, read into RAM for the block and written back after it when ``write``."""
-        if self.store is None:
-            yield {"master": shard.master, "exp_avg": shard.exp_avg, "exp_avg_sq": shard.exp_avg_sq}
-            return
-        values = self.store.read_shard(shard.index)
-        values.setdefault("master", shard.params)  # fp32: the master is the parameter shard itself
-        yield values
-        if write:
-            self.store.write_shard(shard.index, {k: v for k, v in values.items() if k != "master" or shard.separate_master})
+        with shard.params_loaded(write):  # the parameters are the master in fp32, or its rounding
+            if self.store is None:
+                yield {"master": shard.master, "exp_avg": shard.exp_avg, "exp_avg_sq": shard.exp_avg_sq}
+                return
+            values = self.store.read_shard(shard.index)
+            values.setdefault("master", shard.params)  # fp32: the master is the parameter shard itself
+            yield values
+            if write:
+                self.store.write_shard(shard.index,
+                                       {k: v for k, v in values.items() if k != "master" or shard.separate_master})
 
     def reload_master(self, shard: Shard) -> None:
         """The compute-dtype parameters of ``shard`` were overwritten: the master follows them."""
@@ -306,6 +329,11 @@ class OptimizerState:
         caller can start sending it while the next shard computes. On NVMe, sub-group by sub-group through
         the three-deep I/O pipeline (Note [NVMe optimizer state])."""
         self.step_count += 1
+        if any(shard.param_home is not None for shard in self.shards):  # one offloaded shard in memory at a time
+            before_shard = self._load_params
+            after_shard = self._then_unload_params(after_shard)
+        else:
+            before_shard = None
         if self.store is not None:
             def update(group: Any, views: dict[str, torch.Tensor]) -> None:
                 shard = self.shards[group.shard]
@@ -324,13 +352,15 @@ class OptimizerState:
                 if not on_host:
                     params.copy_(out if out is not None else master)
 
-            self.store.step(update, after_shard)
+            self.store.step(update, after_shard, before_shard)
             return
         if after_shard is None and not self._staged:
             self._update(self._slices_by_group, param_groups, grad_scale)
             return
         for index, calls in enumerate(self._slices_by_shard):
             shard = self.shards[index]
+            if before_shard is not None:
+                before_shard(index)
             staging = self._staged.get(index)
             if staging is not None:  # offloaded from a GPU: the gradients come over, the parameters go back
                 staging[0].copy_(shard.grads)
@@ -339,6 +369,20 @@ class OptimizerState:
                 shard.params.copy_(staging[1] if staging[1] is not None else shard.master, non_blocking=True)
             if after_shard is not None:
                 after_shard(index)
+
+    def _load_params(self, index: int) -> None:
+        home = self.shards[index].param_home
+        if home is not None:
+            home.load_shard()
+
+    def _then_unload_params(self, after_shard: Callable[[int], None] | None) -> Callable[[int], None]:
+        def unload(index: int) -> None:
+            home = self.shards[index].param_home
+            if home is not None:
+                home.unload_shard(written=True)
+            if after_shard is not None:
+                after_shard(index)
+        return unload
 
     def _update(self, calls: list[tuple[int, tuple[list[torch.Tensor], ...]]],
                 param_groups: Sequence[dict[str, Any]], grad_scale: float) -> None:

@@ -22,11 +22,17 @@ def memory_report(engine: Engine) -> dict[str, Any]:
         for key, value in buffer.memory().items():
             items[key] += value
     state = engine.optimizer_state.memory()
-    nvme = {"file_bytes": state.pop("nvme_bytes"), "bytes_read": 0, "bytes_written": 0}
+    nvme = {"file_bytes": state.pop("nvme_bytes"), "bytes_read": 0, "bytes_written": 0,
+            "param_file_bytes": 0, "param_bytes_read": 0, "param_bytes_written": 0}
     if engine.optimizer_state.store is not None:
         nvme["bytes_read"] = engine.optimizer_state.store.bytes_read
         nvme["bytes_written"] = engine.optimizer_state.store.bytes_written
     items.update(state)
+    files = engine.param_file  # offload_param: nvme (Note [NVMe parameter shards])
+    items["nvme_param_buffers"] = 0 if files is None else files.bounce.numel()
+    if files is not None:
+        nvme.update(param_file_bytes=files.size, param_bytes_read=files.bytes_read,
+                    param_bytes_written=files.bytes_written)
     if engine.stage3 is not None:
         items.update(engine.stage3.memory())
     items["reduce_buckets"] = engine.reducer.peak_buffer_bytes
@@ -63,7 +69,8 @@ def memory_report(engine: Engine) -> dict[str, Any]:
             3: f"({width}+{width}+{optimizer_k})Psi/N",
         }[engine.stage],
         "ddp_bytes": (2 * width + optimizer_k) * psi,
-        # where the optimizer state lives, and on NVMe the file's size and the bytes moved so far
+        # where the optimizer state lives, and on NVMe the files' sizes and the bytes moved so far (the
+        # optimizer state's; param_*: the parameter shards' with offload_param: nvme)
         "optimizer_placement": _placement(engine),
         "nvme": nvme,
     }

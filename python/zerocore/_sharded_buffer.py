@@ -23,7 +23,8 @@ in stages 1-2, before use in stage 3); ``release()`` frees ``full`` again (stage
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ class ShardedBuffer:
 
     def __init__(self, label: str, params: list[nn.Parameter], names: Sequence[str], groups: Sequence[int], *,
                  bucket_cap: int, world: int, rank: int, policy: StagePolicy, dtype: torch.dtype,
-                 device: torch.device, optimizer_state: OptimizerState) -> None:
+                 device: torch.device, optimizer_state: OptimizerState, param_file: Any = None) -> None:
         self.label = label
         self.params = params
         self.names = list(names)
@@ -61,6 +62,12 @@ class ShardedBuffer:
         self.optimizer_shards: list[Shard] = []
         self._versions: list[int] = []
         self._own_values: list[torch.Tensor] | None = None  # see keep_own_values
+        # Note [NVMe parameter shards]: the ParamShardFile, this shard's offset in it (None: kept in memory),
+        # how many blocks hold the shard in memory now, and whether one of them wrote it
+        self._param_file = param_file if policy.params_sharded else None
+        self._param_offset: int | None = None
+        self._resident_depth = 0
+        self._shard_written = False
 
     @property
     def numel(self) -> int:
@@ -104,8 +111,55 @@ class ShardedBuffer:
             self.placeholders = [torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(p.shape)
                                  for p in self.params]
             self.free()
+            if self._param_file is not None:
+                self._offload_shard()
         else:
             self.attach_views()
+
+    # ---- parameter shards on NVMe (Note [NVMe parameter shards]) ------------------------------------------
+    def _offload_shard(self) -> None:
+        """Places the shard in the parameter file unless it is within ``max_in_cpu``; there it leaves memory."""
+        assert len(self.buckets) == 1, "stage 3 lays every unit out as one bucket"
+        self._param_offset = self._param_file.place(self.shard_size, self.dtype)
+        if self._param_offset is not None:
+            self._param_file.write(self._param_offset, self.shard)
+            self.shard.untyped_storage().resize_(0)
+            for shard in self.optimizer_shards:
+                shard.param_home = self
+
+    @property
+    def shard_offloaded(self) -> bool:
+        return self._param_offset is not None
+
+    @contextlib.contextmanager
+    def addressable(self) -> Iterator[None]:
+        """Views of the shard can be made in the block (its memory is allocated, never touched or read)."""
+        storage = self.shard.untyped_storage()
+        if storage.nbytes() > 0:
+            yield
+            return
+        storage.resize_(self.shard_size * self.shard.element_size())
+        try:
+            yield
+        finally:
+            storage.resize_(0)
+
+    def load_shard(self) -> None:
+        """The offloaded shard is read into memory for a block that uses it (blocks nest)."""
+        self._resident_depth += 1
+        if self._resident_depth == 1 and self.shard_offloaded:
+            self.shard.untyped_storage().resize_(self.shard_size * self.shard.element_size())
+            self._param_file.read(self._param_offset, self.shard)
+
+    def unload_shard(self, written: bool) -> None:
+        """A block that loaded the shard ends; the last one writes it back (when any wrote) and frees it."""
+        self._shard_written |= written
+        self._resident_depth -= 1
+        if self._resident_depth == 0 and self.shard_offloaded:
+            if self._shard_written:
+                self._param_file.write(self._param_offset, self.shard)
+            self._shard_written = False
+            self.shard.untyped_storage().resize_(0)
 
     def _shard_values(self, values: Sequence[torch.Tensor], bucket: int) -> torch.Tensor:
         """This rank's shard of ``bucket`` in fp32, from the full values (padding is zero)."""
@@ -159,7 +213,11 @@ class ShardedBuffer:
         """Starts filling ``bucket`` of ``full`` from every rank's shard; returns the pending collective."""
         if self.policy.params_sharded:
             self._allocate_full()
-            self._own_region(self.full, bucket).copy_(self.param_shard(bucket))
+            own = self._own_region(self.full, bucket)
+            if self.shard_offloaded and self._resident_depth == 0:
+                self._param_file.read(self._param_offset, own)  # straight from the file, no shard in memory
+            else:
+                own.copy_(self.param_shard(bucket))
         return comm.all_gather(self.param_bucket(bucket), bucket, label)
 
     def partition_slice(self, parts: int, index: int) -> torch.Tensor:
@@ -220,8 +278,12 @@ class ShardedBuffer:
     def _shard_from_full(self) -> None:
         """Parameters sharded: this rank's shard takes its region of ``full`` (otherwise it is that region)."""
         if self.policy.params_sharded:
-            for b in range(len(self.buckets)):
-                self.param_shard(b).copy_(self._own_region(self.full, b))
+            self.load_shard()
+            try:
+                for b in range(len(self.buckets)):
+                    self.param_shard(b).copy_(self._own_region(self.full, b))
+            finally:
+                self.unload_shard(written=True)
 
     def free(self) -> None:
         """Parameters sharded: the full storage goes, the parameters hold placeholders (computing with them
@@ -279,5 +341,5 @@ class ShardedBuffer:
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        params = nbytes(self.shard) if self.policy.params_sharded else nbytes(self.full)
+        params = self.shard.untyped_storage().nbytes() if self.policy.params_sharded else nbytes(self.full)
         return {"params": params, "grads": nbytes(self.grad_buffer) + nbytes(self.grad_shard)}

@@ -70,6 +70,7 @@ from ._loss_scaler import LossScaler
 from ._model_checks import (check_group_hyperparameters, check_same_model_on_all_ranks, check_trainable_dtypes,
                             collect_trainable, model_device)
 from ._native import _C
+from ._nvme_params import check_param_offload, param_file_for
 from ._optimizer_state import NvmePlacement, OptimizerState
 from ._policy import StagePolicy
 from ._sharded_buffer import ShardedBuffer
@@ -176,6 +177,7 @@ class Engine:
         groups = collect_trainable(model, param_groups, config.optimizer)
         self.compute_dtype = config.compute_dtype
         self.optimizer_state = _optimizer_state_for(config, self.device, self.rank)
+        self.param_file = _param_file_for(config, self.device, self.rank)  # offload_param: nvme, else None
         self.stage3: Stage3Runtime | None = None
         group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
         if policy.params_sharded:
@@ -186,7 +188,7 @@ class Engine:
         else:
             self.buffers = [self._whole_model_buffer([p for g in groups for p in g["params"]], group_of)]
         self.optimizer_state.build()
-        if self.optimizer_state.nvme is not None:
+        if self.optimizer_state.nvme is not None or self.param_file is not None:
             self._agree_on_state_files()
         self.optimizer = ZeroOptimizer(self, groups)
         self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer)  # None without a scheduler
@@ -222,7 +224,7 @@ class Engine:
         """The storage of one unit (Note [Sharded buffer]); stage 3 builds one per unit."""
         return ShardedBuffer(label, params, names, groups, bucket_cap=bucket_cap, world=self.world_size,
                              rank=self.rank, policy=self.policy, dtype=self.compute_dtype, device=self.device,
-                             optimizer_state=self.optimizer_state)
+                             optimizer_state=self.optimizer_state, param_file=self.param_file)
 
     def _whole_model_buffer(self, params: list[nn.Parameter], group_of: dict[int, int]) -> ShardedBuffer:
         """Stages 1-2: the whole model is one unit, in buckets of the reduce bucket size."""
@@ -509,18 +511,21 @@ class Engine:
         self._log_progress()
 
     def _agree_on_state_files(self) -> None:
-        """Every rank learns whether every rank made its NVMe state file; all raise alike if one could not
-        (a path missing on one node, one full disk), instead of the others going on into a collective."""
-        error = self.optimizer_state.init_failure
+        """Every rank learns whether every rank made its NVMe files (optimizer state, parameter shards); all
+        raise alike if one could not (a path missing on one node, one full disk), instead of the others going
+        on into a collective."""
+        error = self.optimizer_state.init_failure or (self.param_file.failure if self.param_file else None)
         failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=self.device)
         self.comm.all_reduce(failed, False).wait()
         if failed.item() > 0:
             self.optimizer_state.close()
+            if self.param_file is not None:
+                self.param_file.close()
             if error is not None:
                 raise error
-            raise OSError(f"zero_optimization.offload_optimizer: {int(failed.item())} of {self.world_size} ranks "
-                          "could not create their optimizer state file under nvme_path (their error names the "
-                          "path); this rank's file is removed")
+            raise OSError(f"zero_optimization: {int(failed.item())} of {self.world_size} ranks could not create "
+                          "their NVMe files under nvme_path (their error names the key and the path); this "
+                          "rank's files are removed")
 
     def _check_offload_io(self, store: Any) -> None:
         """After an NVMe step, every rank learns whether any rank's I/O failed (each still issued every
@@ -620,6 +625,8 @@ class Engine:
                 param.grad = None
         unregister(self, [owner.params[local] for owner, local in self._param_slots])
         self.optimizer_state.close()  # an NVMe state file is removed
+        if self.param_file is not None:
+            self.param_file.close()  # every unit is whole in memory again
         self.lifecycle.to(EngineState.CLOSED)
 
     @property
@@ -743,11 +750,6 @@ class Engine:
 def _optimizer_state_for(config: ZeroConfig, device: torch.device, rank: int) -> OptimizerState:
     """Where the optimizer state lives: with the parameters, on the host (``offload_optimizer: cpu``), or in
     a file per rank (``offload_optimizer: nvme``, Note [NVMe optimizer state])."""
-    param_offload = config.zero_optimization.offload_param.device
-    if param_offload == "nvme" or (param_offload == "cpu" and device.type != "cpu"):
-        raise ValueError(f"zero_optimization.offload_param: device {param_offload!r} is not supported yet (only the "
-                         "optimizer state is offloaded: offload_optimizer); on a CPU-only machine 'cpu' is accepted, "
-                         "the parameters being in host memory already")
     offload = config.zero_optimization.offload_optimizer
     if offload.device == "nvme":
         aio = config.aio
@@ -758,6 +760,19 @@ def _optimizer_state_for(config: ZeroConfig, device: torch.device, rank: int) ->
     if offload.device == "cpu":
         return OptimizerState(torch.device("cpu"), pin_memory=offload.pin_memory)
     return OptimizerState(device)
+
+
+def _param_file_for(config: ZeroConfig, device: torch.device, rank: int) -> Any:
+    """``offload_param``: nvme gives this rank a parameter file (Note [NVMe parameter shards]); cpu is where
+    the parameters are already on a CPU-only machine."""
+    offload = config.zero_optimization.offload_param
+    check_param_offload(offload, device)
+    if offload.device != "nvme":
+        return None
+    aio = config.aio
+    return param_file_for(offload, {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
+                                    "thread_count": aio.thread_count, "single_submit": aio.single_submit,
+                                    "overlap_events": aio.overlap_events}, rank)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

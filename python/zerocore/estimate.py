@@ -45,6 +45,7 @@ from torch import nn
 from ._buckets import BucketSizes
 from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
 from ._native import _C
+from ._nvme_params import check_param_offload, plan_param_file
 from ._nvme_state import pipeline_buffers, plan_sub_groups
 from ._policy import StagePolicy
 from ._sharded_buffer import _ALIGNMENT
@@ -60,7 +61,7 @@ _DEVICE_KEYS = ("params", "grads", "gathered_params_live", "gathered_params_peak
                 "reduce_buckets",
                 "allgather_buckets", "temporaries", "frozen_params")
 _STATE_KEYS = ("master_params", "optimizer_moments")  # where the optimizer state lives
-_HOST_KEYS = ("offload_staging", "nvme_buffers")
+_HOST_KEYS = ("offload_staging", "nvme_buffers", "nvme_param_buffers")
 _STEP_BUFFERS = 2  # reducer pool buffers planned for a step: one filling, one reducing (Note [Memory estimate])
 
 
@@ -126,8 +127,8 @@ def estimate_memory(
     Returns:
         ``stage``, ``world_size``, ``rank``, ``device``, ``compute_dtype``, ``psi`` / ``psi_padded`` (trainable
         elements without / with padding), ``bytes`` (the keys of ``memory_report()["bytes"]``: what
-        ``memory_report()`` reports right after ``initialize``), ``nvme_file_bytes`` (its
-        ``["nvme"]["file_bytes"]``), ``total_bytes`` (all of ``bytes``: device and host memory, as its
+        ``memory_report()`` reports right after ``initialize``), ``nvme_file_bytes`` and
+        ``nvme_param_file_bytes`` (its ``["nvme"]["file_bytes"]`` and ``["param_file_bytes"]``), ``total_bytes`` (all of ``bytes``: device and host memory, as its
         ``total_bytes``), ``device_bytes`` and ``host_bytes`` (that total split by where each category lives,
         ``where``), ``optimizer_placement`` (``"cuda"``, ``"cpu"`` or ``"nvme"``, as ``memory_report``),
         ``pinned_host`` (offloaded state in page-locked memory), ``approximate``, ``step`` (the transient
@@ -135,7 +136,7 @@ def estimate_memory(
 
     Raises:
         ValueError: what ``initialize`` would raise for this config and model (an invalid or unsupported key,
-            a float64 trainable parameter, parameter offload to NVMe, ...), a world size below 1, a rank outside
+            a float64 trainable parameter, parameter offload to the CPU of a GPU machine, ...), a world size below 1, a rank outside
             ``[0, world_size)``, or a parameter count below 1.
     """
     world = _positive_int(world_size, "world_size")
@@ -181,6 +182,7 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
     else:
         where = _engine_device(None, device)
     state = _optimizer_state_for(config, where, 0)  # the engine's own rule (raises for unsupported offload)
+    check_param_offload(config.zero_optimization.offload_param, where)
     if count is not None:
         layout = FlatLayout([count], world, _ALIGNMENT, _NO_BUCKET_CAP if policy.params_sharded else
                             BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce)
@@ -247,17 +249,24 @@ def _rank_bytes(plan: _Plan, rank: int) -> dict[str, Any]:
     width, policy = plan.width, plan.policy
     shards = [bucket.shard_size for b in plan.buffers for bucket in b.layout.buckets]  # one per bucket per buffer
     full = sum(b.layout.total_size for b in plan.buffers)
-    items = {"params": width * (sum(shards) if policy.params_sharded else full),
+    offload = plan.config.zero_optimization.offload_param
+    offloaded, param_file, bounce = [False] * len(shards), 0, 0
+    if policy.params_sharded and offload.device == "nvme":  # Note [NVMe parameter shards]
+        offloaded, param_file, bounce = plan_param_file(shards, width, int(offload.max_in_cpu))
+    in_memory = sum(s for s, away in zip(shards, offloaded) if not away)
+    items = {"params": width * (in_memory if policy.params_sharded else full),
              "grads": width * (sum(shards) if policy.grads_sharded else full)}
     state, nvme_file = _state_bytes(plan, shards)
     items.update(state)
+    items["nvme_param_buffers"] = bounce
     if policy.params_sharded:
         items.update({"gathered_params_live": 0, "gathered_params_peak_last_step": 0,  # all units at rest
                       "hpz_secondary": 0})
     items.update({"reduce_buckets": 0,  # the reducer's pool is allocated by the first backward
                   "allgather_buckets": 0, "temporaries": 0, "frozen_params": plan.frozen_bytes})
     device_bytes = sum(v for k, v in items.items() if _where(plan)[k] == "device")
-    return {"rank": rank, "bytes": items, "nvme_file_bytes": nvme_file, "total_bytes": sum(items.values()),
+    return {"rank": rank, "bytes": items, "nvme_file_bytes": nvme_file, "nvme_param_file_bytes": param_file,
+            "total_bytes": sum(items.values()),
             "device_bytes": device_bytes, "host_bytes": sum(items.values()) - device_bytes}
 
 
@@ -294,7 +303,7 @@ def _where(plan: _Plan) -> dict[str, str]:
 def _max_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ranks[0]["bytes"].keys()
     out = {"bytes": {k: max(r["bytes"][k] for r in ranks) for k in keys}}
-    for key in ("nvme_file_bytes", "total_bytes", "device_bytes", "host_bytes"):
+    for key in ("nvme_file_bytes", "nvme_param_file_bytes", "total_bytes", "device_bytes", "host_bytes"):
         out[key] = max(r[key] for r in ranks)
     return out
 

@@ -1,0 +1,170 @@
+"""Stage-3 parameter shards on NVMe (ZeRO-Infinity's ``offload_param: {device: nvme}``).
+
+Note [NVMe parameter shards]
+----------------------------
+At rest a stage-3 unit's only copy of its values is this rank's shard of them (compute dtype, Note [Stage 3
+gather and release]). With ``offload_param: nvme`` the shards of the units beyond the first ``max_in_cpu``
+elements (DeepSpeed's meaning: that many parameter elements per rank stay in memory, in unit order) live in
+one file per rank under ``nvme_path``; their in-memory storage is resized to zero at rest, like a released
+unit's full buffer. A shard comes back into memory only for as long as something reads or writes it:
+
+* a gather reads the unit's region of the file straight into this rank's region of the gathered buffer,
+  which is where the shard's values are copied to anyway -- no shard-sized memory at all;
+* the optimizer step loads each offloaded shard just before Adam updates it and writes it back and frees
+  it right after (``OptimizerState.step``'s ``before_shard``/``after_shard``), so a step holds one shard;
+* everything else that touches a shard (checkpoint loads, writes made inside ``zerocore.gathered``, writes
+  absorbed before a step) goes through ``OptimizerState.resident``, which holds the shard in memory for
+  its block and writes it back when the block wrote.
+
+The file is made and fully allocated at initialize (a missing or read-only path, a full disk: an error
+naming the key and the path), and unlinked at once like the optimizer state's (Note [NVMe optimizer state]):
+it goes when the engine closes or the process dies. Reads and writes go through the C++ I/O engine, O_DIRECT
+through one 4 KiB-aligned bounce buffer of the largest shard's size (a shard's own memory and a gathered
+buffer's region are not 4 KiB aligned). The values are the same bytes as in memory, so training is bitwise
+the same as without the offload.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import weakref
+from typing import Any
+
+import torch
+
+from ._nvme_state import _open_nameless, _release
+from ._safetensors_io import ALIGN, aligned_empty
+
+_KEY = "zero_optimization.offload_param.nvme_path"
+
+
+class ParamShardFile:
+    """One rank's file of offloaded parameter shards, and the budget of elements kept in memory."""
+
+    def __init__(self, io: Any, directory: str, rank: int, max_in_cpu: int) -> None:
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"{_KEY}: {directory} does not exist or is not a directory")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"{_KEY}: {directory} is not writable by this process")
+        self.io = io
+        # the name the file was created at, for messages: it is unlinked before this returns
+        self.path = os.path.join(directory, f"zerocore-params-rank{rank}-{uuid.uuid4().hex[:12]}.swp")
+        self.in_memory_budget = max_in_cpu
+        self.kept_in_memory = 0  # elements of shards kept in memory (the first max_in_cpu, in unit order)
+        self.size = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.bounce = torch.empty(0, dtype=torch.uint8)
+        # A shard that cannot be placed (full disk) stays in memory and the error is kept, not raised: the
+        # other ranks go on through initialize's collectives, then every rank raises (Engine._agree_on_files).
+        self.failure: OSError | None = None
+        self.fd, handle = _open_nameless(io, self.path)
+        self.handle: int | None = handle
+        self._release = weakref.finalize(self, _release, io, handle, self.fd)
+
+    def place(self, numel: int, dtype: torch.dtype) -> int | None:
+        """Where a shard of ``numel`` ``dtype`` elements lives: None to keep it in memory (within
+        ``max_in_cpu``), else its byte offset in the file (allocated now: a full disk fails here)."""
+        if self.failure is not None or self.kept_in_memory + numel <= self.in_memory_budget:
+            self.kept_in_memory += numel
+            return None
+        nbytes = numel * dtype.itemsize
+        stride = -(-nbytes // ALIGN) * ALIGN
+        offset = self.size
+        try:
+            os.posix_fallocate(self.fd, offset, stride)
+        except OSError as error:
+            self.failure = type(error)(error.errno, f"{_KEY}: cannot allocate {stride} bytes for parameter "
+                                                    f"shards at offset {offset} of {self.path}: {error.strerror}",
+                                       self.path)
+            self.kept_in_memory += numel
+            return None
+        self.size += stride
+        if self.bounce.numel() < stride:
+            self.bounce = aligned_empty(stride)
+        return offset
+
+    def read(self, offset: int, out: torch.Tensor) -> None:
+        """``out`` (contiguous) takes its bytes from ``offset``."""
+        nbytes = out.numel() * out.element_size()
+        window = self.bounce[: -(-nbytes // ALIGN) * ALIGN]
+        self._wait(self.io.read(self.handle, offset, window), "reading", offset, window.numel())
+        out.view(-1).view(torch.uint8).copy_(window[:nbytes])
+        self.bytes_read += window.numel()
+
+    def write(self, offset: int, values: torch.Tensor) -> None:
+        """``values``' bytes go to ``offset`` (the rest of the aligned block is zero)."""
+        nbytes = values.numel() * values.element_size()
+        window = self.bounce[: -(-nbytes // ALIGN) * ALIGN]
+        window[:nbytes].copy_(values.reshape(-1).view(torch.uint8))
+        window[nbytes:].zero_()
+        self._wait(self.io.write(self.handle, offset, window), "writing", offset, window.numel())
+        self.bytes_written += window.numel()
+
+    def _wait(self, request: int, doing: str, offset: int, nbytes: int) -> None:
+        try:
+            self.io.wait(request)
+        except OSError as error:
+            raise OSError(error.errno, f"offload_param: {doing} {nbytes} bytes of parameter shards at offset "
+                                       f"{offset} of {self.path} failed: {error}", self.path) from None
+
+    def close(self) -> None:
+        """Closes the file's descriptors: the kernel frees its blocks (it has no name left)."""
+        if self.handle is not None:
+            try:
+                self.io.wait_all()
+            except OSError:
+                pass
+        self.handle = None
+        self._release()
+
+
+class _Failed:
+    """What a rank that could not create its parameter file holds: no shard is placed, the error is kept."""
+
+    def __init__(self, error: OSError) -> None:
+        self.failure = error
+        self.size = self.bytes_read = self.bytes_written = 0
+        self.bounce = torch.empty(0, dtype=torch.uint8)
+
+    def place(self, numel: int, dtype: torch.dtype) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def check_param_offload(offload: Any, device: torch.device) -> None:
+    """What ``offload_param`` cannot do here: 'cpu' on a GPU (initialize and ``estimate_memory`` ask)."""
+    if offload.device == "cpu" and device.type != "cpu":
+        raise ValueError("zero_optimization.offload_param: device 'cpu' is not supported on a GPU yet (use 'nvme', "
+                         "or offload_optimizer to move the optimizer state); on a CPU-only machine 'cpu' is "
+                         "accepted, the parameters being in host memory already")
+
+
+def plan_param_file(shard_sizes: list[int], width: int, max_in_cpu: int) -> tuple[list[bool], int, int]:
+    """Pure, as ``ParamShardFile.place`` decides for shards given in unit order: which are offloaded, the
+    file's size and the bounce buffer's bytes (``zerocore.estimate_memory`` plans with it)."""
+    offloaded, kept, size, bounce = [], 0, 0, 0
+    for numel in shard_sizes:
+        if kept + numel <= max_in_cpu:
+            kept += numel
+            offloaded.append(False)
+            continue
+        stride = -(-numel * width // ALIGN) * ALIGN
+        size += stride
+        bounce = max(bounce, stride)
+        offloaded.append(True)
+    return offloaded, size, bounce
+
+
+def param_file_for(offload: Any, aio: dict[str, Any], rank: int) -> ParamShardFile | _Failed:
+    """``offload_param: {device: nvme}``: this rank's parameter file (or, when it cannot be made, a holder
+    of the error: see ``ParamShardFile.failure``)."""
+    from ._safetensors_io import open_io
+
+    try:
+        return ParamShardFile(open_io(aio), offload.nvme_path, rank, int(offload.max_in_cpu))
+    except OSError as error:
+        return _Failed(error)

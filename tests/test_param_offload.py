@@ -1,0 +1,146 @@
+"""Parameter offload (issue 11): ``offload_param: {device: nvme}`` keeps stage-3 parameter shards beyond
+``max_in_cpu`` elements in a file per rank (Note [NVMe parameter shards]) and trains bitwise like the shards
+in memory; checkpoints, writes inside ``zerocore.gathered`` and failures to make the file behave as without
+it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zerocore
+from _dist import run_ranks
+from _models import batch, build, loss_fn
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _config(dtype: str, path: str | None, optimizer: str | None = None, max_in_cpu: int = 0) -> dict:
+    zero: dict = {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "gradient_clipping": 1.0, "zero_optimization": zero}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    if path is not None:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": max_in_cpu}
+        config["aio"] = {"block_size": 4096, "queue_depth": 4, "thread_count": 2}
+    if optimizer == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path}
+        zero["sub_group_size"] = 37
+    elif optimizer == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return config
+
+
+def _state(engine: zerocore.Engine) -> list[list[float]]:
+    state = engine.optimizer_state
+    out = []
+    for shard in state.shards:
+        with state.resident(shard) as values:
+            out += [values[k].tolist() for k in ("master", "exp_avg", "exp_avg_sq")]
+    return out
+
+
+def _train(engine: zerocore.Engine, rank: int, first: int, steps: int) -> list[float]:
+    losses = []
+    for step in range(first, first + steps):
+        x, y = batch("transformer", torch.Generator().manual_seed(100 * step + rank))
+        loss = loss_fn("transformer", engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_worker(rank: int, world: int, dtype: str, path: str | None, optimizer: str | None,
+                 max_in_cpu: int) -> dict:
+    engine = zerocore.initialize(build("transformer"), _config(dtype, path, optimizer, max_in_cpu))
+    at_init = engine.memory_report()
+    losses = _train(engine, rank, 0, 3)
+    # a write inside gathered(modifier_rank=0) reaches the shards, in the file too
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    with zerocore.gathered(params[:3], modifier_rank=0):
+        for p in params[:3]:
+            p.data.mul_(0.5)
+    losses += _train(engine, rank, 3, 2)
+    report = engine.memory_report()
+    result = {"losses": losses, "state": _state(engine),
+              "params": {k: v.float().tolist() for k, v in engine.full_state_dict(rank0_only=False).items()},
+              "param_bytes_at_init": at_init["bytes"]["params"], "param_bytes": report["bytes"]["params"],
+              "nvme": report["nvme"], "buffers": report["bytes"]["nvme_param_buffers"],
+              "shards": [u.buffer.shard_size * u.buffer.shard.element_size() for u in engine.stage3.units]}
+    engine.close()
+    torch.distributed.barrier()  # every rank closed
+    result["files_left"] = sorted(os.listdir(path)) if path else []
+    return result
+
+
+@pytest.mark.parametrize("dtype,world,optimizer", [("fp32", 1, None), ("bf16", 2, "nvme"), ("bf16", 4, None),
+                                                   ("fp32", 2, "cpu")])
+def test_parameter_shards_on_nvme_train_bitwise_like_in_memory(dtype, world, optimizer, tmp_path):
+    # the reference keeps everything in memory: offloaded optimizer state is bitwise the same (test_offload)
+    expected = run_ranks(train_worker, world, dtype, None, None, 0)
+    actual = run_ranks(train_worker, world, dtype, str(tmp_path), optimizer, 0)
+    for rank, (got, want) in enumerate(zip(actual, expected)):
+        assert got["losses"] == want["losses"], rank
+        assert got["params"] == want["params"], rank
+        assert got["state"] == want["state"], rank
+        assert got["param_bytes"] == 0 and got["param_bytes_at_init"] == 0, "no shard stays in memory"
+        assert want["param_bytes"] == sum(want["shards"]) > 0
+        assert got["nvme"]["param_file_bytes"] >= sum(got["shards"])
+        assert got["nvme"]["param_bytes_read"] > 0 and got["nvme"]["param_bytes_written"] > 0
+        assert got["buffers"] >= max(got["shards"])
+        assert got["files_left"] == [], "close() leaves no parameter file behind"
+
+
+def test_max_in_cpu_keeps_the_first_shards_in_memory(tmp_path):
+    whole = run_ranks(train_worker, 2, "bf16", None, None, 0)
+    shards = whole[0]["shards"]
+    budget = sum(shards[:2]) // 2  # elements (bf16): the first two units' shards stay in memory, the rest go
+    got = run_ranks(train_worker, 2, "bf16", str(tmp_path), None, budget)
+    for rank in range(2):
+        assert got[rank]["losses"] == whole[rank]["losses"] and got[rank]["params"] == whole[rank]["params"]
+    assert got[0]["param_bytes"] == sum(shards[:2])
+    assert got[0]["nvme"]["param_file_bytes"] >= sum(shards[2:]) > 0
+
+
+def checkpoint_worker(rank: int, world: int, path: str, directory: str, save_offload: bool,
+                      load_offload: bool) -> list[float]:
+    engine = zerocore.initialize(build("transformer"), _config("bf16", path if save_offload else None))
+    _train(engine, rank, 0, 2)
+    engine.save_checkpoint(directory)
+    expected = _train(engine, rank, 2, 2)
+    engine.close()
+    engine = zerocore.initialize(build("transformer", seed=7), _config("bf16", path if load_offload else None))
+    engine.load_checkpoint(directory)
+    assert _train(engine, rank, 2, 2) == expected
+    engine.close()
+    torch.distributed.barrier()
+    return sorted(os.listdir(path))
+
+
+@pytest.mark.parametrize("save_offload,load_offload", [(True, False), (False, True)])
+def test_checkpoints_resume_bitwise_with_parameters_on_nvme(save_offload, load_offload, tmp_path):
+    path = tmp_path / "nvme"
+    path.mkdir()
+    for files_left in run_ranks(checkpoint_worker, 2, str(path), str(tmp_path / "ckpt"), save_offload,
+                                load_offload):
+        assert files_left == []
+
+
+def one_rank_path_missing_worker(rank: int, world: int, path: str) -> str:
+    mine = path if rank == 0 else os.path.join(path, "missing-on-this-node")
+    try:
+        zerocore.initialize(build("transformer"), _config("bf16", mine))
+    except OSError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_parameter_path_missing_on_one_rank_raises_on_every_rank(tmp_path):
+    messages = run_ranks(one_rank_path_missing_worker, 2, str(tmp_path), timeout=90)
+    assert "offload_param.nvme_path" in messages[1] and "missing-on-this-node does not exist" in messages[1]
+    assert "1 of 2 ranks could not create their NVMe files" in messages[0]
+    assert os.listdir(tmp_path) == []
