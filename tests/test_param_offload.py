@@ -91,6 +91,8 @@ def test_parameter_shards_on_nvme_train_bitwise_like_in_memory(dtype, world, opt
         assert want["param_bytes"] == sum(want["shards"]) > 0
         assert got["nvme"]["param_file_bytes"] >= sum(got["shards"])
         assert got["nvme"]["param_bytes_read"] > 0 and got["nvme"]["param_bytes_written"] > 0
+        # from the second step on, gathers find their shard read ahead along the recorded order
+        assert got["nvme"]["param_reads_ahead_used"] > 0
         assert got["buffers"] >= max(got["shards"])
         assert got["files_left"] == [], "close() leaves no parameter file behind"
 

@@ -8,8 +8,10 @@ elements (DeepSpeed's meaning: that many parameter elements per rank stay in mem
 one file per rank under ``nvme_path``; their in-memory storage is resized to zero at rest, like a released
 unit's full buffer. A shard comes back into memory only for as long as something reads or writes it:
 
-* a gather reads the unit's region of the file straight into this rank's region of the gathered buffer,
-  which is where the shard's values are copied to anyway -- no shard-sized memory at all;
+* a gather reads the unit's region of the file into this rank's region of the gathered buffer, which is
+  where the shard's values are copied to anyway; and once the prefetch order is recorded (Note [Stage 3
+  gather and release]), each gather starts reading the shard of the unit gathered after it (the next in
+  forward, the previous in backward) into a read-ahead buffer, so the disk works while the unit computes;
 * the optimizer step loads each offloaded shard just before Adam updates it and writes it back and frees
   it right after (``OptimizerState.step``'s ``before_shard``/``after_shard``), so a step holds one shard;
 * everything else that touches a shard (checkpoint loads, writes made inside ``zerocore.gathered``, writes
@@ -19,8 +21,9 @@ unit's full buffer. A shard comes back into memory only for as long as something
 The file is made and fully allocated at initialize (a missing or read-only path, a full disk: an error
 naming the key and the path), and unlinked at once like the optimizer state's (Note [NVMe optimizer state]):
 it goes when the engine closes or the process dies. Reads and writes go through the C++ I/O engine, O_DIRECT
-through one 4 KiB-aligned bounce buffer of the largest shard's size (a shard's own memory and a gathered
-buffer's region are not 4 KiB aligned). The values are the same bytes as in memory, so training is bitwise
+through 4 KiB-aligned buffers of the largest shard's size, one to bounce through and one to read ahead into
+(a shard's own memory and a gathered buffer's region are not 4 KiB aligned). A write drops a read-ahead of
+the same shard, which it makes stale. The values are the same bytes as in memory, so training is bitwise
 the same as without the offload.
 """
 
@@ -56,6 +59,9 @@ class ParamShardFile:
         self.bytes_read = 0
         self.bytes_written = 0
         self.bounce = torch.empty(0, dtype=torch.uint8)
+        self.ahead = torch.empty(0, dtype=torch.uint8)  # where the next unit's shard comes off the disk
+        self._ahead: tuple[int, int] | None = None  # (file offset, request) of the read-ahead in flight
+        self.reads_ahead_used = 0
         # A shard that cannot be placed (full disk) stays in memory and the error is kept, not raised: the
         # other ranks go on through initialize's collectives, then every rank raises (Engine._agree_on_files).
         self.failure: OSError | None = None
@@ -82,13 +88,40 @@ class ParamShardFile:
             return None
         self.size += stride
         if self.bounce.numel() < stride:
-            self.bounce = aligned_empty(stride)
+            self.bounce, self.ahead = aligned_empty(stride), aligned_empty(stride)
         return offset
 
+    def read_ahead(self, offset: int, nbytes: int) -> None:
+        """Starts reading the shard at ``offset`` into the read-ahead buffer (one at a time), so the gather
+        that needs it next finds it there or on its way."""
+        if self._ahead is not None:
+            if self._ahead[0] == offset:
+                return
+            self._drop_ahead()
+        window = self.ahead[: _aligned(nbytes)]
+        self._ahead = (offset, self.io.read(self.handle, offset, window))
+        self.bytes_read += window.numel()
+
+    def _drop_ahead(self) -> None:
+        assert self._ahead is not None
+        _, request = self._ahead
+        self._ahead = None
+        try:
+            self.io.wait(request)
+        except OSError:
+            pass  # nobody used it; a read that needs the shard reads it again and raises then
+
     def read(self, offset: int, out: torch.Tensor) -> None:
-        """``out`` (contiguous) takes its bytes from ``offset``."""
+        """``out`` (contiguous) takes its bytes from ``offset`` (from the read-ahead when it is that shard)."""
         nbytes = out.numel() * out.element_size()
-        window = self.bounce[: -(-nbytes // ALIGN) * ALIGN]
+        if self._ahead is not None and self._ahead[0] == offset:
+            _, request = self._ahead
+            self._ahead = None
+            self._wait(request, "reading", offset, _aligned(nbytes))
+            out.view(-1).view(torch.uint8).copy_(self.ahead[:nbytes])
+            self.reads_ahead_used += 1
+            return
+        window = self.bounce[: _aligned(nbytes)]
         self._wait(self.io.read(self.handle, offset, window), "reading", offset, window.numel())
         out.view(-1).view(torch.uint8).copy_(window[:nbytes])
         self.bytes_read += window.numel()
@@ -96,7 +129,9 @@ class ParamShardFile:
     def write(self, offset: int, values: torch.Tensor) -> None:
         """``values``' bytes go to ``offset`` (the rest of the aligned block is zero)."""
         nbytes = values.numel() * values.element_size()
-        window = self.bounce[: -(-nbytes // ALIGN) * ALIGN]
+        if self._ahead is not None and self._ahead[0] == offset:
+            self._drop_ahead()  # it holds the values this write replaces
+        window = self.bounce[: _aligned(nbytes)]
         window[:nbytes].copy_(values.reshape(-1).view(torch.uint8))
         window[nbytes:].zero_()
         self._wait(self.io.write(self.handle, offset, window), "writing", offset, window.numel())
@@ -120,13 +155,18 @@ class ParamShardFile:
         self._release()
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 class _Failed:
     """What a rank that could not create its parameter file holds: no shard is placed, the error is kept."""
 
     def __init__(self, error: OSError) -> None:
         self.failure = error
         self.size = self.bytes_read = self.bytes_written = 0
-        self.bounce = torch.empty(0, dtype=torch.uint8)
+        self.bounce = self.ahead = torch.empty(0, dtype=torch.uint8)
+        self.reads_ahead_used = 0
 
     def place(self, numel: int, dtype: torch.dtype) -> None:
         return None
@@ -145,7 +185,8 @@ def check_param_offload(offload: Any, device: torch.device) -> None:
 
 def plan_param_file(shard_sizes: list[int], width: int, max_in_cpu: int) -> tuple[list[bool], int, int]:
     """Pure, as ``ParamShardFile.place`` decides for shards given in unit order: which are offloaded, the
-    file's size and the bounce buffer's bytes (``zerocore.estimate_memory`` plans with it)."""
+    file's size and the bytes of its two buffers (bounce and read-ahead; ``zerocore.estimate_memory`` plans
+    with it)."""
     offloaded, kept, size, bounce = [], 0, 0, 0
     for numel in shard_sizes:
         if kept + numel <= max_in_cpu:
@@ -156,7 +197,7 @@ def plan_param_file(shard_sizes: list[int], width: int, max_in_cpu: int) -> tupl
         size += stride
         bounce = max(bounce, stride)
         offloaded.append(True)
-    return offloaded, size, bounce
+    return offloaded, size, 2 * bounce
 
 
 def param_file_for(offload: Any, aio: dict[str, Any], rank: int) -> ParamShardFile | _Failed:

@@ -371,9 +371,12 @@ class OptimizerState:
                 after_shard(index)
 
     def _load_params(self, index: int) -> None:
-        home = self.shards[index].param_home
-        if home is not None:
-            home.load_shard()
+        shard = self.shards[index]
+        if shard.param_home is not None:
+            # 16-bit parameters are all written from the master by the in-memory step, so nothing is read
+            # (with the state on NVMe a failed read skips the update: the shard must then keep its values)
+            overwritten = shard.separate_master and shard.params.dtype != torch.float32 and self.store is None
+            shard.param_home.load_shard(read=not overwritten)
 
     def _then_unload_params(self, after_shard: Callable[[int], None] | None) -> Callable[[int], None]:
         def unload(index: int) -> None:
@@ -404,9 +407,10 @@ class OptimizerState:
             if shard.separate_master and shard.params.dtype != torch.float32:
                 out = shard.params
             if self.stages_through_host(shard.params.device):
+                # zeros: the kernel writes the parameters' elements only, and the padding goes back too
                 staging = self._staged.setdefault(shard.index, (
                     torch.empty(shard.numel, dtype=shard.grads.dtype, pin_memory=self.pin_memory),
-                    None if out is None else torch.empty(shard.numel, dtype=out.dtype, pin_memory=self.pin_memory)))
+                    None if out is None else torch.zeros(shard.numel, dtype=out.dtype, pin_memory=self.pin_memory)))
                 grads, out = staging
             parts.append((shard, 0, shard.numel, shard.master, grads, shard.exp_avg, shard.exp_avg_sq, out))
         return parts

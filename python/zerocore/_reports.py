@@ -29,10 +29,11 @@ def memory_report(engine: Engine) -> dict[str, Any]:
         nvme["bytes_written"] = engine.optimizer_state.store.bytes_written
     items.update(state)
     files = engine.param_file  # offload_param: nvme (Note [NVMe parameter shards])
-    items["nvme_param_buffers"] = 0 if files is None else files.bounce.numel()
+    items["nvme_param_buffers"] = 0 if files is None else files.bounce.numel() + files.ahead.numel()
+    nvme["param_reads_ahead_used"] = 0
     if files is not None:
         nvme.update(param_file_bytes=files.size, param_bytes_read=files.bytes_read,
-                    param_bytes_written=files.bytes_written)
+                    param_bytes_written=files.bytes_written, param_reads_ahead_used=files.reads_ahead_used)
     if engine.stage3 is not None:
         items.update(engine.stage3.memory())
     items["reduce_buckets"] = engine.reducer.peak_buffer_bytes

@@ -144,12 +144,21 @@ class ShardedBuffer:
         finally:
             storage.resize_(0)
 
-    def load_shard(self) -> None:
-        """The offloaded shard is read into memory for a block that uses it (blocks nest)."""
+    def read_ahead(self) -> None:
+        """The next gather of this unit is coming: its offloaded shard starts coming off the disk."""
+        if self.shard_offloaded and self._resident_depth == 0:
+            self._param_file.read_ahead(self._param_offset, self.shard_size * self.shard.element_size())
+
+    def load_shard(self, read: bool = True) -> None:
+        """The offloaded shard is read into memory for a block that uses it (blocks nest); ``read=False``: a
+        block that overwrites every parameter element gets zeros (the padding's value) instead."""
         self._resident_depth += 1
         if self._resident_depth == 1 and self.shard_offloaded:
             self.shard.untyped_storage().resize_(self.shard_size * self.shard.element_size())
-            self._param_file.read(self._param_offset, self.shard)
+            if read:
+                self._param_file.read(self._param_offset, self.shard)
+            else:
+                self.shard.zero_()
 
     def unload_shard(self, written: bool) -> None:
         """A block that loaded the shard ends; the last one writes it back (when any wrote) and frees it."""

@@ -17,8 +17,9 @@ Note [Sharded placeholders]
 ---------------------------
 While a unit is sharded, each of its parameters' ``.data`` is a NaN scalar expanded to the parameter's
 global shape (one element of memory), never a view of the freed storage: reading freed storage would crash
-the process. So a parameter always reports its global shape, reading it outside a gather gives NaN
-instead of a crash, writing to it raises, and ``zerocore.gathered(...)`` gives the real values. Gathering
+the process. So a parameter always reports its global shape, computing with it outside a gather raises
+naming the way out (Note [Sharded parameters refuse compute]) instead of crashing or yielding NaN, and
+``zerocore.gathered(...)`` gives the real values. Gathering
 points ``.data`` back at views of the refilled storage; tensors that autograd saved from the parameter
 refer to the parameter (restored by the pre-backward gather) or to views of that same storage.
 
@@ -206,6 +207,8 @@ class Stage3Runtime:
         self._forward_done = False
         self.step = 0
         self.recorded_order: list[int] | None = None
+        self._recorded_position: dict[int, int] = {}  # a unit's first place in recorded_order
+        self._reads_ahead = engine.param_file is not None  # Note [NVMe parameter shards]
         self._order: list[int] = []
         self._whole_forward = False  # _order was collected since a forward of the whole model began
         self._position = 0
@@ -374,6 +377,9 @@ class Stage3Runtime:
         if self.recorded_order is None and self._order and self._whole_forward and self._forward_done:
             self.recorded_order = list(self._order)
             self._recorded_slots = [self._slot_of[index] for index in self.recorded_order]
+            self._recorded_position = {}
+            for position, index in enumerate(self.recorded_order):
+                self._recorded_position.setdefault(index, position)
         self._order = []
         self._position = 0
 
@@ -424,6 +430,21 @@ class Stage3Runtime:
             unit.quantized = quantized
         self.live_elements += unit.numel
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+        backward = label == "all_gather_backward"
+        if self._reads_ahead and self.recorded_order is not None and not (backward and self.hpz_slot is not None):
+            self._read_ahead_after(unit, backward)  # (hpZ's backward gathers read no shard)
+
+    def _read_ahead_after(self, unit: Unit, backward: bool) -> None:
+        """Parameter shards on NVMe: the unit gathered after ``unit`` along the recorded order (before it in
+        backward) starts reading its shard (Note [NVMe parameter shards])."""
+        position = self._recorded_position.get(unit.index)
+        if position is None:
+            return
+        position += -1 if backward else 1
+        if 0 <= position < len(self.recorded_order):
+            after = self._unit(self.recorded_order[position])
+            if after.state is UnitState.SHARDED:
+                after.buffer.read_ahead()
 
     @outside_transforms
     def release(self, unit: Unit) -> None:
