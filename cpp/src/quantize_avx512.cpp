@@ -145,14 +145,21 @@ struct Rounder {
     return to_int(correct(bits, r));
   }
 
-  // Four vectors' guesses as bits, corrected: one test for all four, on the largest |r| (vrangeps with imm
-  // 0xB: the operand of larger magnitude, sign cleared), instead of an abs, a compare and a mask test each.
-  inline void quantize4(const __m512 (&x)[4], __m512i (&bits)[4]) const {
-    __m512 r[4];
-    for (int k = 0; k < 4; ++k) bits[k] = guess(x[k], &r[k]);
-    const __m512 largest = _mm512_range_ps(_mm512_range_ps(r[0], r[1], 0xB), _mm512_range_ps(r[2], r[3], 0xB), 0xB);
-    if (_mm512_cmp_ps_mask(largest, half, _CMP_GE_OQ) == 0) return;
-    for (int k = 0; k < 4; ++k) bits[k] = correct(bits[k], r[k]);
+  // K vectors' guesses as bits, corrected: one test for all of them (a block's 4 or 8), on the largest |r|
+  // (vrangeps with imm 0xB: the operand of larger magnitude, sign cleared), instead of an abs, a compare and
+  // a mask test each.
+  template <int K>
+  inline void quantize_n(const __m512 (&x)[K], __m512i (&bits)[K]) const {
+    static_assert(K == 4 || K == 8, "a block's vectors");
+    __m512 r[K];
+    for (int k = 0; k < K; ++k) bits[k] = guess(x[k], &r[k]);
+    __m512 largest[K / 2];
+    for (int k = 0; k < K / 2; ++k) largest[k] = _mm512_range_ps(r[2 * k], r[2 * k + 1], 0xB);
+    for (int width = K / 2; width > 1; width /= 2) {
+      for (int k = 0; k < width / 2; ++k) largest[k] = _mm512_range_ps(largest[2 * k], largest[2 * k + 1], 0xB);
+    }
+    if (__builtin_expect(_mm512_cmp_ps_mask(largest[0], half, _CMP_GE_OQ) == 0, 1)) return;
+    for (int k = 0; k < K; ++k) bits[k] = correct(bits[k], r[k]);
   }
 };
 
@@ -228,42 +235,48 @@ struct AbsMax {
 template <int kBits>
 constexpr int64_t kBlockElements = kBits == 8 ? 64 : 128;
 
-// q of 64 elements from 16 to a vector (fp32, fp16) as signed bytes, not yet in order: per 128-bit lane k,
-// elements 4k..4k+3, then 16 + 4k.., 32 + 4k.., 48 + 4k.. (four shuffle-unit instructions for the four
-// vectors, where vpmovdb would take two each; exact: |q| <= 127).
-template <ScalarType kIn, typename R>
-inline __m512i q_bytes_lane_order(const void* input, int64_t i, const R& rounder) {
-  const __m512 x[4] = {load_in<kIn>(input, i, 0xFFFF), load_in<kIn>(input, i + kLanes, 0xFFFF),
-                       load_in<kIn>(input, i + 2 * kLanes, 0xFFFF), load_in<kIn>(input, i + 3 * kLanes, 0xFFFF)};
-  __m512i bits[4];
-  rounder.quantize4(x, bits);
-  return _mm512_packs_epi16(_mm512_packs_epi32(R::to_int(bits[0]), R::to_int(bits[1])),
-                            _mm512_packs_epi32(R::to_int(bits[2]), R::to_int(bits[3])));
+// q of 16 * K elements from 16 to a vector (fp32, fp16) as guess bits (Rounder).
+template <ScalarType kIn, int K, typename R>
+inline void q_vectors(const void* input, int64_t i, const R& rounder, __m512i (&bits)[K]) {
+  __m512 x[K];
+  for (int k = 0; k < K; ++k) x[k] = load_in<kIn>(input, i + k * kLanes, 0xFFFF);
+  rounder.template quantize_n<K>(x, bits);
 }
 
-// q of 64 bf16 elements as one int32 per pair of elements (2j, 2j + 1): bits 0-7 (int8) or 0-3 (int4) q_2j,
-// above them q_2j+1 sign-extended, so the int32 is the q byte pair (int8: an int16) or the packed byte
+// Four vectors of q (from bits[at]) as signed bytes, not yet in order: per 128-bit lane k, elements 4k..4k+3
+// of each vector in turn (four shuffle-unit instructions for the four vectors, where vpmovdb would take two
+// each; exact: |q| <= 127).
+template <typename R, int K>
+inline __m512i pack4_lane_order(const __m512i (&bits)[K], int at) {
+  return _mm512_packs_epi16(_mm512_packs_epi32(R::to_int(bits[at]), R::to_int(bits[at + 1])),
+                            _mm512_packs_epi32(R::to_int(bits[at + 2]), R::to_int(bits[at + 3])));
+}
+
+// q of 32 * P bf16 elements as one int32 per pair of elements (2j, 2j + 1): bits 0-7 (int8) or 0-3 (int4)
+// q_2j, above them q_2j+1 sign-extended, so the int32 is the q byte pair (int8: an int16) or the packed byte
 // (int4: an int8 in [-112, 127]) and a signed pack keeps it exact. bf16 widens to fp32 as the even elements
 // shifted up by 16 and the odd ones with the low 16 bits cleared: no shuffle (an unpack, or a zero-extend,
 // puts every element through the one shuffle port), and q comes out in pairs, as the output wants it.
-template <int kBits, typename R>
-inline void q_pairs_bf16(const void* input, int64_t i, const R& rounder, __m512i* low, __m512i* high) {
+template <int kBits, int P, typename R>
+inline void q_pairs_bf16(const void* input, int64_t i, const R& rounder, __m512i (&pairs)[P]) {
   const uint16_t* const x = static_cast<const uint16_t*>(input) + i;
-  const __m512i raw0 = _mm512_loadu_si512(x);
-  const __m512i raw1 = _mm512_loadu_si512(x + 2 * kLanes);
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m512 values[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(raw0, 16)),
-                            _mm512_castsi512_ps(_mm512_and_si512(raw0, odd_mask)),
-                            _mm512_castsi512_ps(_mm512_slli_epi32(raw1, 16)),
-                            _mm512_castsi512_ps(_mm512_and_si512(raw1, odd_mask))};
-  __m512i bits[4];
-  rounder.quantize4(values, bits);
+  __m512 values[2 * P];
+  for (int p = 0; p < P; ++p) {
+    const __m512i raw = _mm512_loadu_si512(x + p * 2 * kLanes);
+    values[2 * p] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    values[2 * p + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, odd_mask));
+  }
+  __m512i bits[2 * P];
+  rounder.template quantize_n<2 * P>(values, bits);
   // The even element's guess bits below (its low byte / nibble is q's), the odd one's q shifted above them:
   // a bitwise select (vpternlog 0xE4: mask ? first : second).
   constexpr int kShift = kBits == 8 ? 8 : 4;
   const __m512i keep = _mm512_set1_epi32(kBits == 8 ? 0xFF : 0xF);
-  *low = _mm512_ternarylogic_epi32(bits[0], _mm512_slli_epi32(R::to_int(bits[1]), kShift), keep, 0xE4);
-  *high = _mm512_ternarylogic_epi32(bits[2], _mm512_slli_epi32(R::to_int(bits[3]), kShift), keep, 0xE4);
+  for (int p = 0; p < P; ++p) {
+    pairs[p] = _mm512_ternarylogic_epi32(bits[2 * p], _mm512_slli_epi32(R::to_int(bits[2 * p + 1]), kShift), keep,
+                                         0xE4);
+  }
 }
 
 // One block's 64 bytes of q, in order.
@@ -274,19 +287,20 @@ inline __m512i quantize_block(const void* input, int64_t i, const R& rounder) {
   if constexpr (kIn == ScalarType::kBFloat16) {
     if constexpr (kBits == 8) {
       // Lane k of the pack: pairs 4k..4k+3 of the first 32 elements, then of the second: qword 2k and 2k + 1.
-      __m512i low, high;
-      q_pairs_bf16<8>(input, i, rounder, &low, &high);
-      return _mm512_permutexvar_epi64(_mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0), _mm512_packs_epi32(low, high));
+      __m512i p[2];
+      q_pairs_bf16<8>(input, i, rounder, p);
+      return _mm512_permutexvar_epi64(_mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0), _mm512_packs_epi32(p[0], p[1]));
     } else {
-      __m512i p0, p1, p2, p3;
-      q_pairs_bf16<4>(input, i, rounder, &p0, &p1);
-      q_pairs_bf16<4>(input, i + 4 * kLanes, rounder, &p2, &p3);
-      return _mm512_permutexvar_epi32(dword_order,
-                                      _mm512_packs_epi16(_mm512_packs_epi32(p0, p1), _mm512_packs_epi32(p2, p3)));
+      __m512i p[4];
+      q_pairs_bf16<4>(input, i, rounder, p);
+      return _mm512_permutexvar_epi32(dword_order, _mm512_packs_epi16(_mm512_packs_epi32(p[0], p[1]),
+                                                                       _mm512_packs_epi32(p[2], p[3])));
     }
   } else {
     if constexpr (kBits == 8) {
-      return _mm512_permutexvar_epi32(dword_order, q_bytes_lane_order<kIn>(input, i, rounder));
+      __m512i bits[4];
+      q_vectors<kIn>(input, i, rounder, bits);
+      return _mm512_permutexvar_epi32(dword_order, pack4_lane_order<R>(bits, 0));
     } else {
       // Adjacent bytes are still pairs (2j, 2j + 1) in the lane order, so the nibbles are merged first, one
       // word at a time: bits 0-3 from the word, the rest from it shifted right arithmetically by 4 (q_2j+1's
@@ -294,8 +308,10 @@ inline __m512i quantize_block(const void* input, int64_t i, const R& rounder) {
       // word permute put the 64 pairs in order: lane k of the pack holds words (pairs 2k and 2k + 1 of the 8
       // in each 16 elements) of the eight vectors, so output word p is source word 8 (p % 4) + p / 4.
       const __m512i nibble = _mm512_set1_epi16(0x000F);
-      const __m512i b0 = q_bytes_lane_order<kIn>(input, i, rounder);
-      const __m512i b1 = q_bytes_lane_order<kIn>(input, i + 4 * kLanes, rounder);
+      __m512i bits[8];
+      q_vectors<kIn>(input, i, rounder, bits);
+      const __m512i b0 = pack4_lane_order<R>(bits, 0);
+      const __m512i b1 = pack4_lane_order<R>(bits, 4);
       const __m512i m0 = _mm512_ternarylogic_epi32(b0, _mm512_srai_epi16(b0, 4), nibble, 0xE4);
       const __m512i m1 = _mm512_ternarylogic_epi32(b1, _mm512_srai_epi16(b1, 4), nibble, 0xE4);
       const __m512i word_order = _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4,
@@ -317,15 +333,19 @@ uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange n
   constexpr int64_t kBytes = kIn == ScalarType::kFloat32 ? 4 : 2;
   constexpr int64_t kPrefetchElements = 4096 / kBytes;
   constexpr int64_t kBlock = kBlockElements<kBits>;
+  // In locals: q's stores are through uint8_t, which may alias anything, so args' fields would be reloaded
+  // after every store.
+  const void* const input = args.input;
+  const int64_t n = args.n;
   uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
-  const char* const input_bytes = static_cast<const char*>(args.input);
+  const char* const input_bytes = static_cast<const char*>(input);
   AbsMax<kIn> next_max;
   const int64_t next_offset = next.begin - range.begin;
   // Element i's vector of the next group (the same place in it) into next_max, and a prefetch further on.
   auto step_next = [&](int64_t i) {
     const int64_t ahead = i + next_offset;
-    if (ahead < next.end) next_max.add(args.input, ahead, lanes_mask(next.end - ahead));
-    if (ahead + kPrefetchElements < args.n) {
+    if (ahead < next.end) next_max.add(input, ahead, lanes_mask(next.end - ahead));
+    if (ahead + kPrefetchElements < n) {
       _mm_prefetch(input_bytes + (ahead + kPrefetchElements) * kBytes, _MM_HINT_T1);
     }
   };
@@ -335,8 +355,8 @@ uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange n
   for (; i + kBlock <= range.end; i += kBlock) {
     if constexpr (kNextFull) {
       const int64_t ahead = i + next_offset;
-      next_max.template add_block<kBlock>(args.input, ahead);
-      if (ahead + kBlock + kPrefetchElements <= args.n) {
+      next_max.template add_block<kBlock>(input, ahead);
+      if (ahead + kBlock + kPrefetchElements <= n) {
         for (int64_t line = 0; line < kBlock * kBytes; line += 64) {
           _mm_prefetch(input_bytes + (ahead + kPrefetchElements) * kBytes + line, _MM_HINT_T1);
         }
@@ -344,7 +364,7 @@ uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange n
     } else {
       for (int64_t v = 0; v < kBlock; v += kLanes) step_next(i + v);
     }
-    const __m512i bytes = quantize_block<kIn, kBits>(args.input, i, rounder);
+    const __m512i bytes = quantize_block<kIn, kBits>(input, i, rounder);
     uint8_t* const at = q + q_byte_offset(kBits, i - range.begin);
     if (stream && reinterpret_cast<uintptr_t>(at) % 64 == 0) {
       _mm512_stream_si512(reinterpret_cast<__m512i*>(at), bytes);
@@ -354,7 +374,7 @@ uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange n
   }
   for (; i < range.end; i += kLanes) {
     step_next(i);
-    const __m512i values = rounder.quantize(load_in<kIn>(args.input, i, lanes_mask(range.end - i)));
+    const __m512i values = rounder.quantize(load_in<kIn>(input, i, lanes_mask(range.end - i)));
     store_q<kBits>(q + q_byte_offset(kBits, i - range.begin), values, range.end - i);
   }
   return next_max.bits();
