@@ -145,12 +145,12 @@ struct Rounder {
     return to_int(correct(bits, r));
   }
 
-  // K vectors' guesses as bits, corrected: one test for all of them (a block's 4 or 8), on the largest |r|
-  // (vrangeps with imm 0xB: the operand of larger magnitude, sign cleared), instead of an abs, a compare and
-  // a mask test each.
+  // K vectors' guesses as bits, corrected: one test for all of them, on the largest |r| (vrangeps with imm
+  // 0xB: the operand of larger magnitude, sign cleared), instead of an abs, a compare and a mask test each.
+  // K = 4: eight at once, with their r and q, would not fit in the 32 registers (GCC spilled them).
   template <int K>
   inline void quantize_n(const __m512 (&x)[K], __m512i (&bits)[K]) const {
-    static_assert(K == 4 || K == 8, "a block's vectors");
+    static_assert(K == 2 || K == 4, "a range tree over K / 2 pairs");
     __m512 r[K];
     for (int k = 0; k < K; ++k) bits[k] = guess(x[k], &r[k]);
     __m512 largest[K / 2];
@@ -281,10 +281,12 @@ inline __m512i quantize_block(const void* input, int64_t i, const R& rounder) {
       q_pairs_bf16<8>(input, i, rounder, p);
       return _mm512_permutexvar_epi64(_mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0), _mm512_packs_epi32(p[0], p[1]));
     } else {
-      __m512i p[4];
-      q_pairs_bf16<4>(input, i, rounder, p);
-      return _mm512_permutexvar_epi32(dword_order, _mm512_packs_epi16(_mm512_packs_epi32(p[0], p[1]),
-                                                                       _mm512_packs_epi32(p[2], p[3])));
+      // Two halves of four vectors each: eight at once (x, r and q for each) would not fit in the 32 registers.
+      __m512i low[2], high[2];
+      q_pairs_bf16<4>(input, i, rounder, low);
+      q_pairs_bf16<4>(input, i + 4 * kLanes, rounder, high);
+      return _mm512_permutexvar_epi32(dword_order, _mm512_packs_epi16(_mm512_packs_epi32(low[0], low[1]),
+                                                                       _mm512_packs_epi32(high[0], high[1])));
     }
   } else {
     if constexpr (kBits == 8) {
@@ -298,10 +300,12 @@ inline __m512i quantize_block(const void* input, int64_t i, const R& rounder) {
       // word permute put the 64 pairs in order: lane k of the pack holds words (pairs 2k and 2k + 1 of the 8
       // in each 16 elements) of the eight vectors, so output word p is source word 8 (p % 4) + p / 4.
       const __m512i nibble = _mm512_set1_epi16(0x000F);
-      __m512i bits[8];
-      q_vectors<kIn>(input, i, rounder, bits);
-      const __m512i b0 = pack4_lane_order<R>(bits, 0);
-      const __m512i b1 = pack4_lane_order<R>(bits, 4);
+      // Two halves of four vectors each, as for bf16.
+      __m512i low[4], high[4];
+      q_vectors<kIn>(input, i, rounder, low);
+      q_vectors<kIn>(input, i + 4 * kLanes, rounder, high);
+      const __m512i b0 = pack4_lane_order<R>(low, 0);
+      const __m512i b1 = pack4_lane_order<R>(high, 0);
       const __m512i m0 = _mm512_ternarylogic_epi32(b0, _mm512_srai_epi16(b0, 4), nibble, 0xE4);
       const __m512i m1 = _mm512_ternarylogic_epi32(b1, _mm512_srai_epi16(b1, 4), nibble, 0xE4);
       const __m512i word_order = _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4,
