@@ -95,7 +95,8 @@ uint32_t group_absmax_bits(const void* input, GroupRange range) {
 // at most one off as the Note requires, and it leaves q in the low mantissa bits (the bits of t are
 // 0x4B400000 + q): q's low byte or nibble is there as it is, q as an int32 is one subtraction away, and q as
 // a float one subtraction too (t - 1.5 * 2^23, exact). cvtps2dq and cvtdq2ps, which did this before, run only
-// on one of the two 512-bit ports; these run on either.
+// on one of the two 512-bit ports; these run on either. The sum rounds in the caller's MXCSR mode, not an
+// embedded one: a directed mode leaves the guess within one too, which the correction fixes as any other.
 template <bool kLift>
 struct Rounder {
   __m512 prescale, scale, inverse, half, neg_half, magic;
