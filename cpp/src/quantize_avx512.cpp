@@ -1,8 +1,9 @@
 // The AVX-512 quantization kernels, 16 elements a vector; compiled with -mavx512f -mavx512bw -mavx512vl
 // -mavx512dq -mfma -mf16c and run only when the CPU has them. Tails are masked iterations of the body, so
 // any group size and alignment work without a scalar loop. The rounding of x / scale is exact (Note
-// [Quantization arithmetic]): t = x * (1 / scale) is rounded half to even, then moved by one where the
-// residual r = x - q * scale (one FMA) says the rounded reciprocal put it on the wrong side of a half.
+// [Quantization arithmetic]): x * (1 / scale) is rounded half to even (by adding 1.5 * 2^23 in the same FMA),
+// then moved by one where the residual r = x - q * scale (one FMA) says the rounded reciprocal put it on the
+// wrong side of a half.
 
 // GCC 12 reports its own _mm512_undefined_*() placeholders as (maybe-)uninitialized wherever intrinsics such
 // as _mm512_max_epu32 are inlined (GCC bug 105593), so for this whole file.
@@ -88,39 +89,78 @@ uint32_t group_absmax_bits(const void* input, GroupRange range) {
 
 // round_half_even(x / scale), exactly, for a group's scale (see the file comment). kLift: the group's scale
 // is tiny and runs lifted by 2^64 (WorkingScale).
+//
+// The guess is t = xs * (1 / scale) + 1.5 * 2^23 in one FMA: fp32's spacing there is 1, so the sum is the
+// product (exact in the FMA, within 2^-17 of the quotient for |q| <= 127) rounded half to even to an integer,
+// at most one off as the Note requires, and it leaves q in the low mantissa bits (the bits of t are
+// 0x4B400000 + q): q's low byte or nibble is there as it is, q as an int32 is one subtraction away, and q as
+// a float one subtraction too (t - 1.5 * 2^23, exact). cvtps2dq and cvtdq2ps, which did this before, run only
+// on one of the two 512-bit ports; these run on either. The sum rounds in the caller's MXCSR mode, not an
+// embedded one: a directed mode leaves the guess within one too, which the correction fixes as any other.
 template <bool kLift>
 struct Rounder {
-  __m512 prescale, scale, inverse, half, neg_half;
+  __m512 prescale, scale, inverse, half, neg_half, magic;
 
   explicit Rounder(const WorkingScale& w)
       : prescale(_mm512_set1_ps(w.prescale)),
         scale(_mm512_set1_ps(w.scale)),
         inverse(_mm512_set1_ps(w.inverse)),
         half(_mm512_set1_ps(w.half)),
-        neg_half(_mm512_set1_ps(-w.half)) {}
+        neg_half(_mm512_set1_ps(-w.half)),
+        magic(_mm512_set1_ps(kMagic)) {}
 
-  inline __m512i quantize(__m512 x) const {
+  static constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  static constexpr int kMagicBits = 0x4B400000;
+
+  // The guess's bits, and r = xs - q * scale: exact, or rounded where that cannot change the decision (Note
+  // [Quantization arithmetic]).
+  inline __m512i guess(__m512 x, __m512* r) const {
     const __m512 xs = kLift ? _mm512_mul_ps(x, prescale) : x;
-    const __m512i q =
-        _mm512_cvt_roundps_epi32(_mm512_mul_ps(xs, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    // xs - q * scale: exact, or rounded where that cannot change the decision (Note [Quantization arithmetic])
-    const __m512 r = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), scale, xs);
-    // |r| < scale / 2: q is right (nearly always: one compare). Otherwise fix the lanes past or on a half.
-    const __mmask16 near_half = _mm512_cmp_ps_mask(_mm512_abs_ps(r), half, _CMP_GE_OQ);
-    if (near_half == 0) return q;
-    return correct(q, r);
+    const __m512 t = _mm512_fmadd_ps(xs, inverse, magic);
+    *r = _mm512_fnmadd_ps(_mm512_sub_ps(t, magic), scale, xs);
+    return _mm512_castps_si512(t);
   }
 
   // q + 1 where r > scale / 2 or r == scale / 2 with q odd; q - 1 where r < -scale / 2 or r == -scale / 2
-  // with q odd (the even neighbour wins a tie).
-  inline __m512i correct(__m512i q, __m512 r) const {
-    const __mmask16 odd = _mm512_test_epi32_mask(q, _mm512_set1_epi32(1));
+  // with q odd (the even neighbour wins a tie). On the guess's bits: 1.5 * 2^23 is even, so bit 0 is q's
+  // parity, and +-1 stays inside the mantissa.
+  inline __m512i correct(__m512i bits, __m512 r) const {
+    const __mmask16 odd = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(1));
     const __mmask16 up = _mm512_cmp_ps_mask(r, half, _CMP_GT_OQ) | (_mm512_cmp_ps_mask(r, half, _CMP_EQ_OQ) & odd);
     const __mmask16 down =
         _mm512_cmp_ps_mask(r, neg_half, _CMP_LT_OQ) | (_mm512_cmp_ps_mask(r, neg_half, _CMP_EQ_OQ) & odd);
     const __m512i one = _mm512_set1_epi32(1);
-    const __m512i raised = _mm512_mask_add_epi32(q, up, q, one);
+    const __m512i raised = _mm512_mask_add_epi32(bits, up, bits, one);
     return _mm512_mask_sub_epi32(raised, down, raised, one);
+  }
+
+  // q of a guess's bits as int32.
+  static inline __m512i to_int(__m512i bits) { return _mm512_sub_epi32(bits, _mm512_set1_epi32(kMagicBits)); }
+
+  // One vector's q as int32 (the tails).
+  inline __m512i quantize(__m512 x) const {
+    __m512 r;
+    const __m512i bits = guess(x, &r);
+    // |r| < scale / 2: q is right (nearly always). Otherwise fix the lanes past or on a half.
+    if (_mm512_cmp_ps_mask(_mm512_abs_ps(r), half, _CMP_GE_OQ) == 0) return to_int(bits);
+    return to_int(correct(bits, r));
+  }
+
+  // K vectors' guesses as bits, corrected: one test for all of them, on the largest |r| (vrangeps with imm
+  // 0xB: the operand of larger magnitude, sign cleared), instead of an abs, a compare and a mask test each.
+  // K = 4: eight at once, with their r and q, would not fit in the 32 registers (GCC spilled them).
+  template <int K>
+  inline void quantize_n(const __m512 (&x)[K], __m512i (&bits)[K]) const {
+    static_assert(K == 2 || K == 4, "a range tree over K / 2 pairs");
+    __m512 r[K];
+    for (int k = 0; k < K; ++k) bits[k] = guess(x[k], &r[k]);
+    __m512 largest[K / 2];
+    for (int k = 0; k < K / 2; ++k) largest[k] = _mm512_range_ps(r[2 * k], r[2 * k + 1], 0xB);
+    for (int width = K / 2; width > 1; width /= 2) {
+      for (int k = 0; k < width / 2; ++k) largest[k] = _mm512_range_ps(largest[2 * k], largest[2 * k + 1], 0xB);
+    }
+    if (__builtin_expect(_mm512_cmp_ps_mask(largest[0], half, _CMP_GE_OQ) == 0, 1)) return;
+    for (int k = 0; k < K; ++k) bits[k] = correct(bits[k], r[k]);
   }
 };
 
@@ -139,28 +179,40 @@ inline void store_q(uint8_t* out, __m512i q, int64_t count) {
   }
 }
 
-// max |x| bits accumulated 16 elements at a time, alongside the quantize loop (see quantize_groups).
+// max |x| bits accumulated alongside the quantize loop (see quantize_group), 16 elements at a time (masked)
+// or a 64-byte line at a time.
 template <ScalarType kIn>
 struct AbsMax {
-  __m512i wide = _mm512_setzero_si512();  // fp32: |x| bits per lane
-  __m256i half = _mm256_setzero_si256();  // bf16 / fp16: |x| bits per 16-bit lane
+  __m512i acc = _mm512_setzero_si512();  // fp32: |x| bits per 32-bit lane; bf16 / fp16: per 16-bit lane
 
   inline void add(const void* input, int64_t i, __mmask16 mask) {
     if constexpr (kIn == ScalarType::kFloat32) {
       const __m512i bits = _mm512_maskz_loadu_epi32(mask, static_cast<const float*>(input) + i);
-      wide = _mm512_max_epu32(wide, _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(kF32AbsMask))));
+      acc = _mm512_max_epu32(acc, _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(kF32AbsMask))));
     } else {
-      const __m256i bits = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(input) + i);
-      half = _mm256_max_epu16(half, _mm256_and_si256(bits, _mm256_set1_epi16(0x7FFF)));
+      const __m512i bits = _mm512_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(input) + i);
+      acc = _mm512_max_epu16(acc, _mm512_and_si512(bits, _mm512_set1_epi16(0x7FFF)));
+    }
+  }
+
+  // The 64-byte line at element i (16 fp32 or 32 16-bit elements), unmasked.
+  inline void add_line(const void* input, int64_t i) {
+    if constexpr (kIn == ScalarType::kFloat32) {
+      const __m512i bits = _mm512_loadu_si512(static_cast<const float*>(input) + i);
+      acc = _mm512_max_epu32(acc, _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(kF32AbsMask))));
+    } else {
+      const __m512i bits = _mm512_loadu_si512(static_cast<const uint16_t*>(input) + i);
+      acc = _mm512_max_epu16(acc, _mm512_and_si512(bits, _mm512_set1_epi16(0x7FFF)));
     }
   }
 
   // As fp32 bits, like group_absmax_bits.
   inline uint32_t bits() const {
     if constexpr (kIn == ScalarType::kFloat32) {
-      return _mm512_reduce_max_epu32(wide);
+      return _mm512_reduce_max_epu32(acc);
     } else {
-      __m128i h = _mm_max_epu16(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+      const __m256i m = _mm256_max_epu16(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+      __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
       h = _mm_max_epu16(h, _mm_srli_si128(h, 8));
       h = _mm_max_epu16(h, _mm_srli_si128(h, 4));
       h = _mm_max_epu16(h, _mm_srli_si128(h, 2));
@@ -170,90 +222,160 @@ struct AbsMax {
   }
 };
 
+// A block: the elements whose q fill one 64-byte vector (64 int8 values, 128 int4 values).
+template <int kBits>
+constexpr int64_t kBlockElements = kBits == 8 ? 64 : 128;
+
+// q of 16 * K elements from 16 to a vector (fp32, fp16) as guess bits (Rounder).
+template <ScalarType kIn, int K, typename R>
+inline void q_vectors(const void* input, int64_t i, const R& rounder, __m512i (&bits)[K]) {
+  __m512 x[K];
+  for (int k = 0; k < K; ++k) x[k] = load_in<kIn>(input, i + k * kLanes, 0xFFFF);
+  rounder.template quantize_n<K>(x, bits);
+}
+
+// Four vectors of q (from bits[at]) as signed bytes, not yet in order: per 128-bit lane k, elements 4k..4k+3
+// of each vector in turn (four shuffle-unit instructions for the four vectors, where vpmovdb would take two
+// each; exact: |q| <= 127).
+template <typename R, int K>
+inline __m512i pack4_lane_order(const __m512i (&bits)[K], int at) {
+  return _mm512_packs_epi16(_mm512_packs_epi32(R::to_int(bits[at]), R::to_int(bits[at + 1])),
+                            _mm512_packs_epi32(R::to_int(bits[at + 2]), R::to_int(bits[at + 3])));
+}
+
+// q of 32 * P bf16 elements as one int32 per pair of elements (2j, 2j + 1): bits 0-7 (int8) or 0-3 (int4)
+// q_2j, above them q_2j+1 sign-extended, so the int32 is the q byte pair (int8: an int16) or the packed byte
+// (int4: an int8 in [-112, 127]) and a signed pack keeps it exact. bf16 widens to fp32 as the even elements
+// shifted up by 16 and the odd ones with the low 16 bits cleared: no shuffle (an unpack, or a zero-extend,
+// puts every element through the one shuffle port), and q comes out in pairs, as the output wants it.
+template <int kBits, int P, typename R>
+inline void q_pairs_bf16(const void* input, int64_t i, const R& rounder, __m512i (&pairs)[P]) {
+  const uint16_t* const x = static_cast<const uint16_t*>(input) + i;
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 values[2 * P];
+  for (int p = 0; p < P; ++p) {
+    const __m512i raw = _mm512_loadu_si512(x + p * 2 * kLanes);
+    values[2 * p] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    values[2 * p + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, odd_mask));
+  }
+  __m512i bits[2 * P];
+  rounder.template quantize_n<2 * P>(values, bits);
+  // The even element's guess bits below (its low byte / nibble is q's), the odd one's q shifted above them:
+  // a bitwise select (vpternlog 0xE4: mask ? first : second).
+  constexpr int kShift = kBits == 8 ? 8 : 4;
+  const __m512i keep = _mm512_set1_epi32(kBits == 8 ? 0xFF : 0xF);
+  for (int p = 0; p < P; ++p) {
+    pairs[p] = _mm512_ternarylogic_epi32(bits[2 * p], _mm512_slli_epi32(R::to_int(bits[2 * p + 1]), kShift), keep,
+                                         0xE4);
+  }
+}
+
+// One block's 64 bytes of q, in order.
+template <ScalarType kIn, int kBits, typename R>
+inline __m512i quantize_block(const void* input, int64_t i, const R& rounder) {
+  // dword m of the result from dword 4 * (m % 4) + m / 4: undoes the lane order of four vectors packed to bytes
+  const __m512i dword_order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  if constexpr (kIn == ScalarType::kBFloat16) {
+    if constexpr (kBits == 8) {
+      // Lane k of the pack: pairs 4k..4k+3 of the first 32 elements, then of the second: qword 2k and 2k + 1.
+      __m512i p[2];
+      q_pairs_bf16<8>(input, i, rounder, p);
+      return _mm512_permutexvar_epi64(_mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0), _mm512_packs_epi32(p[0], p[1]));
+    } else {
+      // Two halves of four vectors each: eight at once (x, r and q for each) would not fit in the 32 registers.
+      __m512i low[2], high[2];
+      q_pairs_bf16<4>(input, i, rounder, low);
+      q_pairs_bf16<4>(input, i + 4 * kLanes, rounder, high);
+      return _mm512_permutexvar_epi32(dword_order, _mm512_packs_epi16(_mm512_packs_epi32(low[0], low[1]),
+                                                                       _mm512_packs_epi32(high[0], high[1])));
+    }
+  } else {
+    if constexpr (kBits == 8) {
+      __m512i bits[4];
+      q_vectors<kIn>(input, i, rounder, bits);
+      return _mm512_permutexvar_epi32(dword_order, pack4_lane_order<R>(bits, 0));
+    } else {
+      // Adjacent bytes are still pairs (2j, 2j + 1) in the lane order, so the nibbles are merged first, one
+      // word at a time: bits 0-3 from the word, the rest from it shifted right arithmetically by 4 (q_2j+1's
+      // nibble, then its sign: the word is the packed byte as an int16). One pack of the two halves and one
+      // word permute put the 64 pairs in order: lane k of the pack holds words (pairs 2k and 2k + 1 of the 8
+      // in each 16 elements) of the eight vectors, so output word p is source word 8 (p % 4) + p / 4.
+      const __m512i nibble = _mm512_set1_epi16(0x000F);
+      // Two halves of four vectors each, as for bf16.
+      __m512i low[4], high[4];
+      q_vectors<kIn>(input, i, rounder, low);
+      q_vectors<kIn>(input, i + 4 * kLanes, rounder, high);
+      const __m512i b0 = pack4_lane_order<R>(low, 0);
+      const __m512i b1 = pack4_lane_order<R>(high, 0);
+      const __m512i m0 = _mm512_ternarylogic_epi32(b0, _mm512_srai_epi16(b0, 4), nibble, 0xE4);
+      const __m512i m1 = _mm512_ternarylogic_epi32(b1, _mm512_srai_epi16(b1, 4), nibble, 0xE4);
+      const __m512i word_order = _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4,
+                                                  27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
+      return _mm512_permutexvar_epi16(word_order, _mm512_packs_epi16(m0, m1));
+    }
+  }
+}
+
 // Quantizes `range` and, in the same loop, finds max |x| of `next` (the following group, never longer; empty
 // when there is none), whose bits it returns: the next group streams in from memory while this one (in L1
 // since its own max pass) is converted, instead of a burst of misses per group with the memory idle in
 // between. A software prefetch 4 KiB ahead of that stream, into L2 (T1: an L1 prefetch would hold one of
 // the few line-fill buffers the demand loads need), takes single-thread fp32 quantize from DRAM from about
-// 10 to 14.5 GB/s on a 2-core AVX-512 VM (T0, or 1 KiB or 16 KiB ahead, did worse there).
-template <ScalarType kIn, int kBits, typename R>
+// 10 to 14.5 GB/s on a 2-core AVX-512 VM (T0, or 1 KiB or 16 KiB ahead, did worse there). kNextFull: next is
+// as long as range (every group but a range's last two), so the next group's part of a block needs no mask.
+template <ScalarType kIn, int kBits, bool kNextFull, typename R>
 uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange next, const R& rounder, bool stream) {
   constexpr int64_t kBytes = kIn == ScalarType::kFloat32 ? 4 : 2;
   constexpr int64_t kPrefetchElements = 4096 / kBytes;
+  constexpr int64_t kBlock = kBlockElements<kBits>;
+  // In locals: q's stores are through uint8_t, which may alias anything, so args' fields would be reloaded
+  // after every store.
+  const void* const input = args.input;
+  const int64_t n = args.n;
   uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
+  const char* const input_bytes = static_cast<const char*>(input);
   AbsMax<kIn> next_max;
   const int64_t next_offset = next.begin - range.begin;
-  // Element i's vector: the next group's vector at the same place into next_max, a prefetch further on, and
-  // the 16 q values.
+  // Element i's vector of the next group (the same place in it) into next_max, and a prefetch further on.
   auto step_next = [&](int64_t i) {
     const int64_t ahead = i + next_offset;
-    if (ahead < next.end) next_max.add(args.input, ahead, lanes_mask(next.end - ahead));
-    if (ahead + kPrefetchElements < args.n) {
-      _mm_prefetch(static_cast<const char*>(args.input) + (ahead + kPrefetchElements) * kBytes, _MM_HINT_T1);
+    if (ahead < next.end) next_max.add(input, ahead, lanes_mask(next.end - ahead));
+    if (ahead + kPrefetchElements < n) {
+      _mm_prefetch(input_bytes + (ahead + kPrefetchElements) * kBytes, _MM_HINT_T1);
     }
   };
-  auto step = [&](int64_t i) {
-    step_next(i);
-    return rounder.quantize(load_in<kIn>(args.input, i, lanes_mask(range.end - i)));
-  };
-  // Blocks of 64 elements: four vectors of q packed to bytes in order with four shuffle-unit instructions
-  // (vpmovdb / vpmovqb would take two per vector), then for int4 adjacent bytes merged into nibble pairs. A
-  // large input's q is stored non-temporally: it leaves the cache before the collective reads it anyway,
-  // and skipping the read-for-ownership saves a read per byte written.
-  constexpr int64_t kBlock = 4 * kLanes;
-  constexpr int64_t kBlockBytes = kBits == 8 ? 64 : 32;
-  const __m512i dword_order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  // Whole blocks, each 64 bytes of q. A large input's q is stored non-temporally: it leaves the cache before
+  // the collective reads it anyway, and skipping the read-for-ownership saves a read per byte written.
   int64_t i = range.begin;
   for (; i + kBlock <= range.end; i += kBlock) {
-    __m512i bytes;
-    if constexpr (kIn == ScalarType::kBFloat16) {
-      // bf16 widens to fp32 by a 16-bit shift: interleaving 32 inputs with zeros (one shuffle per 16, no
-      // zero-extend and shift) gives elements 0-3, 8-11, 16-19, 24-27 (lo) and 4-7, 12-15, ... (hi) per
-      // 128-bit lane, an order the signed packs below undo: lane k of packs_epi32(lo, hi) is elements
-      // 8k..8k+7 of the 32, so only whole qwords are left to put in place.
-      const __m512i zero = _mm512_setzero_si512();
-      auto quantize32 = [&](int64_t at, __m512i* low, __m512i* high) {
-        step_next(at);
-        step_next(at + kLanes);
-        const __m512i raw = _mm512_loadu_si512(static_cast<const uint16_t*>(args.input) + at);
-        *low = rounder.quantize(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw)));
-        *high = rounder.quantize(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw)));
-      };
-      __m512i a, b, c, d;
-      quantize32(i, &a, &b);
-      quantize32(i + 2 * kLanes, &c, &d);
-      // Lane k: elements 8k..8k+7, then 32 + 8k..32 + 8k + 7: qword 2k and 2k + 1.
-      bytes = _mm512_permutexvar_epi64(_mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0),
-                                       _mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d)));
+    if constexpr (kNextFull) {
+      // Line by line, each line's prefetch next to its load. The same loads and prefetches issued as a
+      // burst per block (the loads, then the prefetches under one test) made fp32 from DRAM about 10% slower
+      // than this in paired runs, and slower than the previous per-vector loop, though faster in L2.
+      constexpr int64_t kLine = 64 / kBytes;
+      const int64_t ahead = i + next_offset;
+      for (int64_t v = 0; v < kBlock; v += kLine) {
+        next_max.add_line(input, ahead + v);
+        if (ahead + v + kPrefetchElements < n) {
+          _mm_prefetch(input_bytes + (ahead + v + kPrefetchElements) * kBytes, _MM_HINT_T1);
+        }
+      }
     } else {
-      const __m512i a = step(i), b = step(i + kLanes), c = step(i + 2 * kLanes), d = step(i + 3 * kLanes);
-      // Per 128-bit lane k: a[4k..4k+3], b[4k..], c[4k..], d[4k..] as bytes (exact: |q| <= 127); then each
-      // vector's dwords together.
-      bytes = _mm512_permutexvar_epi32(dword_order,
-                                       _mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d)));
+      for (int64_t v = 0; v < kBlock; v += kLanes) step_next(i + v);
     }
+    const __m512i bytes = quantize_block<kIn, kBits>(input, i, rounder);
     uint8_t* const at = q + q_byte_offset(kBits, i - range.begin);
-    const bool aligned = stream && reinterpret_cast<uintptr_t>(at) % kBlockBytes == 0;
-    if constexpr (kBits == 8) {
-      if (aligned) {
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(at), bytes);
-      } else {
-        _mm512_storeu_si512(at, bytes);
-      }
+    if (stream && reinterpret_cast<uintptr_t>(at) % 64 == 0) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(at), bytes);
     } else {
-      // Word k holds q_2k (low byte) and q_2k+1 (high byte): take bits 0-3 from it and bits 4-7 from it
-      // shifted right by 4 (a bitwise select), then keep each word's low byte.
-      const __m512i merged =
-          _mm512_ternarylogic_epi32(bytes, _mm512_srli_epi16(bytes, 4), _mm512_set1_epi16(0x000F), 0xE4);
-      const __m256i pairs = _mm512_cvtepi16_epi8(merged);
-      if (aligned) {
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(at), pairs);
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), pairs);
-      }
+      _mm512_storeu_si512(at, bytes);
     }
   }
-  for (; i < range.end; i += kLanes) store_q<kBits>(q + q_byte_offset(kBits, i - range.begin), step(i), range.end - i);
+  for (; i < range.end; i += kLanes) {
+    step_next(i);
+    const __m512i values = rounder.quantize(load_in<kIn>(input, i, lanes_mask(range.end - i)));
+    store_q<kBits>(q + q_byte_offset(kBits, i - range.begin), values, range.end - i);
+  }
   return next_max.bits();
 }
 
@@ -280,11 +402,12 @@ QuantizeResult quantize_groups(const QuantizeArgs& args, int64_t group_begin, in
     }
     args.scales[g] = scale;
     const WorkingScale working = working_scale(scale);
-    if (working.prescale == 1.0f) {
-      absmax_bits = quantize_group<kIn, kBits>(args, range, next, Rounder<false>(working), stream);
-    } else {
-      absmax_bits = quantize_group<kIn, kBits>(args, range, next, Rounder<true>(working), stream);
-    }
+    const bool next_full = next.end - next.begin == range.end - range.begin;
+    auto run = [&](const auto& rounder) {
+      return next_full ? quantize_group<kIn, kBits, true>(args, range, next, rounder, stream)
+                       : quantize_group<kIn, kBits, false>(args, range, next, rounder, stream);
+    };
+    absmax_bits = working.prescale == 1.0f ? run(Rounder<false>(working)) : run(Rounder<true>(working));
   }
   if (stream) _mm_sfence();  // order the weakly-ordered stores before whatever the caller does next
   return result;
