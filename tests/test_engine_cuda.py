@@ -151,3 +151,21 @@ def test_nvme_and_cpu_offload_are_bitwise_equal_on_cuda_bf16(stage, tmp_path):
     (losses_cpu, state_cpu), (losses_nvme, state_nvme) = results
     assert losses_cpu == losses_nvme
     assert all(torch.equal(state_cpu[k], state_nvme[k]) for k in state_cpu)
+
+
+@pytest.mark.parametrize("optimizer", ["none", "cpu", "nvme"])
+def test_parameter_shards_on_nvme_match_the_reference_on_cuda(optimizer, tmp_path):
+    """offload_param: nvme on a GPU (Note [NVMe parameter shards]): shards go to the file and come back into
+    the gathered CUDA buffer; fp32 training stays within the reference's noise, with the optimizer state in
+    GPU memory, on the host, or on NVMe too."""
+    config = make_config(3, gradient_clipping=1.0, aio={"thread_count": 2})
+    zero = config["zero_optimization"]
+    zero["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}
+    if optimizer != "none":
+        section = {"device": optimizer, "nvme_path": str(tmp_path)} if optimizer == "nvme" else {"device": "cpu"}
+        zero.update(offload_optimizer=section, sub_group_size=5000)
+    engine = train_against_the_reference("transformer", config, f"stage 3 params on nvme, optimizer {optimizer}")
+    report = engine.memory_report()
+    assert report["bytes"]["params"] == 0 and report["nvme"]["param_file_bytes"] > 0
+    assert report["nvme"]["param_reads_ahead_used"] > 0
+    engine.close()

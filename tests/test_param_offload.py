@@ -5,7 +5,9 @@ it."""
 
 from __future__ import annotations
 
+import errno
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -146,3 +148,51 @@ def test_a_parameter_path_missing_on_one_rank_raises_on_every_rank(tmp_path):
     assert "offload_param.nvme_path" in messages[1] and "missing-on-this-node does not exist" in messages[1]
     assert "1 of 2 ranks could not create their NVMe files" in messages[0]
     assert os.listdir(tmp_path) == []
+
+
+def _failing_io(files: Any) -> list[bool]:
+    """Makes the parameter file's I/O completions fail, as a dying disk's would, while the returned
+    switch is on."""
+    real, failing = files.io.wait, [True]
+
+    def wait(request: int) -> None:
+        if failing[0]:
+            raise OSError(errno.EIO, "Input/output error (errno 5)", files.path)
+        real(request)
+
+    files.io = type("FailingIO", (), {"__getattr__": lambda self, name: getattr(real.__self__, name),
+                                      "wait": staticmethod(wait)})()
+    return failing
+
+
+def failing_read_worker(rank: int, world: int, path: str, where: str) -> str:
+    # fp32 for the step: its shards are read, updated and written back (16-bit ones are not read)
+    engine = zerocore.initialize(build("transformer"), _config("bf16" if where == "gather" else "fp32", path))
+    _train(engine, rank, 0, 1)
+    failing = _failing_io(engine.param_file) if rank == 1 else [False]
+    x, y = batch("transformer", torch.Generator().manual_seed(rank))
+    try:
+        if where == "gather":
+            engine(x)
+        else:
+            failing[0] = False  # the forward's and backward's reads succeed ...
+            engine.backward(loss_fn("transformer", engine(x), y))
+            failing[0] = rank == 1  # ... the step's loads and write-backs fail on rank 1
+            engine.step()
+    except OSError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_failed_shard_read_in_a_gather_raises_on_every_rank_without_a_hang(tmp_path):
+    messages = run_ranks(failing_read_worker, 2, str(tmp_path), "gather", timeout=120)
+    for rank, message in enumerate(messages):
+        assert "rank(s) [1] could not read their parameter shard" in message, message
+    assert "Input/output error" in messages[1] and "its read succeeded" in messages[0]
+
+
+def test_a_failed_shard_write_in_the_step_raises_on_every_rank_without_a_hang(tmp_path):
+    messages = run_ranks(failing_read_worker, 2, str(tmp_path), "step", timeout=120)
+    for message in messages:
+        assert "the NVMe I/O of the step failed on 1 of 2 ranks" in message, message
+    assert "Input/output error" in messages[1] and "its I/O succeeded" in messages[0]

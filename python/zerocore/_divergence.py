@@ -2,8 +2,8 @@
 
 Note [Divergence tags]
 ----------------------
-Every gather of a unit is paired with a tiny all-gather of a tag (unit, call count in this step, step)
-from every rank, issued just before the unit's own all-gather and never waited for on its own: the unit's
+Every gather of a unit is paired with a tiny all-gather of a tag (unit, call count in this step, step,
+and whether this rank failed to read its shard: Note [NVMe parameter shards]) from every rank, issued just before the unit's own all-gather and never waited for on its own: the unit's
 wait first waits for the tag and compares every rank's tag with this rank's. On the CPU the comparison
 reads memory the collective just wrote (no device sync), and a mismatch raises on every rank, naming the
 rank, the step and both modules, before the unit's possibly mismatched gather is waited for. On an
@@ -25,6 +25,9 @@ import torch
 from ._transforms import outside_transforms
 
 
+_FIELDS = 4  # per rank: unit, call count in this step, step, whether this rank failed to read its shard
+
+
 class RanksDivergedError(RuntimeError):
     """Ranks ran different modules: they are out of lockstep, so no further collective may be issued."""
 
@@ -40,16 +43,20 @@ class DivergenceCheck:
         self.strict = strict
         self.flag = torch.zeros((), dtype=torch.float32, device=self.device)  # accelerators: mismatches this step
         self.step_tags: list[torch.Tensor] = []
+        self.read_failure: str | None = None  # the last shard this rank could not read, for the messages
 
-    def _tag(self, unit: int, call: int, step: int) -> torch.Tensor:
-        tag = torch.zeros(3 * self.world, dtype=torch.int64, device=self.device)
-        tag[3 * self.rank : 3 * self.rank + 3] = torch.tensor([unit, call, step])
+    def _tag(self, unit: int, call: int, step: int, failed: bool) -> torch.Tensor:
+        tag = torch.zeros(_FIELDS * self.world, dtype=torch.int64, device=self.device)
+        tag[_FIELDS * self.rank : _FIELDS * (self.rank + 1)] = torch.tensor([unit, call, step, int(failed)])
         return tag
 
     @outside_transforms  # tags are the engine's tensors, never a transform's (Note [torch.func transforms])
-    def before_gather(self, unit: int, call: int, step: int) -> Any:
-        """Issues the tag exchange for one gather; what the unit hands to :meth:`after_gather` at its wait."""
-        tag = self._tag(unit, call, step)
+    def before_gather(self, unit: int, call: int, step: int, read_failure: str | None = None) -> Any:
+        """Issues the tag exchange for one gather; what the unit hands to :meth:`after_gather` at its wait.
+        ``read_failure``: this rank could not read its shard (Note [NVMe parameter shards])."""
+        if read_failure is not None:
+            self.read_failure = read_failure
+        tag = self._tag(unit, call, step, read_failure is not None)
         work = self.comm.all_gather(tag, unit, "unit_tag")
         if self.strict:
             work.wait()
@@ -66,8 +73,8 @@ class DivergenceCheck:
         work.wait()
         if tag.device.type == "cpu":
             self._verify(tag, step)
-        else:
-            rows = tag.view(-1, 3)
+        else:  # a failed read makes this rank's row differ too: the step raises, naming it
+            rows = tag.view(-1, _FIELDS)
             self.flag += (rows != rows[self.rank]).any().float()
             self.step_tags.append(tag)
 
@@ -83,12 +90,24 @@ class DivergenceCheck:
         if diverged:
             for tag in tags:
                 self._verify(tag, step)
+            if self.read_failure is not None:
+                raise OSError(f"offload_param: step {step}: this rank could not read a parameter shard from its "
+                              f"NVMe file ({self.read_failure}); load the last checkpoint once the disk is fixed")
             raise RanksDivergedError(f"ranks diverged at step {step}: another rank gathered different modules than "
                                f"rank {self.rank} (this rank's tags all matched; see the other ranks' errors). "
                                "Under ZeRO stage 3 every rank must run the same modules in the same order (SPMD).")
 
     def _verify(self, tag: torch.Tensor, step: int) -> None:
-        rows = tag.view(-1, 3).tolist()
+        rows = tag.view(-1, _FIELDS).tolist()
+        failed = [rank for rank, row in enumerate(rows) if row[3]]
+        if failed:
+            module = self.names.get(rows[failed[0]][0], rows[failed[0]][0])
+            raise OSError(
+                f"offload_param: rank(s) {failed} could not read their parameter shard of module {module!r} from "
+                f"their NVMe file at step {step}, so every rank stops at this gather (none is left waiting in a "
+                "collective); the shards on disk are unchanged: load the last checkpoint once the disk is fixed. "
+                f"This rank: {self.read_failure if self.rank in failed else 'its read succeeded'}")
+        rows = [row[:3] for row in rows]
         mine = rows[self.rank]
         for other, row in enumerate(rows):
             if row != mine:

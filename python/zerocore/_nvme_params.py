@@ -25,6 +25,12 @@ through 4 KiB-aligned buffers of the largest shard's size, one to bounce through
 (a shard's own memory and a gathered buffer's region are not 4 KiB aligned). A write drops a read-ahead of
 the same shard, which it makes stale. The values are the same bytes as in memory, so training is bitwise
 the same as without the offload.
+
+An I/O error never leaves a rank alone in a collective: a gather whose read failed still issues its
+all-gather (zeros for this rank's region) and flags the failure in the unit's divergence tag, so every rank
+raises at that gather's wait, naming the ranks that failed (Note [Divergence tags]); a read or write that
+fails in the step is kept (``step_failure``) and the engine's after-step verdict makes every rank raise.
+Writes and reads outside these two (checkpoint loads, ``zerocore.gathered`` writes) raise where they fail.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class ParamShardFile:
         # A shard that cannot be placed (full disk) stays in memory and the error is kept, not raised: the
         # other ranks go on through initialize's collectives, then every rank raises (Engine._agree_on_files).
         self.failure: OSError | None = None
+        self.step_failure: str | None = None  # an I/O error of the step's loads and write-backs
         self.fd, handle = _open_nameless(io, self.path)
         self.handle: int | None = handle
         self._release = weakref.finalize(self, _release, io, handle, self.fd)
@@ -137,6 +144,16 @@ class ParamShardFile:
         self._wait(self.io.write(self.handle, offset, window), "writing", offset, window.numel())
         self.bytes_written += window.numel()
 
+    def try_read(self, offset: int, out: torch.Tensor) -> str | None:
+        """``read``, but a failure is returned (``out`` is then zeros), not raised: a gather still issues its
+        collectives and every rank learns of it through the unit's tag (Note [Divergence tags])."""
+        try:
+            self.read(offset, out)
+            return None
+        except OSError as error:
+            out.zero_()
+            return str(error)
+
     def _wait(self, request: int, doing: str, offset: int, nbytes: int) -> None:
         try:
             self.io.wait(request)
@@ -167,6 +184,7 @@ class _Failed:
         self.size = self.bytes_read = self.bytes_written = 0
         self.bounce = self.ahead = torch.empty(0, dtype=torch.uint8)
         self.reads_ahead_used = 0
+        self.step_failure = None
 
     def place(self, numel: int, dtype: torch.dtype) -> None:
         return None

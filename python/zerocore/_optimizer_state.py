@@ -372,17 +372,15 @@ class OptimizerState:
 
     def _load_params(self, index: int) -> None:
         shard = self.shards[index]
-        if shard.param_home is not None:
-            # 16-bit parameters are all written from the master by the in-memory step, so nothing is read
-            # (with the state on NVMe a failed read skips the update: the shard must then keep its values)
-            overwritten = shard.separate_master and shard.params.dtype != torch.float32 and self.store is None
-            shard.param_home.load_shard(read=not overwritten)
+        if shard.param_home is not None:  # 16-bit parameters are all written from the master: nothing to read
+            overwritten = shard.separate_master and shard.params.dtype != torch.float32
+            shard.param_home.load_shard(read=not overwritten, in_step=True)
 
     def _then_unload_params(self, after_shard: Callable[[int], None] | None) -> Callable[[int], None]:
         def unload(index: int) -> None:
             home = self.shards[index].param_home
-            if home is not None:
-                home.unload_shard(written=True)
+            if home is not None:  # an NVMe state I/O failure skipped updates: the file keeps the old values
+                home.unload_shard(written=self.store is None or self.store.failure is None, in_step=True)
             if after_shard is not None:
                 after_shard(index)
         return unload

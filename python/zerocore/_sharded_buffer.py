@@ -149,26 +149,36 @@ class ShardedBuffer:
         if self.shard_offloaded and self._resident_depth == 0:
             self._param_file.read_ahead(self._param_offset, self.shard_size * self.shard.element_size())
 
-    def load_shard(self, read: bool = True) -> None:
+    def load_shard(self, read: bool = True, in_step: bool = False) -> None:
         """The offloaded shard is read into memory for a block that uses it (blocks nest); ``read=False``: a
-        block that overwrites every parameter element gets zeros (the padding's value) instead."""
+        block that overwrites every parameter element gets zeros (the padding's value) instead. ``in_step``:
+        a failure is kept in the file's ``step_failure`` for the step's verdict instead of raised."""
         self._resident_depth += 1
         if self._resident_depth == 1 and self.shard_offloaded:
             self.shard.untyped_storage().resize_(self.shard_size * self.shard.element_size())
-            if read:
-                self._param_file.read(self._param_offset, self.shard)
-            else:
+            if not read:
                 self.shard.zero_()
+            elif in_step:
+                failure = self._param_file.try_read(self._param_offset, self.shard)
+                self._param_file.step_failure = self._param_file.step_failure or failure
+            else:
+                self._param_file.read(self._param_offset, self.shard)
 
-    def unload_shard(self, written: bool) -> None:
+    def unload_shard(self, written: bool, in_step: bool = False) -> None:
         """A block that loaded the shard ends; the last one writes it back (when any wrote) and frees it."""
         self._shard_written |= written
         self._resident_depth -= 1
         if self._resident_depth == 0 and self.shard_offloaded:
-            if self._shard_written:
-                self._param_file.write(self._param_offset, self.shard)
-            self._shard_written = False
-            self.shard.untyped_storage().resize_(0)
+            try:
+                if self._shard_written:
+                    self._param_file.write(self._param_offset, self.shard)
+            except OSError as error:
+                if not in_step:
+                    raise
+                self._param_file.step_failure = self._param_file.step_failure or str(error)
+            finally:
+                self._shard_written = False
+                self.shard.untyped_storage().resize_(0)
 
     def _shard_values(self, values: Sequence[torch.Tensor], bucket: int) -> torch.Tensor:
         """This rank's shard of ``bucket`` in fp32, from the full values (padding is zero)."""
@@ -218,16 +228,24 @@ class ShardedBuffer:
         return self.grad_buffer[offset : offset + self.params[index].numel()].view(self.params[index].shape)
 
     # ---- gather / release -----------------------------------------------------------------------------
-    def gather(self, comm: Any, bucket: int, label: str) -> Any:
-        """Starts filling ``bucket`` of ``full`` from every rank's shard; returns the pending collective."""
-        if self.policy.params_sharded:
-            self._allocate_full()
-            own = self._own_region(self.full, bucket)
-            if self.shard_offloaded and self._resident_depth == 0:
-                self._param_file.read(self._param_offset, own)  # straight from the file, no shard in memory
-            else:
-                own.copy_(self.param_shard(bucket))
+    def gather(self, comm: Any, bucket: int, label: str, staged: bool = False) -> Any:
+        """Starts filling ``bucket`` of ``full`` from every rank's shard; returns the pending collective.
+        ``staged``: :meth:`stage_own` already put this rank's values in place."""
+        if self.policy.params_sharded and not staged:
+            failure = self.stage_own(bucket)
+            if failure is not None:
+                raise OSError(failure)
         return comm.all_gather(self.param_bucket(bucket), bucket, label)
+
+    def stage_own(self, bucket: int) -> str | None:
+        """Parameters sharded: ``full`` gets its memory and this rank's region its shard, read straight from
+        the parameter file when it is there (no shard in memory); a failed read is returned, not raised."""
+        self._allocate_full()
+        own = self._own_region(self.full, bucket)
+        if self.shard_offloaded and self._resident_depth == 0:
+            return self._param_file.try_read(self._param_offset, own)
+        own.copy_(self.param_shard(bucket))
+        return None
 
     def partition_slice(self, parts: int, index: int) -> torch.Tensor:
         """Slice ``index`` of ``full`` cut into ``parts`` equal slices (one bucket: hpZ's partitions)."""
@@ -287,7 +305,7 @@ class ShardedBuffer:
     def _shard_from_full(self) -> None:
         """Parameters sharded: this rank's shard takes its region of ``full`` (otherwise it is that region)."""
         if self.policy.params_sharded:
-            self.load_shard()
+            self.load_shard(read=False)  # every element, padding included, comes from ``full``
             try:
                 for b in range(len(self.buckets)):
                     self.param_shard(b).copy_(self._own_region(self.full, b))

@@ -131,10 +131,11 @@ class Unit:
 
     def start_gather(self, comm: Any, label: str, check: DivergenceCheck, tag: Any,
                      keep_secondary: tuple[int, int] | None = None) -> None:
-        """SHARDED -> GATHERING: the all-gather is issued right after its divergence tag's (``tag``). With
+        """SHARDED -> GATHERING (this rank's values already staged by ``ShardedBuffer.stage_own``): the
+        all-gather is issued right after its divergence tag's (``tag``). With
         ``keep_secondary`` (hpZ partition size, index in it) the landed values' slice is kept for the backward."""
         self._move(UnitState.SHARDED, UnitState.GATHERING)
-        self.pending = self.buffer.gather(comm, 0, label)
+        self.pending = self.buffer.gather(comm, 0, label, staged=True)
         self._tag_check = (check, tag)
         self._keep_secondary = keep_secondary
 
@@ -419,8 +420,11 @@ class Stage3Runtime:
     @outside_transforms
     def _gather(self, unit: Unit, label: str) -> None:
         unit.calls += 1
-        tag = self.divergence.before_gather(unit.index, unit.calls, self.step)
-        if self.hpz_slot is not None and label == "all_gather_backward" and unit.secondary is not None:
+        partition = self.hpz_slot is not None and label == "all_gather_backward" and unit.secondary is not None
+        # this rank's values first (from the parameter file, maybe): a failed read rides on the tag
+        failure = None if partition else unit.buffer.stage_own(0)
+        tag = self.divergence.before_gather(unit.index, unit.calls, self.step, failure)
+        if partition:
             unit.start_partition_gather(self.hpz_comm, label, self.divergence, tag, self.hpz_slot)
             unit.quantized = self.quantizes_weights  # the forward's values, as they were gathered
         else:  # forward gathers refresh the hpZ slice the backward will gather from

@@ -504,7 +504,7 @@ class Engine:
             if clip > 0:
                 grad_scale *= min(1.0, clip / (norm + 1e-6))
             self._update_and_gather(grad_scale)
-            if store is not None:
+            if store is not None or self.param_file is not None:
                 self._check_offload_io(store)
         if self.stage3 is not None:
             self.stage3.end_forward_backward_step()
@@ -528,16 +528,19 @@ class Engine:
                           "rank's files are removed")
 
     def _check_offload_io(self, store: Any) -> None:
-        """After an NVMe step, every rank learns whether any rank's I/O failed (each still issued every
-        collective of the step, Note [NVMe optimizer state]); then all raise alike."""
-        failed = torch.tensor([float(store.failure is not None)], dtype=torch.float64, device=self.device)
+        """After an NVMe step, every rank learns whether any rank's I/O failed (optimizer state or parameter
+        shards; each still issued every collective of the step, Note [NVMe optimizer state]); then all raise
+        alike."""
+        here = (store.failure if store is not None else None) or (
+            self.param_file.step_failure if self.param_file is not None else None)
+        failed = torch.tensor([float(here is not None)], dtype=torch.float64, device=self.device)
         self.comm.all_reduce(failed, False).wait()
         self.host_syncs += 1
         if failed.item() > 0:
-            here = store.failure or "this rank's I/O succeeded"
-            raise OSError(f"offload_optimizer: the optimizer state I/O failed on {int(failed.item())} of "
+            raise OSError(f"offload: the NVMe I/O of the step failed on {int(failed.item())} of "
                           f"{self.world_size} ranks during step {self.global_steps}, so the parameters are now "
-                          f"partly updated; load the last checkpoint to go on. This rank: {here}")
+                          "partly updated; load the last checkpoint to go on. This rank: "
+                          f"{here or 'its I/O succeeded'}")
 
     def _update_and_gather(self, grad_scale: float) -> None:
         """The Adam update of every shard; in stages 1-2 each bucket's all-gather starts as soon as its shard
