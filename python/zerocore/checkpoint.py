@@ -48,7 +48,7 @@ from . import _safetensors_io as stio
 from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_hf, python -m zerocore.checkpoint)
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, open_file,
                                  piece_sources, read_index, resolve_tag, write_durably)
-from ._model_checks import _all_gather_json
+from ._model_checks import all_gather_json
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -105,7 +105,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     current.clear()
     mine = {"file": rank_file, "checksums": checksums, "shards": ranks_pieces,
             "python_rng": _json_rng(random.getstate())}
-    everyone = _all_gather_json(engine.comm, mine, engine.device)
+    everyone = all_gather_json(engine.comm, mine, engine.device)
     # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
     # parameters are replicated), rank 0 writes it
     untracked = _untracked_state(engine)
@@ -163,8 +163,8 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
         problem = error
     # every rank learns whether every rank read and validated everything, so all go on or all raise (none is
     # left in a collective) and no rank changes its engine unless every rank can
-    verdicts = _all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
-                                engine.device)
+    verdicts = all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
+                               engine.device)
     if problem is not None:
         raise problem
     failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
