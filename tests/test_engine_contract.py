@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocore
-from zerocore._model_checks import _all_gather_json
+from zerocore._model_checks import all_gather_json
 from _dist import run_ranks
 from _models import batch, build, loss_fn
 from _parity import ReferencePair, as_dtype
@@ -49,7 +49,7 @@ def order_worker(rank: int, world: int, stage: int) -> list[str]:
         engine.backward(engine(x).square().mean())
         engine.step()
     log = list(engine.comm.log())
-    everyone = _all_gather_json(engine.comm, log, torch.device("cpu"))
+    everyone = all_gather_json(engine.comm, log, torch.device("cpu"))
     assert all(other == log for other in everyone), "ranks issued different collective sequences"
     return log
 

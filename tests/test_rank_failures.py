@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import zerocore
-from zerocore._model_checks import _all_gather_json
+from zerocore._model_checks import all_gather_json
 from _dist import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,8 +62,8 @@ def one_rank_fails_worker(rank: int, world: int, stage: int, accumulation: int) 
             seen.append(str(error).splitlines()[0])
     # training went on in lockstep afterwards: every rank holds the same parameters
     state = engine.full_state_dict(rank0_only=False)
-    gathered = _all_gather_json(engine.comm, {k: v.double().sum().item() for k, v in state.items()},
-                                torch.device("cpu"))
+    gathered = all_gather_json(engine.comm, {k: v.double().sum().item() for k, v in state.items()},
+                               torch.device("cpu"))
     assert all(g == gathered[0] for g in gathered)
     return seen
 

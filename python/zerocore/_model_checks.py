@@ -35,7 +35,7 @@ def _fingerprint(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool
     return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
 
 
-def _all_gather_json(comm: Any, value: Any, device: torch.device) -> list[Any]:
+def all_gather_json(comm: Any, value: Any, device: torch.device) -> list[Any]:
     """Every rank's JSON-serialisable ``value``, exchanged through zerocore's Comm (no numpy or pickle,
     unlike ``all_gather_object``). Tensors live on ``device`` so NCCL can carry them."""
     world, rank = comm.world_size, comm.rank
@@ -54,7 +54,7 @@ def _all_gather_json(comm: Any, value: Any, device: torch.device) -> list[Any]:
 def check_same_model_on_all_ranks(model: nn.Module, comm: Any, rank: int, device: torch.device) -> None:
     """Raises on every rank, naming the first differing parameter and rank, when the models differ."""
     mine = [list(entry[:1]) + [list(entry[1])] + list(entry[2:]) for entry in _fingerprint(model)]
-    everyone = [[(e[0], tuple(e[1]), e[2], e[3]) for e in theirs] for theirs in _all_gather_json(comm, mine, device)]
+    everyone = [[(e[0], tuple(e[1]), e[2], e[3]) for e in theirs] for theirs in all_gather_json(comm, mine, device)]
     reference = everyone[0]
     for other_rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == reference:

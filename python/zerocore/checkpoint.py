@@ -25,12 +25,14 @@ Reshard at load: a rank loading at any world size and stage walks its own shards
 from the saved pieces that cover the same parameter elements, reading only those byte ranges (safetensors
 blocks around them through the C++ I/O engine, each block checked). Everything is read and validated (index,
 files, checksums, names and shapes) on every rank before any rank changes its engine.
+
+This module moves state between an engine and a checkpoint (``save_checkpoint``, ``load_checkpoint``);
+_checkpoint_format.py reads and writes the directory itself, and _checkpoint_cli.py is
+``python -m zerocore.checkpoint`` (``info``, ``to-hf``) and :func:`to_hf`, importable from here.
 """
 
 from __future__ import annotations
 
-import argparse
-import bisect
 import json
 import os
 import random
@@ -43,14 +45,14 @@ import torch
 import torch.distributed as dist
 
 from . import _safetensors_io as stio
-from ._model_checks import _all_gather_json
+from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_hf, python -m zerocore.checkpoint)
+from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, open_file,
+                                 piece_sources, read_index, resolve_tag, write_durably)
+from ._model_checks import all_gather_json
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-FORMAT = "zerocore-checkpoint/2"
-# Four reads in flight (the I/O engine runs one per thread): the disk stays busy while chunks are checked.
-_CHECKPOINT_IO = {"block_size": 8 << 20, "queue_depth": 8, "thread_count": 4}
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -59,7 +61,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     """See :meth:`Engine.save_checkpoint`."""
     group = engine.process_group
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
-    _check_tag(tag)
+    check_tag(tag)
     client = dict(client_state or {})
     try:
         json.dumps(client)
@@ -103,7 +105,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     current.clear()
     mine = {"file": rank_file, "checksums": checksums, "shards": ranks_pieces,
             "python_rng": _json_rng(random.getstate())}
-    everyone = _all_gather_json(engine.comm, mine, engine.device)
+    everyone = all_gather_json(engine.comm, mine, engine.device)
     # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
     # parameters are replicated), rank 0 writes it
     untracked = _untracked_state(engine)
@@ -130,20 +132,20 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "client_state": client,
         }
-        _write_durably(os.path.join(tmp, "index.json"), json.dumps(index, indent=1).encode())
+        write_durably(os.path.join(tmp, "index.json"), json.dumps(index, indent=1).encode())
     dist.barrier(group=group)  # every rank's file is written and closed before the rename
-    _fsync_file(os.path.join(tmp, rank_file))
+    fsync_file(os.path.join(tmp, rank_file))
     dist.barrier(group=group)
     final = os.path.join(save_dir, tag)
     if engine.rank == 0:
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = os.path.join(save_dir, f".{tag}.old")
         if os.path.exists(final):  # re-saving a tag: the old copy goes only once the new one is complete
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(save_dir)
-        _write_durably(os.path.join(save_dir, "latest"), tag.encode())
+        fsync_dir(save_dir)
+        write_durably(os.path.join(save_dir, "latest"), tag.encode())
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=group)
     return final
@@ -161,8 +163,8 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
         problem = error
     # every rank learns whether every rank read and validated everything, so all go on or all raise (none is
     # left in a collective) and no rank changes its engine unless every rank can
-    verdicts = _all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
-                                engine.device)
+    verdicts = all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
+                               engine.device)
     if problem is not None:
         raise problem
     failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
@@ -225,19 +227,19 @@ class _Staged:
 def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimizer_states: bool) -> _Staged:
     """Reads and checks the index, the model's names and shapes and every byte this rank needs; changes
     nothing and issues no collective."""
-    tag = _resolve_tag(load_dir, tag)
+    tag = resolve_tag(load_dir, tag)
     path = os.path.join(load_dir, tag)
-    index = _read_index(path)
+    index = read_index(path)
     _check_model(engine, index)
     staged = _Staged(path, index)
-    sources = _piece_sources(index)
+    sources = piece_sources(index)
     states = _STATES if load_optimizer_states else _STATES[:1]
     # per saved file, the (shard, state, element offset, saved tensor, saved offset, length) this rank takes
     wanted: dict[int, list[tuple[int, str, int, str, int, int]]] = {}
     for shard in engine.optimizer_state.shards:
         for piece in shard.pieces:
-            for lo, hi, rank, saved_shard, saved_offset in _covering(sources, piece.name, piece.tensor_offset,
-                                                                     piece.length):
+            for lo, hi, rank, saved_shard, saved_offset in covering(sources, piece.name, piece.tensor_offset,
+                                                                    piece.length):
                 at = piece.shard_offset + (lo - piece.tensor_offset)
                 for state in states:
                     wanted.setdefault(rank, []).append((shard.index, state, at, f"{saved_shard}.{state}",
@@ -245,12 +247,12 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
     same_world = index["world_size"] == engine.world_size
     if same_world:
         wanted.setdefault(engine.rank, [])  # its RNG states
-    io = stio.open_io(_CHECKPOINT_IO)
+    io = stio.open_io(CHECKPOINT_IO)
     files: dict[int, stio.VerifiedFile] = {}
     try:
         ranges: dict[int, list[tuple[int, int]]] = {}
         for rank in sorted(wanted):
-            f = files[rank] = _open_file(io, path, index["ranks"][rank])
+            f = files[rank] = open_file(io, path, index["ranks"][rank])
             ranges[rank] = []
             for _, _, _, name, offset, length in wanted[rank]:
                 start, dtype, shape = f.tensor_range(name)
@@ -273,7 +275,7 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
             if same_world and rank == engine.rank:
                 staged.rng = {name: files[rank].tensor(name).clone() for name in ("rng.cpu", "rng.cuda")
                               if name in files[rank].header}
-        model = files[-1] = _open_file(io, path, index["model_file"])
+        model = files[-1] = open_file(io, path, index["model_file"])
         staged.untracked = _untracked_state(engine)
         _check_untracked(staged.untracked, index, model, path)
         staged.untracked_values = {name: model.tensor(name) for name in staged.untracked}
@@ -315,64 +317,7 @@ def _fresh_state(state: Any, keys: Sequence[str], wanted: Mapping[int, list[tupl
     return fresh
 
 
-def _open_file(io: Any, path: str, entry: Mapping[str, Any]) -> stio.VerifiedFile:
-    name = entry.get("file")
-    if not isinstance(name, str) or "/" in name or name.startswith("."):
-        raise ValueError(f"{path}/index.json names an invalid file {name!r}: the index is damaged")
-    if "checksums" not in entry:
-        raise ValueError(f"{path}/index.json has no checksums for {name}: the index is damaged")
-    return stio.VerifiedFile(io, os.path.join(path, name), entry["checksums"])
-
-
-# ---- loading pieces ---------------------------------------------------------------------------------------
-def _piece_sources(index: Mapping[str, Any]) -> dict[str, list[tuple[int, int, int, int, int]]]:
-    """Per parameter name, the saved pieces ``(tensor_offset, length, rank, shard, shard_offset)`` by offset."""
-    sources: dict[str, list[tuple[int, int, int, int, int]]] = {}
-    for rank, entry in enumerate(index["ranks"]):
-        for shard, saved in enumerate(entry["shards"]):
-            for name, tensor_offset, shard_offset, length in saved["pieces"]:
-                sources.setdefault(name, []).append((tensor_offset, length, rank, shard, shard_offset))
-    for pieces in sources.values():
-        pieces.sort()
-    return sources
-
-
-def _covering(sources: dict[str, list[tuple[int, int, int, int, int]]], name: str, start: int, length: int):
-    """The saved pieces overlapping elements ``[start, start + length)`` of ``name``, with the overlap."""
-    pieces = sources[name]
-    i = max(bisect.bisect_right(pieces, (start, float("inf"))) - 1, 0)
-    end = start + length
-    covered = start
-    for tensor_offset, plen, rank, shard, shard_offset in pieces[i:]:
-        if tensor_offset >= end:
-            break
-        lo, hi = max(start, tensor_offset), min(end, tensor_offset + plen)
-        if lo >= hi:
-            continue
-        if lo != covered:
-            raise ValueError(f"checkpoint does not hold elements [{covered}, {lo}) of parameter {name!r}")
-        yield lo, hi, rank, shard, shard_offset + (lo - tensor_offset)
-        covered = hi
-    if covered != end:
-        raise ValueError(f"checkpoint does not hold elements [{covered}, {end}) of parameter {name!r}")
-
-
-# ---- validation -------------------------------------------------------------------------------------------
-def _read_index(path: str) -> dict[str, Any]:
-    file = os.path.join(path, "index.json")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"{file} is missing: {path} is not a complete zerocore checkpoint")
-    try:
-        index = json.loads(_read_bytes(file).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{file} is not valid JSON ({error}): the checkpoint is damaged") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise ValueError(f"{file} is not a {FORMAT} index (format {index.get('format') if isinstance(index, dict) else None!r})")
-    return index
-
-
+# ---- the model against the checkpoint ---------------------------------------------------------------------
 def _check_model(engine: Engine, index: Mapping[str, Any]) -> None:
     ours = _trainable_shapes(engine)
     theirs = {name: tuple(shape) for name, shape in index["params"].items()}
@@ -429,52 +374,6 @@ def _untracked_state(engine: Engine) -> dict[str, torch.Tensor]:
     return out
 
 
-# ---- files ------------------------------------------------------------------------------------------------
-def _resolve_tag(directory: str, tag: str | None) -> str:
-    """``tag``, or the one ``directory/latest`` names; checked to be a plain directory name."""
-    if tag is None:
-        latest = os.path.join(directory, "latest")
-        if not os.path.exists(latest):
-            raise FileNotFoundError(f"{latest} does not exist (no checkpoint was completed in {directory}); pass "
-                                    "tag= to load a specific one")
-        tag = _read_bytes(latest).decode("utf-8").strip()
-    _check_tag(tag)
-    return tag
-
-
-def _check_tag(tag: str) -> None:
-    if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not starting with '.')")
-
-
-def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
 def _json_rng(state: Any) -> Any:
     version, internal, gauss = state
     return [version, list(internal), gauss]
@@ -489,119 +388,6 @@ def _version() -> str:
     from . import __version__
 
     return __version__
-
-
-# ---- consolidation to Hugging Face safetensors ---------------------------------------------------------------
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
-          max_shard_size: int = 5 * 10**9) -> list[str]:
-    """Writes the checkpoint's model (fp32 masters in ``dtype``; buffers and frozen parameters as saved) as
-    Hugging Face safetensors: ``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
-    ``max_shard_size`` bytes. One tensor at a time: each is assembled from the ranks' pieces (reading only
-    the blocks that hold them, each checked), written and dropped, so the peak memory is a small multiple of
-    the largest tensor. Tied parameters are written once. Returns the files."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    path = os.path.join(checkpoint_dir, _resolve_tag(checkpoint_dir, tag))
-    index = _read_index(path)
-    sources = _piece_sources(index)
-    target = _DTYPES[dtype]
-    entries: list[tuple[str, list[int], torch.dtype]] = [(n, s, target) for n, s in index["params"].items()]
-    entries += [(n, u["shape"], getattr(torch, u["dtype"])) for n, u in index["untracked"].items()
-                if u.get("persistent", True)]
-    shards: list[list[tuple[str, list[int], torch.dtype]]] = [[]]
-    size = 0
-    for entry in entries:
-        nbytes = stio.nbytes(entry[1], entry[2])
-        if shards[-1] and size + nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += nbytes
-    io = stio.open_io(_CHECKPOINT_IO)
-    files = [_open_file(io, path, entry) for entry in index["ranks"]]  # every file is checked before writing
-    model = _open_file(io, path, index["model_file"])
-    try:
-        def tensor(name: str, shape: list[int], dt: torch.dtype) -> torch.Tensor:
-            if name not in index["params"]:
-                return model.tensor(name).to(dt)
-            flat = torch.empty(stio.numel(shape), dtype=torch.float32)
-            by_rank: dict[int, list[tuple[int, int, int, int]]] = {}
-            for lo, hi, rank, shard, offset in _covering(sources, name, 0, flat.numel()):
-                by_rank.setdefault(rank, []).append((lo, hi, shard, offset))
-            for rank, pieces in by_rank.items():
-                ranges = []
-                for lo, hi, shard, offset in pieces:
-                    start, _, _ = files[rank].tensor_range(f"{shard}.master")
-                    ranges.append((start + 4 * offset, 4 * (hi - lo)))
-                for (lo, hi, _, _), data in zip(pieces, files[rank].read(ranges)):
-                    flat[lo:hi] = data.view(torch.float32)
-            return flat.view(shape) if dt == torch.float32 else flat.to(dt).view(shape)
-
-        os.makedirs(out_dir, exist_ok=True)
-        written, weight_map = [], {}
-        for i, shard in enumerate(shards):
-            name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            stio.write(os.path.join(out_dir, name), shard, tensor)
-            written.append(name)
-            weight_map.update({entry[0]: name for entry in shard})
-    finally:
-        for f in files + [model]:
-            f.close()
-    if len(shards) > 1:
-        total = sum(stio.nbytes(s, d) for _, s, d in entries)
-        _write_durably(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
-        written.append("model.safetensors.index.json")
-    return written
-
-
-# ---- command line -----------------------------------------------------------------------------------------
-def _info(path: str, tag: str | None) -> None:
-    if tag is None and os.path.exists(os.path.join(path, "latest")):
-        tag = _read_bytes(os.path.join(path, "latest")).decode("utf-8").strip()
-    directory = os.path.join(path, tag) if tag else path
-    index = _read_index(directory)
-    total = sum(sum(s["numel"] for s in r["shards"]) for r in index["ranks"])
-    print(f"{directory}: zerocore {index['zerocore_version']}, stage {index['stage']}, world size "
-          f"{index['world_size']}, compute dtype {index['compute_dtype']}")
-    print(f"steps: {index['counters']}; loss scaler: {index['loss_scaler']}")
-    print(f"{len(index['params'])} trainable parameters, {total} shard elements (with padding), "
-          f"{len(index['untracked'])} buffers/frozen tensors; lr scheduler: "
-          f"{'yes' if index['lr_scheduler'] is not None else 'no'}; client_state keys: {sorted(index['client_state'])}")
-    for name, shape in index["params"].items():
-        print(f"  {name} {shape}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zerocore.checkpoint", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="print what a checkpoint holds")
-    info.add_argument("checkpoint_dir")
-    info.add_argument("--tag")
-    hf = sub.add_parser("to-hf", help="write the model as Hugging Face safetensors, one tensor at a time")
-    hf.add_argument("checkpoint_dir")
-    hf.add_argument("out_dir")
-    hf.add_argument("--tag")
-    hf.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
-    hf.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB, or bytes")
-    args = parser.parse_args(argv)
-    if args.command == "info":
-        _info(args.checkpoint_dir, args.tag)
-    else:
-        written = to_hf(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, _parse_size(args.max_shard_size))
-        print("wrote " + ", ".join(os.path.join(args.out_dir, name) for name in written))
-    return 0
-
-
-def _parse_size(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    for unit, factor in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""``python -m zerocore.checkpoint``: ``info`` (what a checkpoint holds) and ``to-hf`` (:func:`to_hf`: the
+model as Hugging Face safetensors); both read a checkpoint directory without an engine or a process group."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from . import _safetensors_io as stio
+from ._checkpoint_format import (CHECKPOINT_IO, covering, open_file, piece_sources, read_bytes, read_index,
+                                 resolve_tag, write_durably)
+
+# --help's description: the first line of checkpoint.py's docstring, as when main() was defined there.
+_DESCRIPTION = ("Sharded checkpoints: ``engine.save_checkpoint`` / ``engine.load_checkpoint``, safetensors and JSON "
+                "only.")
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
+          max_shard_size: int = 5 * 10**9) -> list[str]:
+    """Writes the checkpoint's model (fp32 masters in ``dtype``; buffers and frozen parameters as saved) as
+    Hugging Face safetensors: ``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
+    ``max_shard_size`` bytes. One tensor at a time: each is assembled from the ranks' pieces (reading only
+    the blocks that hold them, each checked), written and dropped, so the peak memory is a small multiple of
+    the largest tensor. Tied parameters are written once. Returns the files."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    path = os.path.join(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
+    index = read_index(path)
+    sources = piece_sources(index)
+    target = _DTYPES[dtype]
+    entries: list[tuple[str, list[int], torch.dtype]] = [(n, s, target) for n, s in index["params"].items()]
+    entries += [(n, u["shape"], getattr(torch, u["dtype"])) for n, u in index["untracked"].items()
+                if u.get("persistent", True)]
+    shards: list[list[tuple[str, list[int], torch.dtype]]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = stio.nbytes(entry[1], entry[2])
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    io = stio.open_io(CHECKPOINT_IO)
+    files = [open_file(io, path, entry) for entry in index["ranks"]]  # every file is checked before writing
+    model = open_file(io, path, index["model_file"])
+    try:
+        def tensor(name: str, shape: list[int], dt: torch.dtype) -> torch.Tensor:
+            if name not in index["params"]:
+                return model.tensor(name).to(dt)
+            flat = torch.empty(stio.numel(shape), dtype=torch.float32)
+            by_rank: dict[int, list[tuple[int, int, int, int]]] = {}
+            for lo, hi, rank, shard, offset in covering(sources, name, 0, flat.numel()):
+                by_rank.setdefault(rank, []).append((lo, hi, shard, offset))
+            for rank, pieces in by_rank.items():
+                ranges = []
+                for lo, hi, shard, offset in pieces:
+                    start, _, _ = files[rank].tensor_range(f"{shard}.master")
+                    ranges.append((start + 4 * offset, 4 * (hi - lo)))
+                for (lo, hi, _, _), data in zip(pieces, files[rank].read(ranges)):
+                    flat[lo:hi] = data.view(torch.float32)
+            return flat.view(shape) if dt == torch.float32 else flat.to(dt).view(shape)
+
+        os.makedirs(out_dir, exist_ok=True)
+        written, weight_map = [], {}
+        for i, shard in enumerate(shards):
+            name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            stio.write(os.path.join(out_dir, name), shard, tensor)
+            written.append(name)
+            weight_map.update({entry[0]: name for entry in shard})
+    finally:
+        for f in files + [model]:
+            f.close()
+    if len(shards) > 1:
+        total = sum(stio.nbytes(s, d) for _, s, d in entries)
+        write_durably(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
+        written.append("model.safetensors.index.json")
+    return written
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+def _info(path: str, tag: str | None) -> None:
+    if tag is None and os.path.exists(os.path.join(path, "latest")):
+        tag = read_bytes(os.path.join(path, "latest")).decode("utf-8").strip()
+    directory = os.path.join(path, tag) if tag else path
+    index = read_index(directory)
+    total = sum(sum(s["numel"] for s in r["shards"]) for r in index["ranks"])
+    print(f"{directory}: zerocore {index['zerocore_version']}, stage {index['stage']}, world size "
+          f"{index['world_size']}, compute dtype {index['compute_dtype']}")
+    print(f"steps: {index['counters']}; loss scaler: {index['loss_scaler']}")
+    print(f"{len(index['params'])} trainable parameters, {total} shard elements (with padding), "
+          f"{len(index['untracked'])} buffers/frozen tensors; lr scheduler: "
+          f"{'yes' if index['lr_scheduler'] is not None else 'no'}; client_state keys: {sorted(index['client_state'])}")
+    for name, shape in index["params"].items():
+        print(f"  {name} {shape}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zerocore.checkpoint", description=_DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="print what a checkpoint holds")
+    info.add_argument("checkpoint_dir")
+    info.add_argument("--tag")
+    hf = sub.add_parser("to-hf", help="write the model as Hugging Face safetensors, one tensor at a time")
+    hf.add_argument("checkpoint_dir")
+    hf.add_argument("out_dir")
+    hf.add_argument("--tag")
+    hf.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
+    hf.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB, or bytes")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        _info(args.checkpoint_dir, args.tag)
+    else:
+        written = to_hf(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, _parse_size(args.max_shard_size))
+        print("wrote " + ", ".join(os.path.join(args.out_dir, name) for name in written))
+    return 0
+
+
+def _parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for unit, factor in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)

@@ -1,0 +1,121 @@
+"""A checkpoint directory on disk, without an engine (Note [Checkpoint format] in checkpoint.py): tags and
+``latest``, durable writes, the index, the files it names opened against their checksums, and where every
+parameter's saved pieces are. Used by the save and load (checkpoint.py) and by the command line
+(_checkpoint_cli.py)."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from . import _safetensors_io as stio
+
+FORMAT = "zerocore-checkpoint/2"
+# Four reads in flight (the I/O engine runs one per thread): the disk stays busy while chunks are checked.
+CHECKPOINT_IO = {"block_size": 8 << 20, "queue_depth": 8, "thread_count": 4}
+
+
+# ---- the directory: index, tags, files --------------------------------------------------------------------
+def open_file(io: Any, path: str, entry: Mapping[str, Any]) -> stio.VerifiedFile:
+    name = entry.get("file")
+    if not isinstance(name, str) or "/" in name or name.startswith("."):
+        raise ValueError(f"{path}/index.json names an invalid file {name!r}: the index is damaged")
+    if "checksums" not in entry:
+        raise ValueError(f"{path}/index.json has no checksums for {name}: the index is damaged")
+    return stio.VerifiedFile(io, os.path.join(path, name), entry["checksums"])
+
+
+def read_index(path: str) -> dict[str, Any]:
+    file = os.path.join(path, "index.json")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file} is missing: {path} is not a complete zerocore checkpoint")
+    try:
+        index = json.loads(read_bytes(file).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON ({error}): the checkpoint is damaged") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a {FORMAT} index (format {index.get('format') if isinstance(index, dict) else None!r})")
+    return index
+
+
+def resolve_tag(directory: str, tag: str | None) -> str:
+    """``tag``, or the one ``directory/latest`` names; checked to be a plain directory name."""
+    if tag is None:
+        latest = os.path.join(directory, "latest")
+        if not os.path.exists(latest):
+            raise FileNotFoundError(f"{latest} does not exist (no checkpoint was completed in {directory}); pass "
+                                    "tag= to load a specific one")
+        tag = read_bytes(latest).decode("utf-8").strip()
+    check_tag(tag)
+    return tag
+
+
+def check_tag(tag: str) -> None:
+    if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not starting with '.')")
+
+
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+# ---- saved pieces -----------------------------------------------------------------------------------------
+def piece_sources(index: Mapping[str, Any]) -> dict[str, list[tuple[int, int, int, int, int]]]:
+    """Per parameter name, the saved pieces ``(tensor_offset, length, rank, shard, shard_offset)`` by offset."""
+    sources: dict[str, list[tuple[int, int, int, int, int]]] = {}
+    for rank, entry in enumerate(index["ranks"]):
+        for shard, saved in enumerate(entry["shards"]):
+            for name, tensor_offset, shard_offset, length in saved["pieces"]:
+                sources.setdefault(name, []).append((tensor_offset, length, rank, shard, shard_offset))
+    for pieces in sources.values():
+        pieces.sort()
+    return sources
+
+
+def covering(sources: dict[str, list[tuple[int, int, int, int, int]]], name: str, start: int, length: int):
+    """The saved pieces overlapping elements ``[start, start + length)`` of ``name``, with the overlap."""
+    pieces = sources[name]
+    i = max(bisect.bisect_right(pieces, (start, float("inf"))) - 1, 0)
+    end = start + length
+    covered = start
+    for tensor_offset, plen, rank, shard, shard_offset in pieces[i:]:
+        if tensor_offset >= end:
+            break
+        lo, hi = max(start, tensor_offset), min(end, tensor_offset + plen)
+        if lo >= hi:
+            continue
+        if lo != covered:
+            raise ValueError(f"checkpoint does not hold elements [{covered}, {lo}) of parameter {name!r}")
+        yield lo, hi, rank, shard, shard_offset + (lo - tensor_offset)
+        covered = hi
+    if covered != end:
+        raise ValueError(f"checkpoint does not hold elements [{covered}, {end}) of parameter {name!r}")

@@ -1,0 +1,202 @@
+"""DeepSpeed JSON configs read into a :class:`~zerocore.config.ZeroConfig` and written back from one.
+
+:meth:`ZeroConfig.from_deepspeed` reads a DeepSpeed config (a JSON file or a dict) and sorts its keys into three
+classes: keys zerocore supports (parsed), real DeepSpeed keys zerocore does not support yet (an error, or with
+``strict=False`` one warning listing them all, and then ignored), and unknown keys (always an error, with a "did
+you mean" suggestion). ``"auto"`` values are filled in or named by _hf_auto.py (Note [Hugging Face "auto"
+values]); the deprecated ``cpu_offload*`` flags are read by _offload_config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ._config_values import as_bool, as_choice, fail
+from ._hf_auto import fill_auto
+from ._offload_config import LEGACY_OFFLOAD, AioConfig, OffloadOptimizerConfig, OffloadParamConfig, offload_configs
+from ._scheduler_config import SchedulerConfig
+from .config import OPTIMIZER_TYPES, FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
+
+# weight_decay when a DeepSpeed JSON leaves it out, per optimizer type.
+_DEFAULT_WEIGHT_DECAY = {"Adam": 0.0, "AdamW": 0.0}  # DeepSpeed builds FusedAdam, whose default is 0.0
+# Per section (key path, "" = top level): supported keys, aliases DeepSpeed also accepts, keys accepted and
+# ignored, and real DeepSpeed keys that zerocore does not support yet.
+_ZEROCORE_ONLY = frozenset({"zero_quantization_group_size", "zero_node_size"})  # zero_optimization keys
+_Z3 = ("max_reuse_distance model_persistence_threshold gather_16bit_weights_on_model_save "
+       "module_granularity_threshold use_all_reduce_for_fetch_params allgather_sequential").split()
+_SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozenset[str]]] = {
+    "": (frozenset(f.name for f in dataclasses.fields(ZeroConfig)) - {"auto_batch_sizes"}, {"bfloat16": "bf16"},
+         frozenset({"wall_clock_breakdown"}), frozenset((
+             "activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger amp "
+             "zero_allow_untested_optimizer zero_force_ds_cpu_optimizer elasticity autotuning prescale_gradients "
+             "gradient_predivide_factor sparse_gradients sparse_attention pipeline data_efficiency "
+             "curriculum_learning compression_training checkpoint nebula data_types memory_breakdown "
+             "dump_state disable_allgather torch_autocast compile hybrid_engine eigenvalue progressive_layer_drop "
+             "quantize_training weight_quantization seq_parallel_communication_data_type dataloader_drop_last "
+             "tensor_parallel").split())),
+    "optimizer": (frozenset({"type", "params"}), {}, frozenset(), frozenset({"legacy_fusion"})),
+    "optimizer.params": (frozenset({"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}), {},
+                         frozenset(), frozenset({"torch_adam", "amsgrad"})),
+    "fp16": (frozenset(f.name for f in dataclasses.fields(FP16Config)), {}, frozenset(),
+             frozenset({"fp16_master_weights_and_grads"})),
+    "bf16": (frozenset({"enabled"}), {}, frozenset(), frozenset({"immediate_grad_update"})),
+    "scheduler": (frozenset({"type", "params"}), {}, frozenset(), frozenset()),
+    "zero_optimization": (
+        frozenset(f.name for f in dataclasses.fields(ZeroOptimizationConfig)) | frozenset(LEGACY_OFFLOAD),
+        {name: "stage3_" + name for name in ("prefetch_bucket_size", "max_live_parameters",
+                                             "param_persistence_threshold")},
+        frozenset(),
+        frozenset((
+            "load_from_fp32_weights elastic_checkpoint allgather_partitions use_multi_rank_bucket_allreduce "
+            "ignore_unused_parameters legacy_stage1 round_robin_gradients zeropp_loco_param "
+            "mics_shard_size mics_hierarchical_params_gather memory_efficient_linear pipeline_loading_checkpoint "
+            "override_module_apply log_trace_cache_warnings stage3_gather_fp16_weights_on_model_save zenflow "
+            "leaf_module").split() + _Z3 + ["stage3_" + name for name in _Z3])),
+    "zero_optimization.offload_optimizer": (
+        frozenset(f.name for f in dataclasses.fields(OffloadOptimizerConfig)), {}, frozenset(),
+        frozenset({"pipeline_read", "pipeline_write", "super_offload", "cpuadam_cores_perc"})),
+    "zero_optimization.offload_param": (
+        frozenset(f.name for f in dataclasses.fields(OffloadParamConfig)), {}, frozenset(), frozenset()),
+    "aio": (frozenset(f.name for f in dataclasses.fields(AioConfig)) | {"use_gds"},
+            {"intra_op_parallelism": "thread_count"}, frozenset(), frozenset()),
+}
+_HINTS = {"optimizer.params.max_grad_norm": "DeepSpeed clips with the top-level gradient_clipping"}
+
+
+def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
+    """Returns the supported keys of one section (aliases resolved); records unsupported key paths."""
+    supported, aliases, ignored, not_yet = _SCHEMA[path]
+    prefix = path + "." if path else ""
+    if not isinstance(mapping, Mapping):
+        fail(path or "config", f"expected a JSON object (a mapping), got {mapping!r}")
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if not isinstance(key, str):
+            fail(path or "config", f"keys must be strings, got {key!r}")
+        name = aliases.get(key, key)
+        if name in supported:
+            if name in out:
+                fail(prefix + name, "given twice, under its name and under an alias DeepSpeed also accepts")
+            out[name] = value
+        elif key in not_yet:
+            unsupported.append(prefix + key)
+        elif key not in ignored:
+            known = sorted(supported | set(aliases) | ignored | not_yet)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = f" ({_HINTS[prefix + key]})" if prefix + key in _HINTS else hint
+            fail(prefix + key, f"unknown key{hint}; accepted keys here: {', '.join(sorted(supported | ignored))}")
+    return out
+
+
+def _load_json(path: str | os.PathLike[str]) -> Any:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(f"{os.fspath(path)}: key {key!r} appears twice in one object")
+            out[key] = value
+        return out
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f, object_pairs_hook=no_duplicates)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{os.fspath(path)}: not valid JSON: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{os.fspath(path)}: not a JSON text file (not valid UTF-8 at byte {e.start}); pass the "
+                             "path of a DeepSpeed JSON config") from e
+
+
+def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mapping[str, Any], *, strict: bool,
+                   hidden_size: int | None) -> tuple[ZeroConfig, list[str]]:
+    """See :meth:`ZeroConfig.from_deepspeed`; also returns the unsupported keys that were ignored
+    (``strict=False``), for the caller's warning."""
+    if isinstance(source, (str, os.PathLike)):
+        data = _load_json(source)
+    elif isinstance(source, Mapping):
+        data = source
+    else:
+        raise TypeError(f"source must be a path or a mapping, got {type(source).__name__}")
+    unsupported: list[str] = []
+    top = _section(data, "", unsupported)
+    optimizer = _section(top.get("optimizer", {}), "optimizer", unsupported)
+    params = _section(optimizer.get("params", {}), "optimizer.params", unsupported)
+    fp16 = _section(top.get("fp16", {}), "fp16", unsupported)
+    bf16 = _section(top.get("bf16", {}), "bf16", unsupported)
+    zero = _section(top.get("zero_optimization", {}), "zero_optimization", unsupported)
+    offload = {name: _section(zero[name], f"zero_optimization.{name}", unsupported)
+               for name in ("offload_optimizer", "offload_param")
+               if zero.get(name) is not None and zero.get(name) is not False}  # null / false: no offload
+    aio = {} if top.get("aio") is None else _section(top["aio"], "aio", unsupported)
+    scheduler = top.get("scheduler")
+    if scheduler is not None:
+        scheduler = _section(scheduler, "scheduler", unsupported)
+        if "type" not in scheduler:
+            fail("scheduler.type", "missing; a scheduler section needs a type (such as \"WarmupLR\")")
+        scheduler_params = scheduler.get("params", {})
+        if not isinstance(scheduler_params, Mapping):
+            fail("scheduler.params", f"expected a JSON object (a mapping), got {scheduler_params!r}")
+        scheduler["params"] = dict(scheduler_params)  # a copy: "auto" values are filled in below
+    if unsupported and strict:
+        raise ValueError(f"DeepSpeed keys not supported yet by zerocore: {', '.join(unsupported)}; remove them, "
+                         "or pass strict=False to ignore them with a warning")
+    plain = {k: v for k, v in top.items()
+             if k not in ("optimizer", "fp16", "bf16", "zero_optimization", "scheduler", "aio")}
+    fill_auto(plain=plain, optimizer=optimizer, params=params, fp16=fp16, bf16=bf16, zero=zero,
+              scheduler=scheduler, hidden_size=hidden_size)
+
+    opt_type = as_choice(optimizer.get("type", "AdamW"), "optimizer.type", OPTIMIZER_TYPES)
+    opt_kwargs = {("adamw_mode" if k == "adam_w_mode" else k): v for k, v in params.items()}
+    opt_kwargs.setdefault("weight_decay", _DEFAULT_WEIGHT_DECAY[opt_type])
+    if opt_type == "AdamW" and "adamw_mode" in opt_kwargs:  # DeepSpeed: type AdamW forces adam_w_mode on
+        as_bool(opt_kwargs.pop("adamw_mode"), "optimizer.params.adam_w_mode")
+    if ("gradient_accumulation_steps" not in plain and plain.get("train_batch_size") is not None
+            and plain.get("train_micro_batch_size_per_gpu") is not None):
+        plain["derive_accumulation_steps"] = True  # DeepSpeed derives it once the world size is known
+    schedule = None if scheduler is None else SchedulerConfig(scheduler["type"], scheduler["params"])
+    zero.update(offload_configs(zero, offload))
+    if as_bool(aio.pop("use_gds", False), "aio.use_gds"):
+        fail("aio.use_gds", "GPUDirect Storage is not supported: zerocore's NVMe I/O goes through (pinned) CPU "
+             "memory; set it to false or remove it")
+    config = cls(optimizer=OptimizerConfig(type=opt_type, **opt_kwargs), bf16=bf16.get("enabled", False),
+                 fp16=FP16Config(**fp16), zero_optimization=ZeroOptimizationConfig(**zero), scheduler=schedule,
+                 aio=AioConfig(**aio), **plain)
+    return config, unsupported
+
+
+def to_deepspeed(config: ZeroConfig) -> dict[str, Any]:
+    """See :meth:`ZeroConfig.to_deepspeed`."""
+    o, a = config.optimizer, config.aio
+    zero = {k: v for k, v in dataclasses.asdict(config.zero_optimization).items()
+            if v is not None and k not in _ZEROCORE_ONLY}  # DeepSpeed refuses keys it does not know
+    for name in ("offload_optimizer", "offload_param"):
+        zero[name] = {k: v for k, v in zero[name].items() if v is not None}  # nvme_path unset: left out
+    out: dict[str, Any] = {
+        "optimizer": {"type": o.type, "params": {
+            "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+            "adam_w_mode": o.adamw_mode, "bias_correction": o.bias_correction}},
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "gradient_clipping": config.gradient_clipping,
+        "bf16": {"enabled": config.bf16},
+        "fp16": dataclasses.asdict(config.fp16),
+        "zero_optimization": zero,
+        "steps_per_print": config.steps_per_print,
+        "aio": {"block_size": a.block_size, "queue_depth": a.queue_depth, "intra_op_parallelism": a.thread_count,
+                "single_submit": a.single_submit, "overlap_events": a.overlap_events},
+    }
+    for name in ("communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu"):
+        if getattr(config, name) is not None:
+            out[name] = getattr(config, name)
+    if config.derive_accumulation_steps:
+        del out["gradient_accumulation_steps"]  # left for DeepSpeed's rule, as in the source config
+    for name in config.auto_batch_sizes:
+        out[name] = "auto"  # still to be derived (by for_world_size), as in the source config
+    if config.scheduler is not None:
+        out["scheduler"] = {"type": config.scheduler.type, "params": config.scheduler.params_dict}
+    return out
