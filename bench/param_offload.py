@@ -27,8 +27,15 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import current_rss_mib, format_table, median, print_header, run_header, run_ranks  # noqa: E402
-from _peers import batch, build_model, loss_of, zerocore_config  # noqa: E402
+from _common import (
+    current_rss_mib,
+    format_table,
+    median,
+    print_header,
+    run_header,
+    run_ranks,
+)
+from _peers import batch, build_model, loss_of, zerocore_config
 
 SYSTEMS = ("params_in_memory", "params_on_nvme")
 
@@ -54,7 +61,6 @@ def _config(system: str, cfg: dict[str, Any], root: str) -> dict[str, Any]:
 
 def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any], root: str) -> dict[str, Any]:
     import torch.distributed as dist
-
     import zerocore
 
     engine = zerocore.initialize(build_model(cfg), _config(system, cfg, root))

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-
 import zerocore
 from _dist import run_ranks
 from _models import batch, build, loss_fn

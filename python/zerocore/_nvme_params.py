@@ -36,29 +36,21 @@ Writes and reads outside these two (checkpoint loads, ``zerocore.gathered`` writ
 from __future__ import annotations
 
 import os
-import uuid
-import weakref
 from typing import Any
 
 import torch
 
-from ._nvme_state import _open_nameless, _release
+from ._nvme_state import NamelessFile
 from ._safetensors_io import ALIGN, aligned_empty
 
 _KEY = "zero_optimization.offload_param.nvme_path"
 
 
-class ParamShardFile:
+class ParamShardFile(NamelessFile):
     """One rank's file of offloaded parameter shards, and the budget of elements kept in memory."""
 
     def __init__(self, io: Any, directory: str, rank: int, max_in_cpu: int) -> None:
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"{_KEY}: {directory} does not exist or is not a directory")
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise PermissionError(f"{_KEY}: {directory} is not writable by this process")
-        self.io = io
-        # the name the file was created at, for messages: it is unlinked before this returns
-        self.path = os.path.join(directory, f"zerocore-params-rank{rank}-{uuid.uuid4().hex[:12]}.swp")
+        super().__init__(io, directory, _KEY, f"zerocore-params-rank{rank}")
         self.in_memory_budget = max_in_cpu
         self.kept_in_memory = 0  # elements of shards kept in memory (the first max_in_cpu, in unit order)
         self.size = 0
@@ -72,9 +64,6 @@ class ParamShardFile:
         # other ranks go on through initialize's collectives, then every rank raises (Engine._agree_on_files).
         self.failure: OSError | None = None
         self.step_failure: str | None = None  # an I/O error of the step's loads and write-backs
-        self.fd, handle = _open_nameless(io, self.path)
-        self.handle: int | None = handle
-        self._release = weakref.finalize(self, _release, io, handle, self.fd)
 
     def place(self, numel: int, dtype: torch.dtype) -> int | None:
         """Where a shard of ``numel`` ``dtype`` elements lives: None to keep it in memory (within
@@ -160,17 +149,6 @@ class ParamShardFile:
         except OSError as error:
             raise OSError(error.errno, f"offload_param: {doing} {nbytes} bytes of parameter shards at offset "
                                        f"{offset} of {self.path} failed: {error}", self.path) from None
-
-    def close(self) -> None:
-        """Closes the file's descriptors: the kernel frees its blocks (it has no name left)."""
-        if self.handle is not None:
-            try:
-                self.io.wait_all()
-            except OSError:
-                pass
-        self.handle = None
-        self._release()
-
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN

@@ -90,18 +90,40 @@ def pipeline_buffers(sub_groups: Sequence[SubGroup]) -> tuple[int, int]:
     return 3 if len(sub_groups) > 1 else 1, max((g.nbytes for g in sub_groups), default=0)
 
 
-class NvmeStateStore:
-    """One rank's optimizer state file and the pipelined walk over its sub-groups."""
+class NamelessFile:
+    """A file created under ``directory`` (checked first: errors name ``key``), opened for the store (``fd``)
+    and the I/O engine (``handle``), and unlinked at once (see the Note above): ``close()``, the store being
+    collected or the process dying give its blocks back."""
 
-    def __init__(self, io: Any, directory: str, rank: int, sub_group_size: int) -> None:
-        key = "zero_optimization.offload_optimizer.nvme_path"
+    def __init__(self, io: Any, directory: str, key: str, prefix: str) -> None:
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"{key}: {directory} does not exist or is not a directory")
         if not os.access(directory, os.W_OK | os.X_OK):
             raise PermissionError(f"{key}: {directory} is not writable by this process")
         self.io = io
         # the name the file was created at, for messages: it is unlinked before this returns
-        self.path = os.path.join(directory, f"zerocore-optimizer-rank{rank}-{uuid.uuid4().hex[:12]}.swp")
+        self.path = os.path.join(directory, f"{prefix}-{uuid.uuid4().hex[:12]}.swp")
+        self.fd, handle = _open_nameless(io, self.path)
+        self.handle: int | None = handle
+        self._release = weakref.finalize(self, _release, io, handle, self.fd)  # also if never closed
+
+    def close(self) -> None:
+        """Closes the file's descriptors: the kernel frees its blocks (it has no name left)."""
+        if self.handle is not None:
+            try:
+                self.io.wait_all()
+            except OSError:
+                pass
+        self.handle = None
+        self._release()
+
+
+class NvmeStateStore(NamelessFile):
+    """One rank's optimizer state file and the pipelined walk over its sub-groups."""
+
+    def __init__(self, io: Any, directory: str, rank: int, sub_group_size: int) -> None:
+        super().__init__(io, directory, "zero_optimization.offload_optimizer.nvme_path",
+                         f"zerocore-optimizer-rank{rank}")
         self.sub_group_size = sub_group_size
         self.sub_groups: list[SubGroup] = []
         self.size = 0
@@ -110,11 +132,6 @@ class NvmeStateStore:
         self.bytes_read = 0
         self.bytes_written = 0
         self.buffers: list[torch.Tensor] = []
-        # The store's own descriptor (allocation, size checks; /proc/self/fd/<fd> reopens the file) and the
-        # I/O engine's handle, both opened before the name goes: see Note [NVMe optimizer state].
-        self.fd, handle = _open_nameless(io, self.path)
-        self.handle: int | None = handle
-        self._release = weakref.finalize(self, _release, io, handle, self.fd)  # also if never closed
 
     def add_shard(self, numel: int, separate_master: bool, master: torch.Tensor | None) -> int:
         """Appends a shard's sub-groups to the file (allocated now: a full disk fails here, naming the file)
@@ -253,16 +270,6 @@ class NvmeStateStore:
     def raise_failure(self) -> None:
         if self.failure is not None:
             raise OSError(self.failure)
-
-    def close(self) -> None:
-        """Closes the file's descriptors: the kernel frees its blocks (it has no name left)."""
-        if self.handle is not None:
-            try:
-                self.io.wait_all()
-            except OSError:
-                pass
-        self.handle = None
-        self._release()
 
 
 def _open_nameless(io: Any, path: str) -> tuple[int, int]:
