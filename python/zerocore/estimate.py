@@ -446,6 +446,8 @@ def _table(result: dict[str, Any], params: int) -> str:
                  f"(device {_gib(result['device_bytes'])}, host {_gib(result['host_bytes'])})")
     if result["optimizer_placement"] == "nvme":
         lines.append(f"  {'nvme file':<32}{_gib(result['nvme_file_bytes']):>18}    nvme")
+    if result["nvme_param_file_bytes"]:
+        lines.append(f"  {'nvme parameter file':<32}{_gib(result['nvme_param_file_bytes']):>18}    nvme")
     ranks = result.get("per_rank")
     if ranks and len({r["total_bytes"] for r in ranks}) == 1:
         lines.append(f"every one of the {len(ranks)} ranks holds the same bytes")
