@@ -56,8 +56,10 @@ def _train(engine: zerocore.Engine, rank: int, first: int, steps: int) -> list[f
 
 
 def train_worker(rank: int, world: int, dtype: str, path: str | None, optimizer: str | None,
-                 max_in_cpu: int) -> dict:
-    engine = zerocore.initialize(build("transformer"), _config(dtype, path, optimizer, max_in_cpu))
+                 max_in_cpu: int, zeropp: dict | None = None) -> dict:
+    config = _config(dtype, path, optimizer, max_in_cpu)
+    config["zero_optimization"].update(zeropp or {})
+    engine = zerocore.initialize(build("transformer"), config)
     at_init = engine.memory_report()
     losses = _train(engine, rank, 0, 3)
     # a write inside gathered(modifier_rank=0) reaches the shards, in the file too
@@ -96,6 +98,17 @@ def test_parameter_shards_on_nvme_train_bitwise_like_in_memory(dtype, world, opt
         assert got["nvme"]["param_reads_ahead_used"] > 0
         assert got["buffers"] >= max(got["shards"])
         assert got["files_left"] == [], "close() leaves no parameter file behind"
+
+
+def test_parameter_shards_on_nvme_under_zeropp_train_bitwise_like_in_memory(tmp_path):
+    """qwZ gathers read the file like any gather; hpZ's backward gathers come from the kept slices and read
+    nothing (2 nodes of 2 ranks)."""
+    zeropp = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_node_size": 2}
+    expected = run_ranks(train_worker, 4, "bf16", None, None, 0, zeropp, timeout=240)
+    actual = run_ranks(train_worker, 4, "bf16", str(tmp_path), None, 0, zeropp, timeout=240)
+    for rank, (got, want) in enumerate(zip(actual, expected)):
+        assert got["losses"] == want["losses"] and got["params"] == want["params"], rank
+        assert got["param_bytes"] == 0 and got["files_left"] == []
 
 
 def test_max_in_cpu_keeps_the_first_shards_in_memory(tmp_path):
