@@ -59,8 +59,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ._buckets import BucketSizes
-from ._construction import (broadcast_module_state, build_reducer, cast_untracked_tensors, build_comms,
-                            default_process_group, sync_buffers)
+from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating, cast_untracked_tensors,
+                            default_process_group, optimizer_state_for, param_file_for_config, sync_buffers,
+                            whole_model_buffer)
 from ._divergence import RanksDivergedError
 from ._full_state import full_state_dict, gather_for_user, release_for_user
 from ._gathered import engine_for, unregister
@@ -70,8 +71,6 @@ from ._loss_scaler import LossScaler
 from ._model_checks import (check_group_hyperparameters, check_same_model_on_all_ranks, check_trainable_dtypes,
                             collect_trainable, model_device)
 from ._native import _C
-from ._nvme_params import check_param_offload, param_file_for
-from ._optimizer_state import NvmePlacement, OptimizerState
 from ._policy import StagePolicy
 from ._sharded_buffer import ShardedBuffer
 from ._stage3 import Stage3Runtime
@@ -176,8 +175,8 @@ class Engine:
             broadcast_module_state(self.comm, model)
         groups = collect_trainable(model, param_groups, config.optimizer)
         self.compute_dtype = config.compute_dtype
-        self.optimizer_state = _optimizer_state_for(config, self.device, self.rank)
-        self.param_file = _param_file_for(config, self.device, self.rank)  # offload_param: nvme, else None
+        self.optimizer_state = optimizer_state_for(config, self.device, self.rank)
+        self.param_file = param_file_for_config(config, self.device, self.rank)  # offload_param: nvme, else None
         self.stage3: Stage3Runtime | None = None
         group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
         if policy.params_sharded:
@@ -186,7 +185,7 @@ class Engine:
             self.buffers = [unit.buffer for unit in self.stage3.units]
             cast_untracked_tensors(model, self.compute_dtype)
         else:
-            self.buffers = [self._whole_model_buffer([p for g in groups for p in g["params"]], group_of)]
+            self.buffers = [whole_model_buffer(self, [p for g in groups for p in g["params"]], group_of)]
         self.optimizer_state.build()
         if self.optimizer_state.nvme is not None or self.param_file is not None:
             self._agree_on_state_files()
@@ -225,16 +224,6 @@ class Engine:
         return ShardedBuffer(label, params, names, groups, bucket_cap=bucket_cap, world=self.world_size,
                              rank=self.rank, policy=self.policy, dtype=self.compute_dtype, device=self.device,
                              optimizer_state=self.optimizer_state, param_file=self.param_file)
-
-    def _whole_model_buffer(self, params: list[nn.Parameter], group_of: dict[int, int]) -> ShardedBuffer:
-        """Stages 1-2: the whole model is one unit, in buckets of the reduce bucket size."""
-        names = {id(p): name for name, p in self.module.named_parameters()}
-        buffer = self.new_buffer("model", params, [names[id(p)] for p in params], [group_of[id(p)] for p in params],
-                                 self.buckets.reduce)
-        buffer.build_from([p.detach() for p in params])
-        if self.compute_dtype != torch.float32:
-            self.module.to(self.compute_dtype)  # the rest (frozen params, buffers); trainable ones are already cast
-        return buffer
 
     def _register_hooks(self) -> None:
         engine_ref = weakref.ref(self)
@@ -275,7 +264,7 @@ class Engine:
         life = self.lifecycle
         life.require("forward()", *_USABLE)
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            args = _cast_floating(args, torch.float16)
+            args = cast_floating(args, torch.float16)
         training = torch.is_grad_enabled()
         if self.broadcast_buffers and training:
             sync_buffers(self.comm, self.module, self.world_size)
@@ -749,43 +738,3 @@ class Engine:
         if self.stage3 is not None:
             self.stage3.forget_partition_slices()
 
-
-def _optimizer_state_for(config: ZeroConfig, device: torch.device, rank: int) -> OptimizerState:
-    """Where the optimizer state lives: with the parameters, on the host (``offload_optimizer: cpu``), or in
-    a file per rank (``offload_optimizer: nvme``, Note [NVMe optimizer state])."""
-    offload = config.zero_optimization.offload_optimizer
-    if offload.device == "nvme":
-        aio = config.aio
-        settings = {"block_size": aio.block_size, "queue_depth": aio.queue_depth, "thread_count": aio.thread_count,
-                    "single_submit": aio.single_submit, "overlap_events": aio.overlap_events}
-        nvme = NvmePlacement(offload.nvme_path, rank, config.zero_optimization.sub_group_size, settings)
-        return OptimizerState(torch.device("cpu"), nvme)
-    if offload.device == "cpu":
-        return OptimizerState(torch.device("cpu"), pin_memory=offload.pin_memory)
-    return OptimizerState(device)
-
-
-def _param_file_for(config: ZeroConfig, device: torch.device, rank: int) -> Any:
-    """``offload_param``: nvme gives this rank a parameter file (Note [NVMe parameter shards]); cpu is where
-    the parameters are already on a CPU-only machine."""
-    offload = config.zero_optimization.offload_param
-    check_param_offload(offload, device)
-    if offload.device != "nvme":
-        return None
-    aio = config.aio
-    return param_file_for(offload, {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
-                                    "thread_count": aio.thread_count, "single_submit": aio.single_submit,
-                                    "overlap_events": aio.overlap_events}, rank)
-
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """DeepSpeed's auto_cast rule: floating tensors, recursively through lists, tuples and dicts."""
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_cast_floating(v, dtype) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
-    return value
