@@ -18,18 +18,6 @@ kernel on every shard (writing the compute-dtype params in the same pass) and, i
 each bucket's params; ``step()`` returns once they landed, so any read after it (``model.state_dict()``,
 ``model(x)``, a parameter) sees whole, updated parameters.
 
-Note [Writes to parameters]
----------------------------
-A user may write to parameters in place between steps (``model.load_state_dict``, ``nn.init.*``,
-``fill_``) wherever the parameters hold their full values (stages 1-2 always; stage 3 units kept
-gathered). Such a write moves the parameter's autograd version counter, which the engine's own writes
-(through the flat buffer and its views) never touch; at the next step every buffer whose parameters moved
-takes the written values into its shard and fp32 master (``ShardedBuffer.absorb_param_writes``) before the
-update, so the write is trained from instead of reverted. Whether any rank absorbed a write travels with the
-norm all-reduce: a write made on some ranks only (``if rank == 0: model.load_state_dict(...)``) would leave
-the ranks' shards inconsistent, so it raises on every rank, naming ``zerocore.gathered(..., modifier_rank=)``.
-A sharded stage-3 parameter cannot be written (Note [Sharded placeholders]).
-
 Note [Backward outcome]
 -----------------------
 In stages 1-2 every backward outside ``no_sync()`` ends with one tiny all-reduce of which ranks raised in
@@ -44,12 +32,9 @@ its unit tags instead (Note [Divergence tags]).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import math
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -59,9 +44,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ._buckets import BucketSizes
-from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating, cast_untracked_tensors,
-                            default_process_group, optimizer_state_for, param_file_for_config, sync_buffers,
-                            whole_model_buffer)
+from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
+                            cast_untracked_tensors, default_process_group, optimizer_state_for,
+                            param_file_for_config, sync_buffers, whole_model_buffer)
 from ._divergence import RanksDivergedError
 from ._full_state import full_state_dict, gather_for_user, release_for_user
 from ._gathered import engine_for, unregister
@@ -74,6 +59,7 @@ from ._native import _C
 from ._policy import StagePolicy
 from ._sharded_buffer import ShardedBuffer
 from ._stage3 import Stage3Runtime
+from ._step import agree_on_state_files, boundary_update
 from ._units import resolve_units
 from .config import ZeroConfig, hidden_size_of
 from .lr_schedules import build_lr_scheduler
@@ -188,7 +174,7 @@ class Engine:
             self.buffers = [whole_model_buffer(self, [p for g in groups for p in g["params"]], group_of)]
         self.optimizer_state.build()
         if self.optimizer_state.nvme is not None or self.param_file is not None:
-            self._agree_on_state_files()
+            agree_on_state_files(self)
         self.optimizer = ZeroOptimizer(self, groups)
         self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer)  # None without a scheduler
         register_managed(self, [p for group in groups for p in group["params"]])
@@ -448,115 +434,11 @@ class Engine:
         One all-reduce of the gradients' sum of squares gives the global norm and, being inf or NaN when
         any gradient is, the fp16 overflow verdict (with stage 3's deferred divergence verdict beside it):
         one collective and one host sync per step."""
-        fp16 = self.config.fp16.enabled
-        # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
-        grad_scale = 1.0 / self.loss_scaler.scale if fp16 else 1.0
-        written = self.absorb_param_writes()
-        sum_of_squares = self.optimizer_state.grad_sum_of_squares()
-        store = self.optimizer_state.store
-        unusable = store.check_whole() if store is not None else None  # NVMe: checked before anything changes
-        verdicts = torch.tensor([0.0, float(bool(written)), float(unusable is not None)], dtype=torch.float64,
-                                device=sum_of_squares.device)
-        verdicts[0] = sum_of_squares
-        if self.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
-            verdicts = torch.cat([verdicts, self.stage3.divergence.verdict().reshape(1).double()])
-        self.comm.all_reduce(verdicts, False).wait()
-        values = verdicts.tolist()
-        self.host_syncs += 1
-        if self.stage3 is not None:
-            self.stage3.divergence.end_step(values[3] > 0, self.stage3.step)
-        if values[2] > 0:
-            raise OSError(f"offload_optimizer: the step was refused on every rank, nothing changed: "
-                          f"{unusable or f'{int(values[2])} other rank(s) cannot read their optimizer state file'}")
-        if 0 < values[1] < self.world_size:
-            raise RuntimeError(
-                f"parameters were written in place (load_state_dict, nn.init, fill_, ...) on {int(values[1])} of "
-                f"{self.world_size} ranks only (this rank: {'yes' if written else 'no'}): their shards now disagree. "
-                "Write on every rank, or write on one inside `with zerocore.gathered(params, modifier_rank=r):`, "
-                "which sends rank r's values to every rank; then reload the model's state on every rank.")
-        total = values[0]
-        overflow = (fp16 or self.config.reduce_dtype == torch.float16) and not math.isfinite(total)
-        if fp16:
-            self.loss_scaler.update(overflow)
-        if overflow:
-            self.skipped_steps += 1
-            self._last_grad_norm = float("inf")
-            if not fp16:  # no loss scale to lower: say why the update was skipped
-                warnings.warn(
-                    f"step {self.global_steps + self.skipped_steps}: gradients overflowed in the fp16 reduction "
-                    "(communication_data_type: fp16, max 65504), so the update was skipped; with bf16 or fp32 "
-                    "compute set communication_data_type to bf16 or fp32", RuntimeWarning, stacklevel=3)
-        else:
-            norm = math.sqrt(total) * grad_scale
-            self._last_grad_norm = norm
-            clip = self.config.gradient_clipping
-            if clip > 0:
-                grad_scale *= min(1.0, clip / (norm + 1e-6))
-            self._update_and_gather(grad_scale)
-            if store is not None or self.param_file is not None:
-                self._check_offload_io(store)
-        if self.stage3 is not None:
-            self.stage3.end_forward_backward_step()
+        boundary_update(self, self._record_grad_norm)
         self._log_progress()
 
-    def _agree_on_state_files(self) -> None:
-        """Every rank learns whether every rank made its NVMe files (optimizer state, parameter shards); all
-        raise alike if one could not (a path missing on one node, one full disk), instead of the others going
-        on into a collective."""
-        error = self.optimizer_state.init_failure or (self.param_file.failure if self.param_file else None)
-        failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(failed, False).wait()
-        if failed.item() > 0:
-            self.optimizer_state.close()
-            if self.param_file is not None:
-                self.param_file.close()
-            if error is not None:
-                raise error
-            raise OSError(f"zero_optimization: {int(failed.item())} of {self.world_size} ranks could not create "
-                          "their NVMe files under nvme_path (their error names the key and the path); this "
-                          "rank's files are removed")
-
-    def _check_offload_io(self, store: Any) -> None:
-        """After an NVMe step, every rank learns whether any rank's I/O failed (optimizer state or parameter
-        shards; each still issued every collective of the step, Note [NVMe optimizer state]); then all raise
-        alike."""
-        here = (store.failure if store is not None else None) or (
-            self.param_file.step_failure if self.param_file is not None else None)
-        failed = torch.tensor([float(here is not None)], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(failed, False).wait()
-        self.host_syncs += 1
-        if failed.item() > 0:
-            raise OSError(f"offload: the NVMe I/O of the step failed on {int(failed.item())} of "
-                          f"{self.world_size} ranks during step {self.global_steps}, so the parameters are now "
-                          "partly updated; load the last checkpoint to go on. This rank: "
-                          f"{here or 'its I/O succeeded'}")
-
-    def _update_and_gather(self, grad_scale: float) -> None:
-        """The Adam update of every shard; in stages 1-2 each bucket's all-gather starts as soon as its shard
-        is updated (so it travels while the next shard computes), all landed on return (Note [Engine
-        lifecycle]), with at most ``allgather_bucket_size`` elements in flight when it is set. Stage 3
-        gathers each unit when it is next used."""
-        if self.policy.params_sharded:
-            self.optimizer_state.step(self.optimizer.param_groups, grad_scale)
-            return
-        (buffer,) = self.buffers  # stages 1-2: the whole model is one buffer, its shard i is bucket i
-        cap = self.buckets.allgather_in_flight
-        in_flight: collections.deque[tuple[Any, int]] = collections.deque()
-        in_flight_elements = 0
-
-        def gather(bucket: int) -> None:
-            nonlocal in_flight_elements
-            size = buffer.buckets[bucket].padded_size
-            while cap is not None and in_flight and in_flight_elements + size > cap:
-                work, done = in_flight.popleft()
-                work.wait()
-                in_flight_elements -= done
-            in_flight.append((buffer.gather(self.comm, bucket, "all_gather"), size))
-            in_flight_elements += size
-
-        self.optimizer_state.step(self.optimizer.param_groups, grad_scale, after_shard=gather)
-        for work, _ in in_flight:
-            work.wait()
+    def _record_grad_norm(self, norm: float) -> None:
+        self._last_grad_norm = norm
 
     def _log_progress(self) -> None:
         every = self.config.steps_per_print
