@@ -19,6 +19,7 @@ A sharded stage-3 parameter cannot be written (Note [Sharded placeholders]).
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -28,6 +29,8 @@ import torch
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+_log = logging.getLogger("zerocore")
 
 
 def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> None:
@@ -83,6 +86,7 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
             check_offload_io(engine, store)
     if engine.stage3 is not None:
         engine.stage3.end_forward_backward_step()
+    log_progress(engine)
 
 
 def agree_on_state_files(engine: Engine) -> None:
@@ -145,3 +149,12 @@ def update_and_gather(engine: Engine, grad_scale: float) -> None:
     engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale, after_shard=gather)
     for work, _ in in_flight:
         work.wait()
+
+
+def log_progress(engine: Engine) -> None:
+    every = engine.config.steps_per_print
+    done = engine.global_steps + engine.skipped_steps
+    if engine.rank == 0 and done % every == 0 and _log.isEnabledFor(logging.INFO):
+        lrs = [group["lr"] for group in engine.optimizer.param_groups]
+        _log.info("step %d: skipped %d, lr %s, loss scale %g, grad norm %s", done, engine.skipped_steps, lrs,
+                  engine.loss_scaler.scale, engine.get_global_grad_norm())

@@ -17,25 +17,12 @@ norm for clipping, and the fp16 overflow verdict: one collective, one host sync)
 kernel on every shard (writing the compute-dtype params in the same pass) and, in stages 1-2, all-gathers
 each bucket's params; ``step()`` returns once they landed, so any read after it (``model.state_dict()``,
 ``model(x)``, a parameter) sees whole, updated parameters.
-
-Note [Backward outcome]
------------------------
-In stages 1-2 every backward outside ``no_sync()`` ends with one tiny all-reduce of which ranks raised in
-it. A rank whose backward raised still completes the reductions it started (finalize launches the buckets
-it never filled, so the bucket sequences match) and then sends its flag; so when one rank fails and skips
-the batch while its peers succeed, every rank learns it at the same point, all drop the accumulation
-window (micro-step counters stay equal), and the peers raise naming the rank, instead of the next
-collectives mismatching (Gloo aborts the process on that) or the accumulation boundaries drifting apart.
-On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward. Stage 3 has
-its unit tags instead (Note [Divergence tags]).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -43,12 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._backward import GradientRouting, exchange_backward_outcome, exchanges_outcome
 from ._buckets import BucketSizes
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
                             cast_untracked_tensors, default_process_group, optimizer_state_for,
                             param_file_for_config, sync_buffers, whole_model_buffer)
 from ._divergence import RanksDivergedError
-from ._full_state import full_state_dict, gather_for_user, release_for_user
+from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
 from ._gathered import engine_for, unregister
 from ._gathered import register as register_managed
 from ._lifecycle import EngineState, Lifecycle
@@ -66,7 +54,6 @@ from .lr_schedules import build_lr_scheduler
 from .optimizer import ZeroOptimizer
 
 __all__ = ["Engine", "EngineState", "initialize"]
-_log = logging.getLogger("zerocore")
 # States in which the model's parameters may be read or written from outside training.
 _USABLE = (EngineState.IDLE, EngineState.FORWARD, EngineState.AWAITING_STEP, EngineState.NO_SYNC)
 
@@ -108,7 +95,7 @@ def initialize(
             tags]); stages 1-2 issue no per-module collectives, so there is nothing to check.
         strict: a DeepSpeed config's keys that zerocore does not support yet raise if True; if False they are
             ignored with one warning (``ZeroConfig.from_deepspeed``). ``"auto"`` bucket sizes are derived from
-            ``model.config.hidden_size`` (Note [Hugging Face "auto" values] in config.py).
+            ``model.config.hidden_size`` (Note [Hugging Face "auto" values] in _hf_auto.py).
     """
     if not isinstance(config, ZeroConfig):
         config = ZeroConfig.from_deepspeed(config, strict=strict, hidden_size=hidden_size_of(model))
@@ -179,18 +166,15 @@ class Engine:
         self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer)  # None without a scheduler
         register_managed(self, [p for group in groups for p in group["params"]])
         self.loss_scaler = LossScaler(config.fp16)
-        self.reducer, self._param_slots = build_reducer(self)
-        self._grad_accumulators: list[Any] = []
-        self._register_hooks()
+        self.reducer, param_slots = build_reducer(self)
+        self.lifecycle = Lifecycle()
+        self._gradients = GradientRouting(self.lifecycle, policy, self.stage3, self.reducer, param_slots)
 
         self.broadcast_buffers = True  # as DDP's default; set False to keep buffers rank-local
-        self.lifecycle = Lifecycle()
         self._comm_reset_at_step = 0
         self.micro_steps = 0
         self.skipped_steps = 0
         self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
-        self._reducing = False
-        self._finalized = True
         self._last_grad_norm: float | None = None
         self.zero_grad()
 
@@ -210,34 +194,6 @@ class Engine:
         return ShardedBuffer(label, params, names, groups, bucket_cap=bucket_cap, world=self.world_size,
                              rank=self.rank, policy=self.policy, dtype=self.compute_dtype, device=self.device,
                              optimizer_state=self.optimizer_state, param_file=self.param_file)
-
-    def _register_hooks(self) -> None:
-        engine_ref = weakref.ref(self)
-        self._hook_handles = []
-
-        def before_accumulation(grad_outputs: Any) -> None:
-            engine = engine_ref()
-            if engine is not None and engine.lifecycle.state is not EngineState.BACKWARD:
-                raise RuntimeError(
-                    "a zerocore-managed parameter got a gradient outside engine.backward(); call "
-                    "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and "
-                    "sharded (nothing was accumulated: the engine's gradients are as they were)")
-
-        for index, (owner, local) in enumerate(self._param_slots):
-            param = owner.params[local]
-            # The parameter's gradient accumulator runs only when a backward accumulates into .grad (not for
-            # torch.autograd.grad); its pre-hook rejects a stray loss.backward() before anything accumulates.
-            with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():  # reads no values of a sharded param
-                accumulator = param.view_as(param).grad_fn.next_functions[0][0]
-            self._hook_handles.append(accumulator.register_prehook(before_accumulation))
-            self._grad_accumulators.append(accumulator)  # keeps the node (and so its hook) alive
-
-            def hook(p: torch.Tensor, index: int = index) -> None:
-                engine = engine_ref()
-                if engine is not None:
-                    engine._on_grad_ready(index, p)
-
-            self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
 
     # ---- forward / backward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -277,10 +233,8 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ValueError("backward() needs a loss tensor that requires grad")
         no_sync = life.state is EngineState.NO_SYNC
-        self._reducing = not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary())
-        self._finalized = not self._reducing and self.stage3 is None
-        if self._reducing:
-            self.reducer.begin_backward(self.policy.grads_sharded)
+        gradients = self._gradients
+        gradients.begin(not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary()))
         if self.stage3 is not None:
             self.stage3.begin_backward()
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
@@ -296,10 +250,10 @@ class Engine:
                            "for the window's first forward again")
             raise
         life.to(EngineState.NO_SYNC if no_sync else EngineState.AWAITING_STEP)
-        if not self._finalized:  # no parameter got a gradient in this backward
-            self._finalize_backward()
-        if self._exchanges_outcome(no_sync):
-            failed = self._exchange_backward_outcome(failed_here=False)
+        if not gradients.finalized:  # no parameter got a gradient in this backward
+            gradients.finalize()
+        if exchanges_outcome(self.policy, no_sync):
+            failed = exchange_backward_outcome(self, failed_here=False)
             if failed:
                 self._abandon_backward(no_sync, failed_here=False)
                 raise RuntimeError(
@@ -308,87 +262,25 @@ class Engine:
                     "window's first forward again. If a rank skips a batch after an error, every rank must skip it "
                     "(catch the error on every rank).")
         life.forward_pending = False
-        life.local_grads = no_sync or (life.local_grads and not self._reducing)
+        life.local_grads = no_sync or (life.local_grads and not gradients.reducing)
 
     def _abandon_backward(self, no_sync: bool, failed_here: bool) -> None:
         """A backward raised part-way (here, or on another rank: Note [Backward outcome]): the reductions it
         started complete (every rank that raised at the same point issued the same ones, in the same order),
         and the accumulation window starts over."""
-        if self._reducing and not self._finalized:
-            self._finalized = True
-            self.reducer.finalize()
-        if failed_here and self._exchanges_outcome(no_sync):
-            self._exchange_backward_outcome(failed_here=True)  # the peers' backward waits for this
+        gradients = self._gradients
+        gradients.land_started_reductions()
+        if failed_here and exchanges_outcome(self.policy, no_sync):
+            exchange_backward_outcome(self, failed_here=True)  # the peers' backward waits for this
         if self.stage3 is not None:
             self.stage3.end_backward()
-        self._finalized = True
+        gradients.finalized = True
         self.zero_grad()
         self.micro_steps -= self.micro_steps % self.config.gradient_accumulation_steps
         life = self.lifecycle
         life.forward_pending = False
         life.local_grads = False
         life.to(EngineState.NO_SYNC if no_sync else EngineState.IDLE)
-
-    def _exchanges_outcome(self, no_sync: bool) -> bool:
-        """Stages 1-2, every backward outside no_sync() (Note [Backward outcome]); stage 3 has its unit tags."""
-        return not no_sync and not self.policy.params_sharded
-
-    def _exchange_backward_outcome(self, failed_here: bool) -> list[int]:
-        """One tiny all-reduce of which ranks raised in this backward (Note [Backward outcome]); returns
-        those ranks."""
-        flags = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
-        if failed_here:
-            flags[self.rank] = 1.0
-        self.comm.all_reduce(flags, False).wait()
-        if self.device.type != "cpu":
-            self.host_syncs += 1
-        return [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
-
-    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        buffer, local = self._param_slots[index]
-        if buffer.grad_buffer is not None:
-            # .grad accumulates in place in the gradient buffer across micro-steps; when autograd made a fresh
-            # tensor (the user set .grad to None), its values move into the buffer first.
-            view = buffer.grad_view(local)
-            if param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
-                param.grad = view
-        if self._reducing:
-            self._reduce(index, param)
-            if self.policy.grads_sharded:
-                param.grad = None  # its values now live in the reduction bucket (Note [Sharded buffer])
-        if self.stage3 is not None:
-            self.stage3.grad_ready(buffer)
-
-    def _reduce(self, index: int, param: torch.Tensor) -> None:
-        """Hands parameter ``index``'s gradient to the reducer; the first one of a backward also queues the
-        end-of-backward finalize."""
-        if self._finalized:
-            raise RuntimeError(f"parameter {index} produced a gradient after the backward was finalized")
-        self.reducer.mark_ready(index, param.grad)
-
-    def _finalize_backward(self) -> None:
-        if self._finalized:
-            return
-        if self._reducing:
-            self._reduce_accumulated_gradients()
-            self.reducer.finalize()
-        if self.stage3 is not None:
-            self.stage3.end_backward()
-        self._finalized = True
-
-    def _reduce_accumulated_gradients(self) -> None:
-        """A parameter that got no gradient in this reducing backward may still hold one accumulated
-        locally (earlier accumulation micro-steps of stage 1, or no_sync() backwards): it is reduced too,
-        as DDP does, instead of counting as zero."""
-        for index in self.reducer.unmarked_params():
-            buffer, local = self._param_slots[index]
-            param = buffer.params[local]
-            grad = buffer.grad_view(local) if buffer.grad_buffer is not None else param.grad
-            if grad is not None:
-                self.reducer.mark_ready(index, grad)
-                if self.policy.grads_sharded:
-                    param.grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -435,18 +327,9 @@ class Engine:
         any gradient is, the fp16 overflow verdict (with stage 3's deferred divergence verdict beside it):
         one collective and one host sync per step."""
         boundary_update(self, self._record_grad_norm)
-        self._log_progress()
 
     def _record_grad_norm(self, norm: float) -> None:
         self._last_grad_norm = norm
-
-    def _log_progress(self) -> None:
-        every = self.config.steps_per_print
-        done = self.global_steps + self.skipped_steps
-        if self.rank == 0 and done % every == 0 and _log.isEnabledFor(logging.INFO):
-            lrs = [group["lr"] for group in self.optimizer.param_groups]
-            _log.info("step %d: skipped %d, lr %s, loss scale %g, grad norm %s", done, self.skipped_steps, lrs,
-                      self.loss_scaler.scale, self._last_grad_norm)
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last update (inf when fp16 overflow skipped it)."""
@@ -488,16 +371,13 @@ class Engine:
         if self.lifecycle.state is EngineState.CLOSED:
             return
         self.lifecycle.require("close()", *_USABLE)
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-        self._grad_accumulators = []
+        self._gradients.remove_hooks()
         if self.stage3 is not None:
             self.stage3.close()
         for buffer in self.buffers:  # stage 1's .grad are views of the engine's gradient buffer
             for param in buffer.params:
                 param.grad = None
-        unregister(self, [owner.params[local] for owner, local in self._param_slots])
+        unregister(self, [owner.params[local] for owner, local in self._gradients.param_slots])
         self.optimizer_state.close()  # an NVMe state file is removed
         if self.param_file is not None:
             self.param_file.close()  # every unit is whole in memory again
@@ -564,19 +444,8 @@ class Engine:
         """Writes the model's whole weights in the compute dtype as one safetensors file on rank 0
         (DeepSpeed's name; Hugging Face's layout: tied parameters once, under their first name, persistent
         buffers included). A collective: stage 3 gathers unit by unit. Returns the file's path."""
-        from ._safetensors_io import write_tensors
-
         self.lifecycle.require("save_16bit_model()", *_USABLE)
-        state = self.full_state_dict(self.compute_dtype)
-        path = os.path.join(os.fspath(save_dir), save_filename)
-        if self.rank == 0:
-            first = {name for name, _ in self.module.named_parameters()}  # a tied parameter's first name
-            tied = {name for name, _ in self.module.named_parameters(remove_duplicate=False)} - first
-            kept = {k: v.contiguous() for k, v in state.items() if k not in tied}
-            os.makedirs(os.fspath(save_dir), exist_ok=True)
-            write_tensors(path, kept)
-        dist.barrier(group=self.process_group)
-        return path
+        return save_16bit_model(self, save_dir, save_filename)
 
     def absorb_param_writes(self) -> list[ShardedBuffer]:
         """Parameters written in place since the last step reach the fp32 master now (Note [Writes to
