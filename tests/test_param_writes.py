@@ -1,5 +1,5 @@
 """Writes to parameters between steps reach the optimizer's fp32 master (issue 9, item 3; Note [Writes to
-parameters] in engine.py): ``load_state_dict``, ``nn.init`` and in-place ops after ``initialize`` are
+parameters] in _step.py): ``load_state_dict``, ``nn.init`` and in-place ops after ``initialize`` are
 trained from, not reverted by the next step; a write on some ranks only raises on every rank."""
 
 from __future__ import annotations

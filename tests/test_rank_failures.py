@@ -1,5 +1,5 @@
 """One rank's failure reaches every rank as a Python exception (issue 9, item 19; Note [Backward outcome] in
-engine.py): a rank that raised in backward and skips the batch no longer makes its peers' next collectives
+_backward.py): a rank that raised in backward and skips the batch no longer makes its peers' next collectives
 mismatch (Gloo aborts the process on that); and frozen parameters pass through zerocore.gathered (item 14)."""
 
 from __future__ import annotations

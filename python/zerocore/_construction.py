@@ -1,5 +1,6 @@
 """What the engine does once when it takes over a model (its process group and collective algorithms, rank
-0's state everywhere, dtypes, the reducer's geometry), and DDP's buffer broadcast before each forward."""
+0's state everywhere, dtypes, where the optimizer state and parameter shards live, stages 1-2's one buffer,
+the reducer's geometry), DDP's buffer broadcast before each forward and auto_cast's input cast."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from torch import nn
 from .config import ZeroConfig
 
 from ._native import _C
+from ._nvme_params import check_param_offload, param_file_for
+from ._optimizer_state import NvmePlacement, OptimizerState
 from ._topology import Topology, build_topology
 from ._transforms import outside_transforms
 
 if TYPE_CHECKING:
+    from ._sharded_buffer import ShardedBuffer
     from .engine import Engine
 
 
@@ -207,3 +211,55 @@ def build_reducer(engine: Engine) -> tuple[Any, list[tuple[Any, int]]]:
         engine.config.reduce_dtype, 1.0 / engine.world_size, engine.config.zero_optimization.overlap_comm, in_place,
     )
     return reducer, slots
+
+
+def whole_model_buffer(engine: Engine, params: list[nn.Parameter], group_of: dict[int, int]) -> ShardedBuffer:
+    """Stages 1-2: the whole model is one unit, in buckets of the reduce bucket size."""
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    buffer = engine.new_buffer("model", params, [names[id(p)] for p in params],
+                               [group_of[id(p)] for p in params], engine.buckets.reduce)
+    buffer.build_from([p.detach() for p in params])
+    if engine.compute_dtype != torch.float32:
+        engine.module.to(engine.compute_dtype)  # the rest (frozen params, buffers); trainable ones are already cast
+    return buffer
+
+
+def optimizer_state_for(config: ZeroConfig, device: torch.device, rank: int) -> OptimizerState:
+    """Where the optimizer state lives: with the parameters, on the host (``offload_optimizer: cpu``), or in
+    a file per rank (``offload_optimizer: nvme``, Note [NVMe optimizer state])."""
+    offload = config.zero_optimization.offload_optimizer
+    if offload.device == "nvme":
+        aio = config.aio
+        settings = {"block_size": aio.block_size, "queue_depth": aio.queue_depth, "thread_count": aio.thread_count,
+                    "single_submit": aio.single_submit, "overlap_events": aio.overlap_events}
+        nvme = NvmePlacement(offload.nvme_path, rank, config.zero_optimization.sub_group_size, settings)
+        return OptimizerState(torch.device("cpu"), nvme)
+    if offload.device == "cpu":
+        return OptimizerState(torch.device("cpu"), pin_memory=offload.pin_memory)
+    return OptimizerState(device)
+
+
+def param_file_for_config(config: ZeroConfig, device: torch.device, rank: int) -> Any:
+    """``offload_param``: nvme gives this rank a parameter file (Note [NVMe parameter shards]); cpu is where
+    the parameters are already on a CPU-only machine."""
+    offload = config.zero_optimization.offload_param
+    check_param_offload(offload, device)
+    if offload.device != "nvme":
+        return None
+    aio = config.aio
+    return param_file_for(offload, {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
+                                    "thread_count": aio.thread_count, "single_submit": aio.single_submit,
+                                    "overlap_events": aio.overlap_events}, rank)
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """DeepSpeed's auto_cast rule: floating tensors, recursively through lists, tuples and dicts."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(cast_floating(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    return value

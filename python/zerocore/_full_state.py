@@ -1,11 +1,13 @@
-"""Whole parameters outside training: the full state dict and ``zerocore.gathered``'s gather and write-back,
-for every stage (stage 3 gathers unit by unit; stages 1-2 hold whole parameters already)."""
+"""Whole parameters outside training: the full state dict, save_16bit_model's file and ``zerocore.gathered``'s
+gather and write-back, for every stage (stage 3 gathers unit by unit; stages 1-2 hold whole parameters already)."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
@@ -89,3 +91,20 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
         buffer.forget_own_values()
         if stage3 is not None and not stage3.unit_of_buffer(buffer).persistent:
             stage3.release(stage3.unit_of_buffer(buffer))
+
+
+def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_filename: str) -> str:
+    """Engine.save_16bit_model: the full state dict in the compute dtype, one safetensors file on rank 0
+    (tied parameters once, under their first name); a collective."""
+    from ._safetensors_io import write_tensors
+
+    state = engine.full_state_dict(engine.compute_dtype)
+    path = os.path.join(os.fspath(save_dir), save_filename)
+    if engine.rank == 0:
+        first = {name for name, _ in engine.module.named_parameters()}  # a tied parameter's first name
+        tied = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)} - first
+        kept = {k: v.contiguous() for k, v in state.items() if k not in tied}
+        os.makedirs(os.fspath(save_dir), exist_ok=True)
+        write_tensors(path, kept)
+    dist.barrier(group=engine.process_group)
+    return path

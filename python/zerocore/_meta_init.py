@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._stage3 import Unit
+from ._stage3_unit import Unit
 
 
 class _AccessLog:

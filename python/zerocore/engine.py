@@ -17,40 +17,12 @@ norm for clipping, and the fp16 overflow verdict: one collective, one host sync)
 kernel on every shard (writing the compute-dtype params in the same pass) and, in stages 1-2, all-gathers
 each bucket's params; ``step()`` returns once they landed, so any read after it (``model.state_dict()``,
 ``model(x)``, a parameter) sees whole, updated parameters.
-
-Note [Writes to parameters]
----------------------------
-A user may write to parameters in place between steps (``model.load_state_dict``, ``nn.init.*``,
-``fill_``) wherever the parameters hold their full values (stages 1-2 always; stage 3 units kept
-gathered). Such a write moves the parameter's autograd version counter, which the engine's own writes
-(through the flat buffer and its views) never touch; at the next step every buffer whose parameters moved
-takes the written values into its shard and fp32 master (``ShardedBuffer.absorb_param_writes``) before the
-update, so the write is trained from instead of reverted. Whether any rank absorbed a write travels with the
-norm all-reduce: a write made on some ranks only (``if rank == 0: model.load_state_dict(...)``) would leave
-the ranks' shards inconsistent, so it raises on every rank, naming ``zerocore.gathered(..., modifier_rank=)``.
-A sharded stage-3 parameter cannot be written (Note [Sharded placeholders]).
-
-Note [Backward outcome]
------------------------
-In stages 1-2 every backward outside ``no_sync()`` ends with one tiny all-reduce of which ranks raised in
-it. A rank whose backward raised still completes the reductions it started (finalize launches the buckets
-it never filled, so the bucket sequences match) and then sends its flag; so when one rank fails and skips
-the batch while its peers succeed, every rank learns it at the same point, all drop the accumulation
-window (micro-step counters stay equal), and the peers raise naming the rank, instead of the next
-collectives mismatching (Gloo aborts the process on that) or the accumulation boundaries drifting apart.
-On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward. Stage 3 has
-its unit tags instead (Note [Divergence tags]).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import logging
-import math
 import os
-import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -58,11 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._backward import GradientRouting, exchange_backward_outcome, exchanges_outcome
 from ._buckets import BucketSizes
-from ._construction import (broadcast_module_state, build_reducer, cast_untracked_tensors, build_comms,
-                            default_process_group, sync_buffers)
+from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
+                            cast_untracked_tensors, default_process_group, optimizer_state_for,
+                            param_file_for_config, sync_buffers, whole_model_buffer)
 from ._divergence import RanksDivergedError
-from ._full_state import full_state_dict, gather_for_user, release_for_user
+from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
 from ._gathered import engine_for, unregister
 from ._gathered import register as register_managed
 from ._lifecycle import EngineState, Lifecycle
@@ -70,18 +44,16 @@ from ._loss_scaler import LossScaler
 from ._model_checks import (check_group_hyperparameters, check_same_model_on_all_ranks, check_trainable_dtypes,
                             collect_trainable, model_device)
 from ._native import _C
-from ._nvme_params import check_param_offload, param_file_for
-from ._optimizer_state import NvmePlacement, OptimizerState
 from ._policy import StagePolicy
 from ._sharded_buffer import ShardedBuffer
 from ._stage3 import Stage3Runtime
+from ._step import agree_on_state_files, boundary_update
 from ._units import resolve_units
 from .config import ZeroConfig, hidden_size_of
 from .lr_schedules import build_lr_scheduler
 from .optimizer import ZeroOptimizer
 
 __all__ = ["Engine", "EngineState", "initialize"]
-_log = logging.getLogger("zerocore")
 # States in which the model's parameters may be read or written from outside training.
 _USABLE = (EngineState.IDLE, EngineState.FORWARD, EngineState.AWAITING_STEP, EngineState.NO_SYNC)
 
@@ -123,7 +95,7 @@ def initialize(
             tags]); stages 1-2 issue no per-module collectives, so there is nothing to check.
         strict: a DeepSpeed config's keys that zerocore does not support yet raise if True; if False they are
             ignored with one warning (``ZeroConfig.from_deepspeed``). ``"auto"`` bucket sizes are derived from
-            ``model.config.hidden_size`` (Note [Hugging Face "auto" values] in config.py).
+            ``model.config.hidden_size`` (Note [Hugging Face "auto" values] in _hf_auto.py).
     """
     if not isinstance(config, ZeroConfig):
         config = ZeroConfig.from_deepspeed(config, strict=strict, hidden_size=hidden_size_of(model))
@@ -176,8 +148,8 @@ class Engine:
             broadcast_module_state(self.comm, model)
         groups = collect_trainable(model, param_groups, config.optimizer)
         self.compute_dtype = config.compute_dtype
-        self.optimizer_state = _optimizer_state_for(config, self.device, self.rank)
-        self.param_file = _param_file_for(config, self.device, self.rank)  # offload_param: nvme, else None
+        self.optimizer_state = optimizer_state_for(config, self.device, self.rank)
+        self.param_file = param_file_for_config(config, self.device, self.rank)  # offload_param: nvme, else None
         self.stage3: Stage3Runtime | None = None
         group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
         if policy.params_sharded:
@@ -186,26 +158,23 @@ class Engine:
             self.buffers = [unit.buffer for unit in self.stage3.units]
             cast_untracked_tensors(model, self.compute_dtype)
         else:
-            self.buffers = [self._whole_model_buffer([p for g in groups for p in g["params"]], group_of)]
+            self.buffers = [whole_model_buffer(self, [p for g in groups for p in g["params"]], group_of)]
         self.optimizer_state.build()
         if self.optimizer_state.nvme is not None or self.param_file is not None:
-            self._agree_on_state_files()
+            agree_on_state_files(self)
         self.optimizer = ZeroOptimizer(self, groups)
         self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer)  # None without a scheduler
         register_managed(self, [p for group in groups for p in group["params"]])
         self.loss_scaler = LossScaler(config.fp16)
-        self.reducer, self._param_slots = build_reducer(self)
-        self._grad_accumulators: list[Any] = []
-        self._register_hooks()
+        self.reducer, param_slots = build_reducer(self)
+        self.lifecycle = Lifecycle()
+        self._gradients = GradientRouting(self.lifecycle, policy, self.stage3, self.reducer, param_slots)
 
         self.broadcast_buffers = True  # as DDP's default; set False to keep buffers rank-local
-        self.lifecycle = Lifecycle()
         self._comm_reset_at_step = 0
         self.micro_steps = 0
         self.skipped_steps = 0
         self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
-        self._reducing = False
-        self._finalized = True
         self._last_grad_norm: float | None = None
         self.zero_grad()
 
@@ -226,44 +195,6 @@ class Engine:
                              rank=self.rank, policy=self.policy, dtype=self.compute_dtype, device=self.device,
                              optimizer_state=self.optimizer_state, param_file=self.param_file)
 
-    def _whole_model_buffer(self, params: list[nn.Parameter], group_of: dict[int, int]) -> ShardedBuffer:
-        """Stages 1-2: the whole model is one unit, in buckets of the reduce bucket size."""
-        names = {id(p): name for name, p in self.module.named_parameters()}
-        buffer = self.new_buffer("model", params, [names[id(p)] for p in params], [group_of[id(p)] for p in params],
-                                 self.buckets.reduce)
-        buffer.build_from([p.detach() for p in params])
-        if self.compute_dtype != torch.float32:
-            self.module.to(self.compute_dtype)  # the rest (frozen params, buffers); trainable ones are already cast
-        return buffer
-
-    def _register_hooks(self) -> None:
-        engine_ref = weakref.ref(self)
-        self._hook_handles = []
-
-        def before_accumulation(grad_outputs: Any) -> None:
-            engine = engine_ref()
-            if engine is not None and engine.lifecycle.state is not EngineState.BACKWARD:
-                raise RuntimeError(
-                    "a zerocore-managed parameter got a gradient outside engine.backward(); call "
-                    "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and "
-                    "sharded (nothing was accumulated: the engine's gradients are as they were)")
-
-        for index, (owner, local) in enumerate(self._param_slots):
-            param = owner.params[local]
-            # The parameter's gradient accumulator runs only when a backward accumulates into .grad (not for
-            # torch.autograd.grad); its pre-hook rejects a stray loss.backward() before anything accumulates.
-            with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():  # reads no values of a sharded param
-                accumulator = param.view_as(param).grad_fn.next_functions[0][0]
-            self._hook_handles.append(accumulator.register_prehook(before_accumulation))
-            self._grad_accumulators.append(accumulator)  # keeps the node (and so its hook) alive
-
-            def hook(p: torch.Tensor, index: int = index) -> None:
-                engine = engine_ref()
-                if engine is not None:
-                    engine._on_grad_ready(index, p)
-
-            self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
-
     # ---- forward / backward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
@@ -275,7 +206,7 @@ class Engine:
         life = self.lifecycle
         life.require("forward()", *_USABLE)
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            args = _cast_floating(args, torch.float16)
+            args = cast_floating(args, torch.float16)
         training = torch.is_grad_enabled()
         if self.broadcast_buffers and training:
             sync_buffers(self.comm, self.module, self.world_size)
@@ -302,10 +233,8 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ValueError("backward() needs a loss tensor that requires grad")
         no_sync = life.state is EngineState.NO_SYNC
-        self._reducing = not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary())
-        self._finalized = not self._reducing and self.stage3 is None
-        if self._reducing:
-            self.reducer.begin_backward(self.policy.grads_sharded)
+        gradients = self._gradients
+        gradients.begin(not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary()))
         if self.stage3 is not None:
             self.stage3.begin_backward()
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
@@ -321,10 +250,10 @@ class Engine:
                            "for the window's first forward again")
             raise
         life.to(EngineState.NO_SYNC if no_sync else EngineState.AWAITING_STEP)
-        if not self._finalized:  # no parameter got a gradient in this backward
-            self._finalize_backward()
-        if self._exchanges_outcome(no_sync):
-            failed = self._exchange_backward_outcome(failed_here=False)
+        if not gradients.finalized:  # no parameter got a gradient in this backward
+            gradients.finalize()
+        if exchanges_outcome(self.policy, no_sync):
+            failed = exchange_backward_outcome(self, failed_here=False)
             if failed:
                 self._abandon_backward(no_sync, failed_here=False)
                 raise RuntimeError(
@@ -333,87 +262,25 @@ class Engine:
                     "window's first forward again. If a rank skips a batch after an error, every rank must skip it "
                     "(catch the error on every rank).")
         life.forward_pending = False
-        life.local_grads = no_sync or (life.local_grads and not self._reducing)
+        life.local_grads = no_sync or (life.local_grads and not gradients.reducing)
 
     def _abandon_backward(self, no_sync: bool, failed_here: bool) -> None:
         """A backward raised part-way (here, or on another rank: Note [Backward outcome]): the reductions it
         started complete (every rank that raised at the same point issued the same ones, in the same order),
         and the accumulation window starts over."""
-        if self._reducing and not self._finalized:
-            self._finalized = True
-            self.reducer.finalize()
-        if failed_here and self._exchanges_outcome(no_sync):
-            self._exchange_backward_outcome(failed_here=True)  # the peers' backward waits for this
+        gradients = self._gradients
+        gradients.land_started_reductions()
+        if failed_here and exchanges_outcome(self.policy, no_sync):
+            exchange_backward_outcome(self, failed_here=True)  # the peers' backward waits for this
         if self.stage3 is not None:
             self.stage3.end_backward()
-        self._finalized = True
+        gradients.finalized = True
         self.zero_grad()
         self.micro_steps -= self.micro_steps % self.config.gradient_accumulation_steps
         life = self.lifecycle
         life.forward_pending = False
         life.local_grads = False
         life.to(EngineState.NO_SYNC if no_sync else EngineState.IDLE)
-
-    def _exchanges_outcome(self, no_sync: bool) -> bool:
-        """Stages 1-2, every backward outside no_sync() (Note [Backward outcome]); stage 3 has its unit tags."""
-        return not no_sync and not self.policy.params_sharded
-
-    def _exchange_backward_outcome(self, failed_here: bool) -> list[int]:
-        """One tiny all-reduce of which ranks raised in this backward (Note [Backward outcome]); returns
-        those ranks."""
-        flags = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
-        if failed_here:
-            flags[self.rank] = 1.0
-        self.comm.all_reduce(flags, False).wait()
-        if self.device.type != "cpu":
-            self.host_syncs += 1
-        return [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
-
-    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        buffer, local = self._param_slots[index]
-        if buffer.grad_buffer is not None:
-            # .grad accumulates in place in the gradient buffer across micro-steps; when autograd made a fresh
-            # tensor (the user set .grad to None), its values move into the buffer first.
-            view = buffer.grad_view(local)
-            if param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
-                param.grad = view
-        if self._reducing:
-            self._reduce(index, param)
-            if self.policy.grads_sharded:
-                param.grad = None  # its values now live in the reduction bucket (Note [Sharded buffer])
-        if self.stage3 is not None:
-            self.stage3.grad_ready(buffer)
-
-    def _reduce(self, index: int, param: torch.Tensor) -> None:
-        """Hands parameter ``index``'s gradient to the reducer; the first one of a backward also queues the
-        end-of-backward finalize."""
-        if self._finalized:
-            raise RuntimeError(f"parameter {index} produced a gradient after the backward was finalized")
-        self.reducer.mark_ready(index, param.grad)
-
-    def _finalize_backward(self) -> None:
-        if self._finalized:
-            return
-        if self._reducing:
-            self._reduce_accumulated_gradients()
-            self.reducer.finalize()
-        if self.stage3 is not None:
-            self.stage3.end_backward()
-        self._finalized = True
-
-    def _reduce_accumulated_gradients(self) -> None:
-        """A parameter that got no gradient in this reducing backward may still hold one accumulated
-        locally (earlier accumulation micro-steps of stage 1, or no_sync() backwards): it is reduced too,
-        as DDP does, instead of counting as zero."""
-        for index in self.reducer.unmarked_params():
-            buffer, local = self._param_slots[index]
-            param = buffer.params[local]
-            grad = buffer.grad_view(local) if buffer.grad_buffer is not None else param.grad
-            if grad is not None:
-                self.reducer.mark_ready(index, grad)
-                if self.policy.grads_sharded:
-                    param.grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -459,123 +326,10 @@ class Engine:
         One all-reduce of the gradients' sum of squares gives the global norm and, being inf or NaN when
         any gradient is, the fp16 overflow verdict (with stage 3's deferred divergence verdict beside it):
         one collective and one host sync per step."""
-        fp16 = self.config.fp16.enabled
-        # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
-        grad_scale = 1.0 / self.loss_scaler.scale if fp16 else 1.0
-        written = self.absorb_param_writes()
-        sum_of_squares = self.optimizer_state.grad_sum_of_squares()
-        store = self.optimizer_state.store
-        unusable = store.check_whole() if store is not None else None  # NVMe: checked before anything changes
-        verdicts = torch.tensor([0.0, float(bool(written)), float(unusable is not None)], dtype=torch.float64,
-                                device=sum_of_squares.device)
-        verdicts[0] = sum_of_squares
-        if self.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
-            verdicts = torch.cat([verdicts, self.stage3.divergence.verdict().reshape(1).double()])
-        self.comm.all_reduce(verdicts, False).wait()
-        values = verdicts.tolist()
-        self.host_syncs += 1
-        if self.stage3 is not None:
-            self.stage3.divergence.end_step(values[3] > 0, self.stage3.step)
-        if values[2] > 0:
-            raise OSError(f"offload_optimizer: the step was refused on every rank, nothing changed: "
-                          f"{unusable or f'{int(values[2])} other rank(s) cannot read their optimizer state file'}")
-        if 0 < values[1] < self.world_size:
-            raise RuntimeError(
-                f"parameters were written in place (load_state_dict, nn.init, fill_, ...) on {int(values[1])} of "
-                f"{self.world_size} ranks only (this rank: {'yes' if written else 'no'}): their shards now disagree. "
-                "Write on every rank, or write on one inside `with zerocore.gathered(params, modifier_rank=r):`, "
-                "which sends rank r's values to every rank; then reload the model's state on every rank.")
-        total = values[0]
-        overflow = (fp16 or self.config.reduce_dtype == torch.float16) and not math.isfinite(total)
-        if fp16:
-            self.loss_scaler.update(overflow)
-        if overflow:
-            self.skipped_steps += 1
-            self._last_grad_norm = float("inf")
-            if not fp16:  # no loss scale to lower: say why the update was skipped
-                warnings.warn(
-                    f"step {self.global_steps + self.skipped_steps}: gradients overflowed in the fp16 reduction "
-                    "(communication_data_type: fp16, max 65504), so the update was skipped; with bf16 or fp32 "
-                    "compute set communication_data_type to bf16 or fp32", RuntimeWarning, stacklevel=3)
-        else:
-            norm = math.sqrt(total) * grad_scale
-            self._last_grad_norm = norm
-            clip = self.config.gradient_clipping
-            if clip > 0:
-                grad_scale *= min(1.0, clip / (norm + 1e-6))
-            self._update_and_gather(grad_scale)
-            if store is not None or self.param_file is not None:
-                self._check_offload_io(store)
-        if self.stage3 is not None:
-            self.stage3.end_forward_backward_step()
-        self._log_progress()
+        boundary_update(self, self._record_grad_norm)
 
-    def _agree_on_state_files(self) -> None:
-        """Every rank learns whether every rank made its NVMe files (optimizer state, parameter shards); all
-        raise alike if one could not (a path missing on one node, one full disk), instead of the others going
-        on into a collective."""
-        error = self.optimizer_state.init_failure or (self.param_file.failure if self.param_file else None)
-        failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(failed, False).wait()
-        if failed.item() > 0:
-            self.optimizer_state.close()
-            if self.param_file is not None:
-                self.param_file.close()
-            if error is not None:
-                raise error
-            raise OSError(f"zero_optimization: {int(failed.item())} of {self.world_size} ranks could not create "
-                          "their NVMe files under nvme_path (their error names the key and the path); this "
-                          "rank's files are removed")
-
-    def _check_offload_io(self, store: Any) -> None:
-        """After an NVMe step, every rank learns whether any rank's I/O failed (optimizer state or parameter
-        shards; each still issued every collective of the step, Note [NVMe optimizer state]); then all raise
-        alike."""
-        here = (store.failure if store is not None else None) or (
-            self.param_file.step_failure if self.param_file is not None else None)
-        failed = torch.tensor([float(here is not None)], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(failed, False).wait()
-        self.host_syncs += 1
-        if failed.item() > 0:
-            raise OSError(f"offload: the NVMe I/O of the step failed on {int(failed.item())} of "
-                          f"{self.world_size} ranks during step {self.global_steps}, so the parameters are now "
-                          "partly updated; load the last checkpoint to go on. This rank: "
-                          f"{here or 'its I/O succeeded'}")
-
-    def _update_and_gather(self, grad_scale: float) -> None:
-        """The Adam update of every shard; in stages 1-2 each bucket's all-gather starts as soon as its shard
-        is updated (so it travels while the next shard computes), all landed on return (Note [Engine
-        lifecycle]), with at most ``allgather_bucket_size`` elements in flight when it is set. Stage 3
-        gathers each unit when it is next used."""
-        if self.policy.params_sharded:
-            self.optimizer_state.step(self.optimizer.param_groups, grad_scale)
-            return
-        (buffer,) = self.buffers  # stages 1-2: the whole model is one buffer, its shard i is bucket i
-        cap = self.buckets.allgather_in_flight
-        in_flight: collections.deque[tuple[Any, int]] = collections.deque()
-        in_flight_elements = 0
-
-        def gather(bucket: int) -> None:
-            nonlocal in_flight_elements
-            size = buffer.buckets[bucket].padded_size
-            while cap is not None and in_flight and in_flight_elements + size > cap:
-                work, done = in_flight.popleft()
-                work.wait()
-                in_flight_elements -= done
-            in_flight.append((buffer.gather(self.comm, bucket, "all_gather"), size))
-            in_flight_elements += size
-
-        self.optimizer_state.step(self.optimizer.param_groups, grad_scale, after_shard=gather)
-        for work, _ in in_flight:
-            work.wait()
-
-    def _log_progress(self) -> None:
-        every = self.config.steps_per_print
-        done = self.global_steps + self.skipped_steps
-        if self.rank == 0 and done % every == 0 and _log.isEnabledFor(logging.INFO):
-            lrs = [group["lr"] for group in self.optimizer.param_groups]
-            _log.info("step %d: skipped %d, lr %s, loss scale %g, grad norm %s", done, self.skipped_steps, lrs,
-                      self.loss_scaler.scale, self._last_grad_norm)
+    def _record_grad_norm(self, norm: float) -> None:
+        self._last_grad_norm = norm
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last update (inf when fp16 overflow skipped it)."""
@@ -617,16 +371,13 @@ class Engine:
         if self.lifecycle.state is EngineState.CLOSED:
             return
         self.lifecycle.require("close()", *_USABLE)
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-        self._grad_accumulators = []
+        self._gradients.remove_hooks()
         if self.stage3 is not None:
             self.stage3.close()
         for buffer in self.buffers:  # stage 1's .grad are views of the engine's gradient buffer
             for param in buffer.params:
                 param.grad = None
-        unregister(self, [owner.params[local] for owner, local in self._param_slots])
+        unregister(self, [owner.params[local] for owner, local in self._gradients.param_slots])
         self.optimizer_state.close()  # an NVMe state file is removed
         if self.param_file is not None:
             self.param_file.close()  # every unit is whole in memory again
@@ -693,19 +444,8 @@ class Engine:
         """Writes the model's whole weights in the compute dtype as one safetensors file on rank 0
         (DeepSpeed's name; Hugging Face's layout: tied parameters once, under their first name, persistent
         buffers included). A collective: stage 3 gathers unit by unit. Returns the file's path."""
-        from ._safetensors_io import write_tensors
-
         self.lifecycle.require("save_16bit_model()", *_USABLE)
-        state = self.full_state_dict(self.compute_dtype)
-        path = os.path.join(os.fspath(save_dir), save_filename)
-        if self.rank == 0:
-            first = {name for name, _ in self.module.named_parameters()}  # a tied parameter's first name
-            tied = {name for name, _ in self.module.named_parameters(remove_duplicate=False)} - first
-            kept = {k: v.contiguous() for k, v in state.items() if k not in tied}
-            os.makedirs(os.fspath(save_dir), exist_ok=True)
-            write_tensors(path, kept)
-        dist.barrier(group=self.process_group)
-        return path
+        return save_16bit_model(self, save_dir, save_filename)
 
     def absorb_param_writes(self) -> list[ShardedBuffer]:
         """Parameters written in place since the last step reach the fp32 master now (Note [Writes to
@@ -749,43 +489,3 @@ class Engine:
         if self.stage3 is not None:
             self.stage3.forget_partition_slices()
 
-
-def _optimizer_state_for(config: ZeroConfig, device: torch.device, rank: int) -> OptimizerState:
-    """Where the optimizer state lives: with the parameters, on the host (``offload_optimizer: cpu``), or in
-    a file per rank (``offload_optimizer: nvme``, Note [NVMe optimizer state])."""
-    offload = config.zero_optimization.offload_optimizer
-    if offload.device == "nvme":
-        aio = config.aio
-        settings = {"block_size": aio.block_size, "queue_depth": aio.queue_depth, "thread_count": aio.thread_count,
-                    "single_submit": aio.single_submit, "overlap_events": aio.overlap_events}
-        nvme = NvmePlacement(offload.nvme_path, rank, config.zero_optimization.sub_group_size, settings)
-        return OptimizerState(torch.device("cpu"), nvme)
-    if offload.device == "cpu":
-        return OptimizerState(torch.device("cpu"), pin_memory=offload.pin_memory)
-    return OptimizerState(device)
-
-
-def _param_file_for(config: ZeroConfig, device: torch.device, rank: int) -> Any:
-    """``offload_param``: nvme gives this rank a parameter file (Note [NVMe parameter shards]); cpu is where
-    the parameters are already on a CPU-only machine."""
-    offload = config.zero_optimization.offload_param
-    check_param_offload(offload, device)
-    if offload.device != "nvme":
-        return None
-    aio = config.aio
-    return param_file_for(offload, {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
-                                    "thread_count": aio.thread_count, "single_submit": aio.single_submit,
-                                    "overlap_events": aio.overlap_events}, rank)
-
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """DeepSpeed's auto_cast rule: floating tensors, recursively through lists, tuples and dicts."""
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_cast_floating(v, dtype) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
-    return value

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ._buckets import BucketSizes
+from ._construction import optimizer_state_for
 from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
 from ._native import _C
 from ._nvme_params import check_param_offload, plan_param_file
@@ -52,7 +53,6 @@ from ._sharded_buffer import _ALIGNMENT
 from ._stage3 import _NO_BUCKET_CAP
 from ._units import UnitSpec, resolve_units
 from .config import ZeroConfig, hidden_size_of
-from .engine import _optimizer_state_for
 from .layout import FlatLayout
 
 __all__ = ["estimate_memory", "main"]
@@ -181,7 +181,7 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
         where = _engine_device(model_device(model), device)
     else:
         where = _engine_device(None, device)
-    state = _optimizer_state_for(config, where, 0)  # the engine's own rule (raises for unsupported offload)
+    state = optimizer_state_for(config, where, 0)  # the engine's own rule (raises for unsupported offload)
     check_param_offload(config.zero_optimization.offload_param, where)
     if count is not None:
         layout = FlatLayout([count], world, _ALIGNMENT, _NO_BUCKET_CAP if policy.params_sharded else
@@ -190,7 +190,7 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
     groups = collect_trainable(model, param_groups, config.optimizer)  # also checks param_groups, as initialize
     if policy.params_sharded:
         buffers = _stage3_buffers(model, units, world)
-    else:  # Engine._whole_model_buffer: every trainable parameter, in param-group order, in reduce buckets
+    else:  # _construction.whole_model_buffer: every trainable parameter, in param-group order, in reduce buckets
         sizes = [p.numel() for g in groups for p in g["params"]]
         cap = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce
         buffers = [_Unit(FlatLayout(sizes, world, _ALIGNMENT, cap), sum(sizes))]

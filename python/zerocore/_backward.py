@@ -1,0 +1,157 @@
+"""A backward's gradients on their way from autograd to the reducer, and the exchange that tells every rank
+whether any rank's backward raised (stages 1-2).
+
+Note [Backward outcome]
+-----------------------
+In stages 1-2 every backward outside ``no_sync()`` ends with one tiny all-reduce of which ranks raised in
+it. A rank whose backward raised still completes the reductions it started (finalize launches the buckets
+it never filled, so the bucket sequences match) and then sends its flag; so when one rank fails and skips
+the batch while its peers succeed, every rank learns it at the same point, all drop the accumulation
+window (micro-step counters stay equal), and the peers raise naming the rank, instead of the next
+collectives mismatching (Gloo aborts the process on that) or the accumulation boundaries drifting apart.
+On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward. Stage 3 has
+its unit tags instead (Note [Divergence tags]).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._lifecycle import EngineState, Lifecycle
+from ._policy import StagePolicy
+
+if TYPE_CHECKING:
+    from ._stage3 import Stage3Runtime
+    from .engine import Engine
+
+
+class GradientRouting:
+    """Each managed parameter's way from autograd to the reducer: the hooks that reject a stray
+    ``loss.backward()`` and hand every accumulated gradient on, and the state of the backward in progress
+    (``reducing``: whether it reduces across ranks; ``finalized``: whether its reductions were all launched)."""
+
+    def __init__(self, lifecycle: Lifecycle, policy: StagePolicy, stage3: Stage3Runtime | None, reducer: Any,
+                 param_slots: list[tuple[Any, int]]) -> None:
+        self.lifecycle = lifecycle
+        self.policy = policy
+        self.stage3 = stage3
+        self.reducer = reducer
+        self.param_slots = param_slots  # (buffer, index in buffer) by the reducer's global parameter index
+        self.reducing = False
+        self.finalized = True
+        self._grad_accumulators: list[Any] = []
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        routing_ref = weakref.ref(self)
+        self._hook_handles = []
+
+        def before_accumulation(grad_outputs: Any) -> None:
+            routing = routing_ref()
+            if routing is not None and routing.lifecycle.state is not EngineState.BACKWARD:
+                raise RuntimeError(
+                    "a zerocore-managed parameter got a gradient outside engine.backward(); call "
+                    "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and "
+                    "sharded (nothing was accumulated: the engine's gradients are as they were)")
+
+        for index, (owner, local) in enumerate(self.param_slots):
+            param = owner.params[local]
+            # The parameter's gradient accumulator runs only when a backward accumulates into .grad (not for
+            # torch.autograd.grad); its pre-hook rejects a stray loss.backward() before anything accumulates.
+            with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():  # reads no values of a sharded param
+                accumulator = param.view_as(param).grad_fn.next_functions[0][0]
+            self._hook_handles.append(accumulator.register_prehook(before_accumulation))
+            self._grad_accumulators.append(accumulator)  # keeps the node (and so its hook) alive
+
+            def hook(p: torch.Tensor, index: int = index) -> None:
+                routing = routing_ref()
+                if routing is not None:
+                    routing.on_grad_ready(index, p)
+
+            self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        self._grad_accumulators = []
+
+    def begin(self, reducing: bool) -> None:
+        """A backward starts; ``reducing``: it reduces the gradients across ranks."""
+        self.reducing = reducing
+        self.finalized = not reducing and self.stage3 is None
+        if reducing:
+            self.reducer.begin_backward(self.policy.grads_sharded)
+
+    def on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        buffer, local = self.param_slots[index]
+        if buffer.grad_buffer is not None:
+            # .grad accumulates in place in the gradient buffer across micro-steps; when autograd made a fresh
+            # tensor (the user set .grad to None), its values move into the buffer first.
+            view = buffer.grad_view(local)
+            if param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)
+                param.grad = view
+        if self.reducing:
+            self._reduce(index, param)
+            if self.policy.grads_sharded:
+                param.grad = None  # its values now live in the reduction bucket (Note [Sharded buffer])
+        if self.stage3 is not None:
+            self.stage3.grad_ready(buffer)
+
+    def _reduce(self, index: int, param: torch.Tensor) -> None:
+        """Hands parameter ``index``'s gradient to the reducer; the first one of a backward also queues the
+        end-of-backward finalize."""
+        if self.finalized:
+            raise RuntimeError(f"parameter {index} produced a gradient after the backward was finalized")
+        self.reducer.mark_ready(index, param.grad)
+
+    def finalize(self) -> None:
+        if self.finalized:
+            return
+        if self.reducing:
+            self._reduce_accumulated_gradients()
+            self.reducer.finalize()
+        if self.stage3 is not None:
+            self.stage3.end_backward()
+        self.finalized = True
+
+    def land_started_reductions(self) -> None:
+        """A backward raised part-way: the reductions it started complete (finalize launches the buckets it
+        never filled, so every rank's bucket sequence matches; Note [Backward outcome])."""
+        if self.reducing and not self.finalized:
+            self.finalized = True
+            self.reducer.finalize()
+
+    def _reduce_accumulated_gradients(self) -> None:
+        """A parameter that got no gradient in this reducing backward may still hold one accumulated
+        locally (earlier accumulation micro-steps of stage 1, or no_sync() backwards): it is reduced too,
+        as DDP does, instead of counting as zero."""
+        for index in self.reducer.unmarked_params():
+            buffer, local = self.param_slots[index]
+            param = buffer.params[local]
+            grad = buffer.grad_view(local) if buffer.grad_buffer is not None else param.grad
+            if grad is not None:
+                self.reducer.mark_ready(index, grad)
+                if self.policy.grads_sharded:
+                    param.grad = None
+
+
+def exchanges_outcome(policy: StagePolicy, no_sync: bool) -> bool:
+    """Stages 1-2, every backward outside no_sync() (Note [Backward outcome]); stage 3 has its unit tags."""
+    return not no_sync and not policy.params_sharded
+
+
+def exchange_backward_outcome(engine: Engine, failed_here: bool) -> list[int]:
+    """One tiny all-reduce of which ranks raised in this backward (Note [Backward outcome]); returns
+    those ranks."""
+    flags = torch.zeros(engine.world_size, dtype=torch.float64, device=engine.device)
+    if failed_here:
+        flags[engine.rank] = 1.0
+    engine.comm.all_reduce(flags, False).wait()
+    if engine.device.type != "cpu":
+        engine.host_syncs += 1
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]

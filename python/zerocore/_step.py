@@ -1,0 +1,160 @@
+"""The accumulation boundary's update: one collective for every verdict of the step (the global gradient
+norm for clipping, the fp16 overflow, parameters written on some ranks only, an unreadable NVMe state file,
+stage 3's deferred divergence checks), the fused Adam update with stages 1-2's all-gathers behind it, and
+the NVMe I/O verdicts that every rank learns alike (Note [Engine lifecycle] in engine.py).
+
+Note [Writes to parameters]
+---------------------------
+A user may write to parameters in place between steps (``model.load_state_dict``, ``nn.init.*``,
+``fill_``) wherever the parameters hold their full values (stages 1-2 always; stage 3 units kept
+gathered). Such a write moves the parameter's autograd version counter, which the engine's own writes
+(through the flat buffer and its views) never touch; at the next step every buffer whose parameters moved
+takes the written values into its shard and fp32 master (``ShardedBuffer.absorb_param_writes``) before the
+update, so the write is trained from instead of reverted. Whether any rank absorbed a write travels with the
+norm all-reduce: a write made on some ranks only (``if rank == 0: model.load_state_dict(...)``) would leave
+the ranks' shards inconsistent, so it raises on every rank, naming ``zerocore.gathered(..., modifier_rank=)``.
+A sharded stage-3 parameter cannot be written (Note [Sharded placeholders]).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_log = logging.getLogger("zerocore")
+
+
+def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> None:
+    """Engine.apply_update's body: one all-reduce of the gradients' sum of squares, the written-parameter
+    flag, the NVMe state's readability and stage 3's divergence verdict, then the update (or the fp16 overflow
+    skip). ``record_norm`` takes the step's global gradient norm (inf when the update was skipped)."""
+    fp16 = engine.config.fp16.enabled
+    # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
+    grad_scale = 1.0 / engine.loss_scaler.scale if fp16 else 1.0
+    written = engine.absorb_param_writes()
+    sum_of_squares = engine.optimizer_state.grad_sum_of_squares()
+    store = engine.optimizer_state.store
+    unusable = store.check_whole() if store is not None else None  # NVMe: checked before anything changes
+    verdicts = torch.tensor([0.0, float(bool(written)), float(unusable is not None)], dtype=torch.float64,
+                            device=sum_of_squares.device)
+    verdicts[0] = sum_of_squares
+    if engine.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
+        verdicts = torch.cat([verdicts, engine.stage3.divergence.verdict().reshape(1).double()])
+    engine.comm.all_reduce(verdicts, False).wait()
+    values = verdicts.tolist()
+    engine.host_syncs += 1
+    if engine.stage3 is not None:
+        engine.stage3.divergence.end_step(values[3] > 0, engine.stage3.step)
+    if values[2] > 0:
+        raise OSError(f"offload_optimizer: the step was refused on every rank, nothing changed: "
+                      f"{unusable or f'{int(values[2])} other rank(s) cannot read their optimizer state file'}")
+    if 0 < values[1] < engine.world_size:
+        raise RuntimeError(
+            f"parameters were written in place (load_state_dict, nn.init, fill_, ...) on {int(values[1])} of "
+            f"{engine.world_size} ranks only (this rank: {'yes' if written else 'no'}): their shards now disagree. "
+            "Write on every rank, or write on one inside `with zerocore.gathered(params, modifier_rank=r):`, "
+            "which sends rank r's values to every rank; then reload the model's state on every rank.")
+    total = values[0]
+    overflow = (fp16 or engine.config.reduce_dtype == torch.float16) and not math.isfinite(total)
+    if fp16:
+        engine.loss_scaler.update(overflow)
+    if overflow:
+        engine.skipped_steps += 1
+        record_norm(float("inf"))
+        if not fp16:  # no loss scale to lower: say why the update was skipped
+            warnings.warn(
+                f"step {engine.global_steps + engine.skipped_steps}: gradients overflowed in the fp16 reduction "
+                "(communication_data_type: fp16, max 65504), so the update was skipped; with bf16 or fp32 "
+                "compute set communication_data_type to bf16 or fp32", RuntimeWarning, stacklevel=4)
+    else:
+        norm = math.sqrt(total) * grad_scale
+        record_norm(norm)
+        clip = engine.config.gradient_clipping
+        if clip > 0:
+            grad_scale *= min(1.0, clip / (norm + 1e-6))
+        update_and_gather(engine, grad_scale)
+        if store is not None or engine.param_file is not None:
+            check_offload_io(engine, store)
+    if engine.stage3 is not None:
+        engine.stage3.end_forward_backward_step()
+    log_progress(engine)
+
+
+def agree_on_state_files(engine: Engine) -> None:
+    """Every rank learns whether every rank made its NVMe files (optimizer state, parameter shards); all
+    raise alike if one could not (a path missing on one node, one full disk), instead of the others going
+    on into a collective."""
+    error = engine.optimizer_state.init_failure or (engine.param_file.failure if engine.param_file else None)
+    failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=engine.device)
+    engine.comm.all_reduce(failed, False).wait()
+    if failed.item() > 0:
+        engine.optimizer_state.close()
+        if engine.param_file is not None:
+            engine.param_file.close()
+        if error is not None:
+            raise error
+        raise OSError(f"zero_optimization: {int(failed.item())} of {engine.world_size} ranks could not create "
+                      "their NVMe files under nvme_path (their error names the key and the path); this "
+                      "rank's files are removed")
+
+
+def check_offload_io(engine: Engine, store: Any) -> None:
+    """After an NVMe step, every rank learns whether any rank's I/O failed (optimizer state or parameter
+    shards; each still issued every collective of the step, Note [NVMe optimizer state]); then all raise
+    alike."""
+    here = (store.failure if store is not None else None) or (
+        engine.param_file.step_failure if engine.param_file is not None else None)
+    failed = torch.tensor([float(here is not None)], dtype=torch.float64, device=engine.device)
+    engine.comm.all_reduce(failed, False).wait()
+    engine.host_syncs += 1
+    if failed.item() > 0:
+        raise OSError(f"offload: the NVMe I/O of the step failed on {int(failed.item())} of "
+                      f"{engine.world_size} ranks during step {engine.global_steps}, so the parameters are now "
+                      "partly updated; load the last checkpoint to go on. This rank: "
+                      f"{here or 'its I/O succeeded'}")
+
+
+def update_and_gather(engine: Engine, grad_scale: float) -> None:
+    """The Adam update of every shard; in stages 1-2 each bucket's all-gather starts as soon as its shard
+    is updated (so it travels while the next shard computes), all landed on return (Note [Engine
+    lifecycle]), with at most ``allgather_bucket_size`` elements in flight when it is set. Stage 3
+    gathers each unit when it is next used."""
+    if engine.policy.params_sharded:
+        engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale)
+        return
+    (buffer,) = engine.buffers  # stages 1-2: the whole model is one buffer, its shard i is bucket i
+    cap = engine.buckets.allgather_in_flight
+    in_flight: collections.deque[tuple[Any, int]] = collections.deque()
+    in_flight_elements = 0
+
+    def gather(bucket: int) -> None:
+        nonlocal in_flight_elements
+        size = buffer.buckets[bucket].padded_size
+        while cap is not None and in_flight and in_flight_elements + size > cap:
+            work, done = in_flight.popleft()
+            work.wait()
+            in_flight_elements -= done
+        in_flight.append((buffer.gather(engine.comm, bucket, "all_gather"), size))
+        in_flight_elements += size
+
+    engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale, after_shard=gather)
+    for work, _ in in_flight:
+        work.wait()
+
+
+def log_progress(engine: Engine) -> None:
+    every = engine.config.steps_per_print
+    done = engine.global_steps + engine.skipped_steps
+    if engine.rank == 0 and done % every == 0 and _log.isEnabledFor(logging.INFO):
+        lrs = [group["lr"] for group in engine.optimizer.param_groups]
+        _log.info("step %d: skipped %d, lr %s, loss scale %g, grad norm %s", done, engine.skipped_steps, lrs,
+                  engine.loss_scaler.scale, engine.get_global_grad_norm())
