@@ -171,3 +171,22 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], left: in
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def vm_hwm_mib() -> float:
+    """The address space's high-water RSS (VmHWM), which /proc/self/clear_refs can reset."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_hwm() -> bool:
+    """Resets VmHWM (and with it ru_maxrss) to the current RSS (Linux >= 4.0); False where refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

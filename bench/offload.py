@@ -75,8 +75,10 @@ from _common import (
     format_table,
     median,
     print_header,
+    reset_hwm,
     run_header,
     run_ranks,
+    vm_hwm_mib,
 )
 from _pagecache import evict_tree, resident_fraction
 from _peers import ADAMW, batch, build_model, loss_of, zerocore_config
@@ -102,27 +104,8 @@ def _label(system: str, cfg: dict[str, Any]) -> str:
 
 
 # ---- memory probes ------------------------------------------------------------------------------------------
-def _vm_hwm_mib() -> float:
-    """The address space's high-water RSS (VmHWM), which /proc/self/clear_refs can reset."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _ru_maxrss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def _reset_hwm() -> bool:
-    """Resets VmHWM (and with it ru_maxrss) to the current RSS (Linux >= 4.0); False where refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # ---- configs ------------------------------------------------------------------------------------------------
@@ -189,11 +172,11 @@ def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any], root: st
     zc = system.startswith("zc_")
     store = engine.optimizer_state.store if zc else None
     out["rss_init_mib"] = current_rss_mib()
-    out["peak_init_mib"] = max(_vm_hwm_mib(), _ru_maxrss_mib())  # everything up to here, initialize included
+    out["peak_init_mib"] = max(vm_hwm_mib(), _ru_maxrss_mib())  # everything up to here, initialize included
     if store is not None:  # the state file has no name while in use: reach it through the store's descriptor
         evict_tree(f"/proc/self/fd/{store.fd}")
         out["resident_after_evict"] = resident_fraction(f"/proc/self/fd/{store.fd}")
-    out["hwm_reset"] = _reset_hwm()
+    out["hwm_reset"] = reset_hwm()
     times: dict[str, list[float]] = {"step": [], "opt": [], "io": []}
     losses: list[float] = []
     step_bytes: list[tuple[int, int]] = []
@@ -224,7 +207,7 @@ def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any], root: st
             times["io"].append(t4 - t3)
             io_bytes.append((store.bytes_read - before[0], store.bytes_written - before[1]))
             dist.barrier()
-    out["peak_train_mib"] = _vm_hwm_mib()
+    out["peak_train_mib"] = vm_hwm_mib()
     out["rss_end_mib"] = current_rss_mib()
     out.update(times=times, losses=losses, step_bytes=step_bytes, io_bytes=io_bytes)
     if zc:

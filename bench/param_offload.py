@@ -32,20 +32,14 @@ from _common import (
     format_table,
     median,
     print_header,
+    reset_hwm,
     run_header,
     run_ranks,
+    vm_hwm_mib,
 )
 from _peers import batch, build_model, loss_of, zerocore_config
 
 SYSTEMS = ("params_in_memory", "params_on_nvme")
-
-
-def _vm_hwm_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _config(system: str, cfg: dict[str, Any], root: str) -> dict[str, Any]:
@@ -65,8 +59,7 @@ def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any], root: st
 
     engine = zerocore.initialize(build_model(cfg), _config(system, cfg, root))
     out: dict[str, Any] = {"rss_init_mib": current_rss_mib()}
-    with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here: the training steps alone
-        f.write("5")
+    reset_hwm()  # VmHWM from here: the training steps alone
     times, losses, moved = [], [], []
     dist.barrier()
     for step in range(cfg["warmup"] + cfg["steps"]):
@@ -81,7 +74,7 @@ def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any], root: st
         after = engine.memory_report()["nvme"]
         moved.append((after["param_bytes_read"] - before["param_bytes_read"],
                       after["param_bytes_written"] - before["param_bytes_written"]))
-    out["peak_train_mib"] = _vm_hwm_mib()
+    out["peak_train_mib"] = vm_hwm_mib()
     report = engine.memory_report()
     out.update(times=times, losses=losses, moved=moved, params_bytes=report["bytes"]["params"],
                buffers=report["bytes"]["nvme_param_buffers"], nvme=report["nvme"])

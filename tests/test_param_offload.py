@@ -14,6 +14,7 @@ import torch
 import zerocore
 from _dist import run_ranks
 from _models import batch, build, loss_fn
+from test_offload import _train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,17 +43,6 @@ def _state(engine: zerocore.Engine) -> list[list[float]]:
         with state.resident(shard) as values:
             out += [values[k].tolist() for k in ("master", "exp_avg", "exp_avg_sq")]
     return out
-
-
-def _train(engine: zerocore.Engine, rank: int, first: int, steps: int) -> list[float]:
-    losses = []
-    for step in range(first, first + steps):
-        x, y = batch("transformer", torch.Generator().manual_seed(100 * step + rank))
-        loss = loss_fn("transformer", engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def train_worker(rank: int, world: int, dtype: str, path: str | None, optimizer: str | None,

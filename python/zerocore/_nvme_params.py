@@ -61,7 +61,7 @@ class ParamShardFile(NamelessFile):
         self._ahead: tuple[int, int] | None = None  # (file offset, request) of the read-ahead in flight
         self.reads_ahead_used = 0
         # A shard that cannot be placed (full disk) stays in memory and the error is kept, not raised: the
-        # other ranks go on through initialize's collectives, then every rank raises (Engine._agree_on_files).
+        # other ranks go on through initialize's collectives, then every rank raises (_step.agree_on_state_files).
         self.failure: OSError | None = None
         self.step_failure: str | None = None  # an I/O error of the step's loads and write-backs
 
@@ -72,7 +72,7 @@ class ParamShardFile(NamelessFile):
             self.kept_in_memory += numel
             return None
         nbytes = numel * dtype.itemsize
-        stride = -(-nbytes // ALIGN) * ALIGN
+        stride = _aligned(nbytes)
         offset = self.size
         try:
             os.posix_fallocate(self.fd, offset, stride)
@@ -189,7 +189,7 @@ def plan_param_file(shard_sizes: list[int], width: int, max_in_cpu: int) -> tupl
             kept += numel
             offloaded.append(False)
             continue
-        stride = -(-numel * width // ALIGN) * ALIGN
+        stride = _aligned(numel * width)
         size += stride
         bounce = max(bounce, stride)
         offloaded.append(True)
