@@ -250,6 +250,68 @@ def test_reads_right_after_step_see_whole_updated_parameters(stage):
     assert all(run_ranks(reads_worker, 2, stage))
 
 
+class _GatherAtWait:
+    """A stand-in for the engine's Comm whose all-gathers are issued only when waited for: until a read
+    lands one, the peers' regions still hold the old values, so a read that did not wait would see them."""
+
+    def __init__(self, comm) -> None:
+        self._comm = comm
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def all_gather(self, bucket, tag, label="all_gather"):
+        comm = self._comm
+
+        class Deferred:
+            def wait(self) -> None:
+                comm.all_gather(bucket, tag, label).wait()
+
+        return Deferred()
+
+
+def first_read_worker(rank: int, world: int, stage: int) -> list[str]:
+    from zerocore._sharded_param import _AwaitsGather
+
+    torch.manual_seed(0)
+    model = ReadsAcrossModules()
+    reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0,
+                                                                 foreach=False), wrap=DDP)
+    engine = zerocore.initialize(model, _config(stage, reduce_bucket_size=100))
+    engine.comm = _GatherAtWait(engine.comm)
+    seen = []
+    for step in range(4):
+        tokens, target = batch("odd", torch.Generator().manual_seed(step + 10 * rank))
+        engine.backward(loss_fn("odd", engine(tokens), target))
+        engine.step()
+        reference.train_step(lambda module, dtype: loss_fn("odd", module(tokens), target))
+        (buffer,) = engine.buffers
+        assert buffer.gathers_in_flight == len(buffer.buckets) > 1  # step() returned before any landed
+        params = list(model.parameters())
+        assert all(isinstance(p, _AwaitsGather) and isinstance(p, torch.nn.Parameter) for p in params)
+        assert model.gate.weight.shape == (16, 16) and model.gate.weight.requires_grad  # metadata waits for nothing
+        assert buffer.gathers_in_flight == len(buffer.buckets)
+        if step == 0:  # a read lands its bucket's gather and those issued before it, no later one
+            model.inner.weight.sum()
+            seen.append(f"inner landed, {buffer.gathers_in_flight} of {len(buffer.buckets)} in flight")
+            assert 0 < buffer.gathers_in_flight < len(buffer.buckets) and type(model.inner.weight) is torch.nn.Parameter
+        if step == 1:  # the next forward reads them (a tied head read by the parent, F.linear with a child's weight)
+            with torch.no_grad():
+                engine(tokens)
+        # right after step(): the plain model's own state dict holds every rank's updated shard
+        reference.assert_matches({k: v.clone() for k, v in model.state_dict().items()}, label=f"step {step}")
+        assert buffer.gathers_in_flight == 0 and all(type(p) is torch.nn.Parameter for p in params)
+    engine.close()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_wait_for_their_gather_on_first_read(stage):
+    """Stages 1-2's all-gathers are still in flight when step() returns (the next forward overlaps them):
+    every read, in or out of a forward, waits for its parameter's gather (Note [Gathers land on first read])."""
+    assert all(run_ranks(first_read_worker, 2, stage))
+
+
 def norm_worker(rank: int, world: int, stage: int) -> tuple[float, float]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4096, 4096, bias=False)  # 16.8M elements in one gradient

@@ -17,12 +17,15 @@ the stage policy (Note [Stage policy]) changes is only where things live:
 * optimizer state: every bucket's shard is registered with the OptimizerState (Note [Optimizer state
   ownership]), with the param group of every element (``runs``) and global coordinates (``pieces``).
 
-``gather(bucket)`` starts the all-gather that fills ``full``'s bucket from every rank's shard (after a step
-in stages 1-2, before use in stage 3); ``release()`` frees ``full`` again (stage 3).
+``gather(bucket)`` starts the all-gather that fills ``full``'s bucket from every rank's shard (before use in
+stage 3); after a stages 1-2 step ``gather_in_background(bucket)`` does, and leaves it in flight until a
+parameter of the bucket is read or the engine lands it (Note [Gathers land on first read]); ``release()``
+frees ``full`` again (stage 3).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -32,7 +35,7 @@ from torch import nn
 
 from ._optimizer_state import OptimizerState, Shard, shard_geometry
 from ._policy import StagePolicy
-from ._sharded_param import mark_sharded, mark_whole
+from ._sharded_param import mark_in_flight, mark_landed, mark_sharded, mark_whole
 from .layout import Bucket, FlatLayout
 
 _ALIGNMENT = 64  # elements: 128 bytes of a 16-bit dtype (vector loads, cache lines, coalesced access)
@@ -68,6 +71,9 @@ class ShardedBuffer:
         self._param_offset: int | None = None
         self._resident_depth = 0
         self._shard_written = False
+        # Note [Gathers land on first read]: (bucket, pending collective) in issue order, and their elements
+        self._in_flight: collections.deque[tuple[int, Any]] = collections.deque()
+        self._in_flight_elements = 0
 
     @property
     def numel(self) -> int:
@@ -231,11 +237,48 @@ class ShardedBuffer:
     def gather(self, comm: Any, bucket: int, label: str, staged: bool = False) -> Any:
         """Starts filling ``bucket`` of ``full`` from every rank's shard; returns the pending collective.
         ``staged``: :meth:`stage_own` already put this rank's values in place."""
+        self.land_gathers()  # two collectives never write one region at once
         if self.policy.params_sharded and not staged:
             failure = self.stage_own(bucket)
             if failure is not None:
                 raise OSError(failure)
         return comm.all_gather(self.param_bucket(bucket), bucket, label)
+
+    def gather_in_background(self, comm: Any, bucket: int, label: str, cap: int | None = None) -> None:
+        """Parameters whole (stages 1-2), after this rank's shard of ``bucket`` was updated: starts its
+        all-gather and leaves it in flight (Note [Gathers land on first read]); with ``cap``, the oldest
+        gathers land first while more than ``cap`` elements would be in flight."""
+        size = self.buckets[bucket].padded_size
+        while cap is not None and self._in_flight and self._in_flight_elements + size > cap:
+            self.land_gathers(through=self._in_flight[0][0])
+        work = comm.all_gather(self.param_bucket(bucket), bucket, label)
+        self._in_flight.append((bucket, work))
+        self._in_flight_elements += size
+
+        def land(bucket: int = bucket) -> None:
+            self.land_gathers(through=bucket)
+
+        for param in self.bucket_params(bucket):
+            mark_in_flight(param, land)
+
+    @property
+    def gathers_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def land_gathers(self, through: int | None = None) -> None:
+        """Waits for the gathers in flight in issue order: all of them, or with ``through`` those up to
+        bucket ``through``'s (none when it has none in flight)."""
+        if through is not None and all(bucket != through for bucket, _ in self._in_flight):
+            return
+        while self._in_flight:
+            bucket, work = self._in_flight[0]
+            work.wait()
+            self._in_flight.popleft()
+            self._in_flight_elements -= self.buckets[bucket].padded_size
+            for param in self.bucket_params(bucket):
+                mark_landed(param)
+            if bucket == through:
+                return
 
     def stage_own(self, bucket: int) -> str | None:
         """Parameters sharded: ``full`` gets its memory and this rank's region its shard, read straight from

@@ -1,4 +1,6 @@
-"""A stage-3 parameter at rest refuses to be computed with (Note [Sharded parameters refuse compute]).
+"""Parameters whose values are not (all) on this rank guard every read: a stage-3 parameter at rest refuses
+to be computed with (Note [Sharded parameters refuse compute]); a stages 1-2 parameter whose all-gather is
+still in flight after ``step()`` waits for it on its first read (Note [Gathers land on first read]).
 
 Note [Sharded parameters refuse compute]
 ----------------------------------------
@@ -14,10 +16,12 @@ stays a subclass of the original, so ``isinstance(p, nn.Parameter)`` holds throu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 # Operations that read no values: they may run on a placeholder. Properties are named by their descriptor.
 _METADATA = frozenset({
@@ -84,3 +88,57 @@ def mark_whole(param: nn.Parameter) -> None:
     if isinstance(param, _RefusesCompute):
         param.__class__ = _originals[type(param)]
         param.__dict__.pop(_NAME, None)
+
+
+# Note [Gathers land on first read]
+# ---------------------------------
+# In stages 1-2, ``step()`` returns while the all-gathers of the updated parameters are still in flight
+# (each started as soon as its bucket's Adam update was done), so the next forward computes while they
+# travel. A read must never see a peer's region before its gather landed (``model.state_dict()``, a module
+# of the forward, ``p.data``, a tied weight read by another module: every read, not only forwards). So each
+# parameter of a bucket in flight gets, like a sharded one above, a subclass of its own class whose
+# ``__torch_function__`` first lands the gathers of every in-flight parameter among the operation's
+# arguments (and those issued before them: they land in issue order), swapping their classes back, and then
+# runs the operation; metadata reads go through without waiting. Each parameter pays one Python call per
+# step, on its first read. The engine lands whatever is still in flight before anything else it does
+# (backward, step, state dicts, checkpoints, gathered(), close()).
+_LAND = "_zerocore_land_gather"
+
+
+class _AwaitsGather:
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _operation(func)[0] not in _METADATA:
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, _AwaitsGather):
+                    land = leaf.__dict__.get(_LAND)
+                    if land is not None:
+                        land()  # swaps the class of leaf (and of every parameter landed with it) back
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+_awaiting: dict[type, type] = {}
+_awaiting_originals: dict[type, type] = {}
+
+
+def _awaiting_class(cls: type) -> type:
+    if cls not in _awaiting:
+        sub = type(f"ZeroGathering{cls.__name__}", (_AwaitsGather, cls), {"__module__": __name__})
+        _awaiting[cls], _awaiting_originals[sub] = sub, cls
+    return _awaiting[cls]
+
+
+def mark_in_flight(param: nn.Parameter, land: Callable[[], None]) -> None:
+    """``param``'s gather is in flight: its first read calls ``land()`` (which must call :func:`mark_landed`)."""
+    if not isinstance(param, _AwaitsGather):
+        param.__class__ = _awaiting_class(type(param))
+    param.__dict__[_LAND] = land
+
+
+def mark_landed(param: nn.Parameter) -> None:
+    """``param``'s gather landed: an ordinary parameter of its own class again."""
+    if isinstance(param, _AwaitsGather):
+        param.__class__ = _awaiting_originals[type(param)]
+    param.__dict__.pop(_LAND, None)

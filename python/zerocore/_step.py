@@ -18,7 +18,6 @@ A sharded stage-3 parameter cannot be written (Note [Sharded placeholders]).
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import warnings
@@ -125,30 +124,20 @@ def check_offload_io(engine: Engine, store: Any) -> None:
 
 def update_and_gather(engine: Engine, grad_scale: float) -> None:
     """The Adam update of every shard; in stages 1-2 each bucket's all-gather starts as soon as its shard
-    is updated (so it travels while the next shard computes), all landed on return (Note [Engine
-    lifecycle]), with at most ``allgather_bucket_size`` elements in flight when it is set. Stage 3
+    is updated (so it travels while the next shard computes) and is still in flight on return: the next
+    forward overlaps it, each parameter waiting for its bucket's gather on its first read (Note [Gathers land
+    on first read]), with at most ``allgather_bucket_size`` elements in flight when it is set. Stage 3
     gathers each unit when it is next used."""
     if engine.policy.params_sharded:
         engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale)
         return
     (buffer,) = engine.buffers  # stages 1-2: the whole model is one buffer, its shard i is bucket i
     cap = engine.buckets.allgather_in_flight
-    in_flight: collections.deque[tuple[Any, int]] = collections.deque()
-    in_flight_elements = 0
 
     def gather(bucket: int) -> None:
-        nonlocal in_flight_elements
-        size = buffer.buckets[bucket].padded_size
-        while cap is not None and in_flight and in_flight_elements + size > cap:
-            work, done = in_flight.popleft()
-            work.wait()
-            in_flight_elements -= done
-        in_flight.append((buffer.gather(engine.comm, bucket, "all_gather"), size))
-        in_flight_elements += size
+        buffer.gather_in_background(engine.comm, bucket, "all_gather", cap)
 
     engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale, after_shard=gather)
-    for work, _ in in_flight:
-        work.wait()
 
 
 def log_progress(engine: Engine) -> None:

@@ -15,8 +15,10 @@ _stage3.py), each registering its shards with the one optimizer state (Note [Opt
 ``step()`` then, on every rank in the same order: all-reduces the gradients' sum of squares (the global
 norm for clipping, and the fp16 overflow verdict: one collective, one host sync), runs the fused Adam
 kernel on every shard (writing the compute-dtype params in the same pass) and, in stages 1-2, all-gathers
-each bucket's params; ``step()`` returns once they landed, so any read after it (``model.state_dict()``,
-``model(x)``, a parameter) sees whole, updated parameters.
+each bucket's params, which the next forward overlaps: any read after ``step()`` (``model.state_dict()``,
+``model(x)``, a parameter) first waits for its parameter's gather, so it sees whole, updated parameters
+(Note [Gathers land on first read] in _sharded_param.py), and every other method of the engine lands them all
+before it does anything.
 """
 
 from __future__ import annotations
@@ -232,6 +234,7 @@ class Engine:
         life.require("backward()", EngineState.IDLE, EngineState.FORWARD, EngineState.NO_SYNC)
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ValueError("backward() needs a loss tensor that requires grad")
+        self.land_param_gathers()  # parameters the forward did not read
         no_sync = life.state is EngineState.NO_SYNC
         gradients = self._gradients
         gradients.begin(not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary()))
@@ -371,6 +374,7 @@ class Engine:
         if self.lifecycle.state is EngineState.CLOSED:
             return
         self.lifecycle.require("close()", *_USABLE)
+        self.land_param_gathers()
         self._gradients.remove_hooks()
         if self.stage3 is not None:
             self.stage3.close()
@@ -412,6 +416,7 @@ class Engine:
         on every rank. With ``rank0_only`` other ranks get an empty dict.
         """
         self.lifecycle.require("full_state_dict()", *_USABLE)
+        self.land_param_gathers()
         return full_state_dict(self, dtype, rank0_only)
 
     # ---- checkpoints (Note [Checkpoint format] in checkpoint.py) ----------------------------------------
@@ -438,6 +443,7 @@ class Engine:
         from .checkpoint import load_checkpoint
 
         self.lifecycle.require("load_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
+        self.land_param_gathers()
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> str:
@@ -447,12 +453,19 @@ class Engine:
         self.lifecycle.require("save_16bit_model()", *_USABLE)
         return save_16bit_model(self, save_dir, save_filename)
 
+    def land_param_gathers(self) -> None:
+        """Waits for every parameter gather still in flight: stages 1-2's after a step (Note [Gathers land on
+        first read]), stage 3's prefetches."""
+        if self.stage3 is not None:
+            self.stage3.land_gathers()
+        for buffer in self.buffers:
+            buffer.land_gathers()
+
     def absorb_param_writes(self) -> list[ShardedBuffer]:
         """Parameters written in place since the last step reach the fp32 master now (Note [Writes to
         parameters]): at every step, and before the optimizer state is saved. Returns the buffers that
         absorbed a write."""
-        if self.stage3 is not None:
-            self.stage3.land_gathers()
+        self.land_param_gathers()
         written = [buffer for buffer in self.buffers if buffer.params_written()]
         for buffer in written:
             buffer.absorb_param_writes()
@@ -480,6 +493,7 @@ class Engine:
     def gather_for_user(self, params: list[nn.Parameter]) -> None:
         """Entering ``zerocore.gathered(params)``: the parameters hold their full values."""
         self.lifecycle.require("gathered()", *_USABLE)
+        self.land_param_gathers()
         gather_for_user(self, params)
 
     def release_for_user(self, params: list[nn.Parameter], modifier_rank: int | None) -> None:
