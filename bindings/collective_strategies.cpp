@@ -1,4 +1,5 @@
 #include "collective_strategies.hpp"
+#include "scratch_pool.hpp"
 
 #include <stdexcept>
 
@@ -173,7 +174,7 @@ class NativeReduceScatter final : public ReduceScatterStrategy {
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
     IssuedCollective out;
     out.pending.buffer = b.bucket;
-    out.pending.result = at::empty({b.shard}, b.bucket.options());
+    out.pending.result = scratch_.take({b.shard}, b.bucket.options());  // Note [Scratch reuse]
     out.pending.destination = b.local_shard();
     at::Tensor input = b.bucket;
     out.pending.works.push_back(reduce_scatter_into(group, out.pending.result, input, 0));
@@ -181,6 +182,9 @@ class NativeReduceScatter final : public ReduceScatterStrategy {
     out.backend_calls = 1;
     return out;
   }
+
+ private:
+  ScratchPool scratch_;
 };
 const RegisterStrategy<NativeReduceScatter> kRegisterNativeReduceScatter({kOtherBackends});
 
@@ -216,7 +220,7 @@ class SendRecvReduceScatter final : public ReduceScatterStrategy {
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
     IssuedCollective out;
     const int tag = static_cast<int>(next_tag_++ % (1 << 30));
-    at::Tensor received = at::empty({b.world_size - 1, b.shard}, b.bucket.options());
+    at::Tensor received = scratch_.take({b.world_size - 1, b.shard}, b.bucket.options());  // Note [Scratch reuse]
     std::vector<at::Tensor> messages, inbox;
     int64_t row = 0;
     for (int peer = 0; peer < b.world_size; ++peer) {
@@ -234,6 +238,7 @@ class SendRecvReduceScatter final : public ReduceScatterStrategy {
 
  private:
   int64_t next_tag_ = 0;
+  ScratchPool scratch_;
 };
 const RegisterStrategy<SendRecvReduceScatter> kRegisterSendRecvReduceScatter({"gloo"});
 

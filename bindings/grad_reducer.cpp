@@ -57,6 +57,13 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                                           : destinations_.front().options().dtype(reduce_dtype);
   bucket_view_.resize(buckets);
   bucket_base_.resize(buckets);
+  slot_state_.assign(params, SlotState::kEmpty);
+  params_by_offset_.resize(buckets);
+  for (size_t i = 0; i < params; ++i) params_by_offset_[geometry_.param_bucket[i]].push_back(static_cast<int64_t>(i));
+  for (auto& in_bucket : params_by_offset_) {
+    std::sort(in_bucket.begin(), in_bucket.end(),
+              [this](int64_t a, int64_t b) { return geometry_.param_offset[a] < geometry_.param_offset[b]; });
+  }
 }
 
 void GradReducer::begin_backward(bool accumulate) {
@@ -84,7 +91,9 @@ at::Tensor& GradReducer::ensure_buffer(int64_t bucket) {
     peak_buffers_ = std::max(peak_buffers_, all_buffers_);
   }
   view = base.narrow(0, 0, geometry_.bucket_padded_size[bucket]);
-  view.zero_();  // padding and the slots of parameters without a gradient reduce as zeros
+  // Not zeroed: every slot is written once (by its gradient, or by launch()'s zeros), and launch() zeroes
+  // the padding (Note [Reducer memory]).
+  for (int64_t param : params_by_offset_[bucket]) slot_state_[param] = SlotState::kEmpty;
   bucket_base_[bucket] = std::move(base);
   return view;
 }
@@ -99,7 +108,17 @@ void GradReducer::mark_ready(int64_t param, const at::Tensor& grad) {
   at::Tensor& view = ensure_buffer(bucket);
   if (grad.defined()) {
     at::Tensor slot = view.narrow(0, geometry_.param_offset[param], geometry_.param_numel[param]);
-    if (grad.data_ptr() != slot.data_ptr()) slot.copy_(grad.reshape({-1}));  // in place: already there
+    if (grad.data_ptr() != slot.data_ptr()) {  // in place: already there, scaled at launch with the bucket
+      // One pass where the dtypes agree (the product is computed in the reduce dtype either way, so the
+      // values are those of a copy followed by the scaling); a widening copy is scaled at launch instead.
+      if (prescale_ != 1.0 && grad.scalar_type() == reduce_dtype_) {
+        at::mul_out(slot, grad.reshape({-1}), prescale_);
+        slot_state_[param] = SlotState::kScaled;
+      } else {
+        slot.copy_(grad.reshape({-1}));
+        slot_state_[param] = SlotState::kCopied;
+      }
+    }
   }
   std::vector<int64_t> ready;
   tracker_.mark_ready(param, ready);
@@ -108,7 +127,26 @@ void GradReducer::mark_ready(int64_t param, const at::Tensor& grad) {
 
 void GradReducer::launch(int64_t bucket) {
   at::Tensor& view = ensure_buffer(bucket);
-  if (prescale_ != 1.0) view.mul_(prescale_);
+  if (in_place_[bucket].defined()) {
+    if (prescale_ != 1.0) view.mul_(prescale_);
+  } else {
+    // A pool buffer: its padding and the slots of parameters without a gradient reduce as zeros, copied
+    // gradients are scaled now.
+    int64_t cursor = 0;
+    for (int64_t param : params_by_offset_[bucket]) {
+      const int64_t offset = geometry_.param_offset[param];
+      const int64_t numel = geometry_.param_numel[param];
+      if (offset > cursor) view.narrow(0, cursor, offset - cursor).zero_();
+      at::Tensor slot = view.narrow(0, offset, numel);
+      if (slot_state_[param] == SlotState::kEmpty) {
+        slot.zero_();
+      } else if (slot_state_[param] == SlotState::kCopied && prescale_ != 1.0) {
+        slot.mul_(prescale_);
+      }
+      cursor = std::max(cursor, offset + numel);
+    }
+    if (view.numel() > cursor) view.narrow(0, cursor, view.numel() - cursor).zero_();
+  }
   in_flight_.push_back(comm_->reduce_scatter(view, bucket));
   if (!overlap_) complete_oldest();
 }

@@ -8,7 +8,10 @@
 // takes a buffer when its first gradient arrives and returns it once its reduce-scatter completed and its
 // shard was deposited. When the pool is empty the oldest in-flight bucket is completed first; only when
 // nothing is in flight does the pool grow. With gradients arriving roughly in reverse layout order (the
-// launch order), two or three buffers are live at a time, whatever the model size.
+// launch order), two or three buffers are live at a time, whatever the model size. A pool buffer is never
+// zeroed as a whole: each gradient is written into its slot once, scaled by the prescale in the same pass
+// where the dtypes agree, and at launch only the padding and the slots of parameters without a gradient
+// are zeroed (a bucket costs one pass over its gradients, not a zeroing, a copy and a scaling).
 #pragma once
 
 #include <deque>
@@ -75,6 +78,9 @@ class GradReducer {
   ReadyTracker tracker_;
   bool accumulate_ = false;
 
+  enum class SlotState : uint8_t { kEmpty, kCopied, kScaled };  // a parameter's slot in its bucket's pool buffer
+  std::vector<SlotState> slot_state_;                  // per parameter
+  std::vector<std::vector<int64_t>> params_by_offset_;  // per bucket: its parameters in slot order
   std::vector<at::Tensor> bucket_view_;  // per bucket: its view into a pool buffer, or undefined
   std::vector<at::Tensor> bucket_base_;  // per bucket: the pool buffer the view belongs to
   std::vector<at::Tensor> free_buffers_;
