@@ -30,7 +30,6 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                  world);
     ZC_CHECK_ARG(destinations_[b].numel() == padded / world && destinations_[b].is_contiguous(),
                  "shard_destinations[", b, "] must be a contiguous tensor of ", padded / world, " elements");
-    max_bucket_ = std::max(max_bucket_, padded);
   }
   for (size_t i = 0; i < params; ++i) {
     const int64_t b = geometry_.param_bucket[i];
@@ -57,6 +56,11 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                                           : destinations_.front().options().dtype(reduce_dtype);
   bucket_view_.resize(buckets);
   bucket_base_.resize(buckets);
+  // Every bucket but the largest fits a buffer of the second-largest size: the pool then needs one buffer of
+  // the largest size at most, whatever order the buckets fill in (stage 3: the root unit and the blocks).
+  std::vector<int64_t> sizes(geometry_.bucket_padded_size);
+  std::sort(sizes.begin(), sizes.end());
+  common_bucket_ = sizes.size() >= 2 ? sizes[sizes.size() - 2] : (sizes.empty() ? 0 : sizes.back());
   slot_state_.assign(params, SlotState::kEmpty);
   params_by_offset_.resize(buckets);
   for (size_t i = 0; i < params; ++i) params_by_offset_[geometry_.param_bucket[i]].push_back(static_cast<int64_t>(i));
@@ -80,17 +84,31 @@ at::Tensor& GradReducer::ensure_buffer(int64_t bucket) {
     view = in_place_[bucket];
     return view;
   }
-  if (free_buffers_.empty() && !in_flight_.empty()) complete_oldest();
-  at::Tensor base;
-  if (!free_buffers_.empty()) {
-    base = std::move(free_buffers_.back());
-    free_buffers_.pop_back();
-  } else {
-    base = at::empty({max_bucket_}, buffer_options_);
-    ++all_buffers_;
-    peak_buffers_ = std::max(peak_buffers_, all_buffers_);
+  const int64_t need = geometry_.bucket_padded_size[bucket];
+  auto smallest_fitting = [&]() {
+    int64_t best = -1;
+    for (size_t i = 0; i < free_buffers_.size(); ++i) {
+      const int64_t size = free_buffers_[i].numel();
+      if (size >= need && (best < 0 || size < free_buffers_[best].numel())) best = static_cast<int64_t>(i);
+    }
+    return best;
+  };
+  int64_t found = smallest_fitting();
+  while (found < 0 && !in_flight_.empty()) {  // Note [Reducer memory]
+    complete_oldest();
+    found = smallest_fitting();
   }
-  view = base.narrow(0, 0, geometry_.bucket_padded_size[bucket]);
+  at::Tensor base;
+  if (found >= 0) {
+    base = std::move(free_buffers_[found]);
+    free_buffers_.erase(free_buffers_.begin() + found);
+  } else {
+    const int64_t size = std::max(need, common_bucket_);
+    base = at::empty({size}, buffer_options_);
+    pool_elements_ += size;
+    peak_pool_elements_ = std::max(peak_pool_elements_, pool_elements_);
+  }
+  view = base.narrow(0, 0, need);
   // Not zeroed: every slot is written once (by its gradient, or by launch()'s zeros), and launch() zeroes
   // the padding (Note [Reducer memory]).
   for (int64_t param : params_by_offset_[bucket]) slot_state_[param] = SlotState::kEmpty;
@@ -185,11 +203,11 @@ std::vector<int64_t> GradReducer::unmarked_params() const {
 }
 
 int64_t GradReducer::buffer_bytes() const {
-  return static_cast<int64_t>(all_buffers_) * max_bucket_ * c10::elementSize(reduce_dtype_);
+  return pool_elements_ * static_cast<int64_t>(c10::elementSize(reduce_dtype_));
 }
 
 int64_t GradReducer::peak_buffer_bytes() const {
-  return static_cast<int64_t>(peak_buffers_) * max_bucket_ * c10::elementSize(reduce_dtype_);
+  return peak_pool_elements_ * static_cast<int64_t>(c10::elementSize(reduce_dtype_));
 }
 
 }  // namespace zerocore::bindings

@@ -4,14 +4,18 @@
 //
 // Note [Reducer memory]
 // ---------------------
-// Bucket buffers come from a small pool (buffers of the largest bucket, in the reduce dtype). A bucket
-// takes a buffer when its first gradient arrives and returns it once its reduce-scatter completed and its
-// shard was deposited. When the pool is empty the oldest in-flight bucket is completed first; only when
-// nothing is in flight does the pool grow. With gradients arriving roughly in reverse layout order (the
-// launch order), two or three buffers are live at a time, whatever the model size. A pool buffer is never
-// zeroed as a whole: each gradient is written into its slot once, scaled by the prescale in the same pass
-// where the dtypes agree, and at launch only the padding and the slots of parameters without a gradient
-// are zeroed (a bucket costs one pass over its gradients, not a zeroing, a copy and a scaling).
+// Bucket buffers come from a small pool, in the reduce dtype. A bucket takes the smallest free buffer that
+// holds it when its first gradient arrives and returns it once its reduce-scatter completed and its shard
+// was deposited. When none fits, the oldest bucket in flight is completed first; only when nothing in flight
+// frees one that fits does the pool grow, by a buffer of the second-largest bucket's size (or the bucket's
+// own, for the largest), so that every bucket but the largest fits every buffer and stage 3's blocks do not
+// each take a buffer of the root unit's size. (Letting two reductions travel while a third bucket fills was
+// measured: no faster beyond this machine's noise, and one more bucket of peak memory.) With gradients
+// arriving roughly in reverse layout order (the launch order),
+// two or three buffers are live at a time, whatever the model size. A pool buffer is never zeroed as a
+// whole: each gradient is written into its slot once, scaled by the prescale in the same pass where the
+// dtypes agree, and at launch only the padding and the slots of parameters without a gradient are zeroed
+// (a bucket costs one pass over its gradients, not a zeroing, a copy and a scaling).
 #pragma once
 
 #include <deque>
@@ -56,7 +60,6 @@ class GradReducer {
   bool in_backward() const { return tracker_.state() == ReadyTracker::State::kInBackward; }
   // The parameters not marked ready in this backward, in index order.
   std::vector<int64_t> unmarked_params() const;
-  int64_t buffers_allocated() const { return static_cast<int64_t>(all_buffers_); }
   int64_t buffer_bytes() const;       // bytes of the pool now
   int64_t peak_buffer_bytes() const;  // the most the pool ever held
   const ReadyTracker& tracker() const { return tracker_; }
@@ -74,7 +77,6 @@ class GradReducer {
   double prescale_;
   bool overlap_;
   at::TensorOptions buffer_options_;
-  int64_t max_bucket_ = 0;
   ReadyTracker tracker_;
   bool accumulate_ = false;
 
@@ -85,8 +87,9 @@ class GradReducer {
   std::vector<at::Tensor> bucket_base_;  // per bucket: the pool buffer the view belongs to
   std::vector<at::Tensor> free_buffers_;
   std::deque<PendingCollective> in_flight_;  // launched, in launch order
-  size_t all_buffers_ = 0;
-  size_t peak_buffers_ = 0;
+  int64_t common_bucket_ = 0;       // the second-largest bucket: the size of every pool buffer but one
+  int64_t pool_elements_ = 0;       // of every pool buffer, free or in use
+  int64_t peak_pool_elements_ = 0;
 };
 
 }  // namespace zerocore::bindings

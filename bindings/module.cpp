@@ -58,4 +58,5 @@ PYBIND11_MODULE(_C, m) {
   zerocore::bindings::bind_distributed(m);
   zerocore::bindings::bind_io(m);
   zerocore::bindings::bind_quantize(m);
+  zerocore::bindings::bind_storage(m);
 }

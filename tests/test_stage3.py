@@ -421,3 +421,57 @@ def test_state_dict_while_sharded_raises_naming_the_way_out_and_never_returns_na
     for message in run_ranks(state_dict_worker, 2):
         assert "full_state_dict()" in message and "engine.close()" in message and "zerocore.gathered" in message, \
             message
+
+
+def test_spare_gather_storage_hands_pages_over_and_refuses_what_it_cannot():
+    """Note [Spare gather storage]: a released unit's memory serves the next gather of its size, without a copy
+    and with every view seeing it; past the capacity memory is freed; move_storage refuses bad input."""
+    from zerocore._gather_spares import GatherSpares
+    from zerocore._native import _C
+
+    spares = GatherSpares(capacity=2 * 4000)
+    full = torch.arange(1000, dtype=torch.float32)
+    view = full[10:20]  # a parameter's view, as autograd would save it
+    address = full.data_ptr()
+    spares.release(full)
+    assert full.untyped_storage().nbytes() == 0 and spares.held_bytes == 4000
+    other = torch.zeros(1000)
+    other_address = other.data_ptr()
+    spares.release(other)
+    third = torch.zeros(1000)
+    spares.release(third)  # past the capacity: freed, not kept
+    assert spares.held_bytes == 8000 and third.untyped_storage().nbytes() == 0
+    spares.fill(full, 4000)
+    assert full.untyped_storage().nbytes() == 4000 and spares.held_bytes == 4000
+    full.copy_(torch.arange(1000, dtype=torch.float32) * 2)
+    assert torch.equal(view, torch.arange(10, 20, dtype=torch.float32) * 2)  # views see the memory again
+    assert full.data_ptr() in (address, other_address)  # the pages of a released buffer, not new ones
+    spares.fill(third, 2000)  # no spare of that size: a fresh allocation
+    assert third.untyped_storage().nbytes() == 2000 and spares.held_bytes == 4000
+    with pytest.raises(ValueError, match="must be empty"):
+        _C.move_storage(full, third)
+    with pytest.raises(ValueError, match="share one storage"):
+        _C.move_storage(full, view)
+
+
+def spare_reuse_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                         "zero_optimization": {"stage": 3}}, units=[nn.Sequential])
+    reference = copy.deepcopy(engine.full_state_dict(rank0_only=False))
+    for step in range(3):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step + 10 * rank))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    report = engine.memory_report()["bytes"]
+    state = engine.full_state_dict(rank0_only=False)
+    two_largest = sum(sorted((u.numel for u in engine.stage3.units), reverse=True)[:2]) * 4
+    engine.close()
+    return {"spares": report["gather_spares"], "bound": two_largest,
+            "changed": any(not torch.equal(state[k], reference[k]) for k in state)}
+
+
+def test_stage3_keeps_spares_within_two_units_and_trains():
+    for result in run_ranks(spare_reuse_worker, 2):
+        assert 0 < result["spares"] <= result["bound"] and result["changed"]

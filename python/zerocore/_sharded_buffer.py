@@ -74,6 +74,7 @@ class ShardedBuffer:
         # Note [Gathers land on first read]: (bucket, pending collective) in issue order, and their elements
         self._in_flight: collections.deque[tuple[int, Any]] = collections.deque()
         self._in_flight_elements = 0
+        self.spares: Any = None  # stage 3: the runtime's GatherSpares (Note [Spare gather storage])
 
     @property
     def numel(self) -> int:
@@ -308,7 +309,10 @@ class ShardedBuffer:
         """Parameters sharded and at rest: ``full`` gets its memory back before a gather fills it."""
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(self.numel * self.full.element_size())
+            if self.spares is not None:
+                self.spares.fill(self.full, self.numel * self.full.element_size())
+            else:
+                storage.resize_(self.numel * self.full.element_size())
 
     def regather(self, comm: Any, label: str) -> None:
         """Every bucket of ``full`` again from every rank's shard, landed on return (a collective)."""
@@ -361,7 +365,10 @@ class ShardedBuffer:
         for param, placeholder, name in zip(self.params, self.placeholders, self.names):
             param.data = placeholder
             mark_sharded(param, name)
-        self.full.untyped_storage().resize_(0)
+        if self.spares is not None:
+            self.spares.release(self.full)
+        else:
+            self.full.untyped_storage().resize_(0)
 
     def take_shard_from_full(self) -> None:
         """``full`` was overwritten (``zerocore.gathered`` with a modifier rank): this rank's shard and the

@@ -57,6 +57,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ._divergence import DivergenceCheck
+from ._gather_spares import GatherSpares
 from ._native import _C
 from ._sharded_buffer import ShardedBuffer
 from ._sharded_param import mark_whole
@@ -104,6 +105,11 @@ class Stage3Runtime:
                 unit.build_from([p.detach() for p in unit.params])
         for unit in self.units:
             unit.persistent = unit.spec.parent is None or unit.numel < zo.stage3_param_persistence_threshold
+        # built and released: from here on, released units' memory serves the next gathers
+        largest = sorted((u.numel for u in self.units), reverse=True)[:2]
+        self.spares = GatherSpares(sum(largest) * torch.empty((), dtype=engine.compute_dtype).element_size())
+        for unit in self.units:
+            unit.buffer.spares = self.spares
         self._unit_of_param = {id(p): unit for unit in self.units for p in unit.params}
         self.in_forward = False  # between the model's forward pre-hook and its forward hook
         self._any_pinned = False
@@ -142,6 +148,7 @@ class Stage3Runtime:
             for param, value in zip(unit.params, whole):
                 param.data = value
                 mark_whole(param)
+        self.spares.clear()
 
     def _register_module_hooks(self) -> None:
         self.hook_handles: list[Any] = []
@@ -439,7 +446,8 @@ class Stage3Runtime:
         return {"gathered_params_live": self.live_elements * width,
                 "gathered_params_peak_last_step": self.last_step_peak_elements * width,
                 # hpZ: each unit's slice of its forward values, held until its backward is done
-                "hpz_secondary": sum(u.secondary.numel() * width for u in self.units if u.secondary is not None)}
+                "hpz_secondary": sum(u.secondary.numel() * width for u in self.units if u.secondary is not None),
+                "gather_spares": self.spares.held_bytes}  # Note [Spare gather storage]
 
     def forget_partition_slices(self) -> None:
         """The shards changed outside a step (a checkpoint load, a write in ``gathered()``): no backward may

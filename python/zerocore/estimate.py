@@ -15,8 +15,8 @@ the tensors the engine would allocate, category by category, under the keys of `
 
 Those are the bytes held between steps. A step also allocates, and frees again, gradient bucket buffers (the
 reducer's pool, Note [Reducer memory]) and, in stage 3, gathered units; ``"step"`` plans them, itemized with
-what it assumes: the pool holds buffers of the largest bucket in the reduce dtype, two of them (one filling
-while the previous one reduces; gradients arriving far out of layout order can open more), and stage 3's
+what it assumes: the pool holds buffers of at most the largest bucket in the reduce dtype, two of them (one
+filling while the previous one reduces; gradients arriving far out of layout order can open more), and stage 3's
 gathered units follow the runtime's gather and release rules and its C++ prefetch planner
 (``_C.plan_forward_prefetch`` / ``plan_backward_prefetch``) over the units run once each in registration order,
 as in a step after the first (which records the order); a model that calls a unit twice, reads another unit's
@@ -58,11 +58,11 @@ from .layout import FlatLayout
 __all__ = ["estimate_memory", "main"]
 
 _DEVICE_KEYS = ("params", "grads", "gathered_params_live", "gathered_params_peak_last_step", "hpz_secondary",
-                "reduce_buckets",
+                "gather_spares", "reduce_buckets",
                 "allgather_buckets", "temporaries", "frozen_params")
 _STATE_KEYS = ("master_params", "optimizer_moments")  # where the optimizer state lives
 _HOST_KEYS = ("offload_staging", "nvme_buffers", "nvme_param_buffers")
-_STEP_BUFFERS = 2  # reducer pool buffers planned for a step: one filling, one reducing (Note [Memory estimate])
+_STEP_BUFFERS = 2  # reducer pool buffers planned for a step: one filling, one reducing (Note [Reducer memory])
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ def _rank_bytes(plan: _Plan, rank: int) -> dict[str, Any]:
     items["nvme_param_buffers"] = bounce
     if policy.params_sharded:
         items.update({"gathered_params_live": 0, "gathered_params_peak_last_step": 0,  # all units at rest
-                      "hpz_secondary": 0})
+                      "hpz_secondary": 0, "gather_spares": 0})  # spares are kept from the first step on
     items.update({"reduce_buckets": 0,  # the reducer's pool is allocated by the first backward
                   "allgather_buckets": 0, "temporaries": 0, "frozen_params": plan.frozen_bytes})
     device_bytes = sum(v for k, v in items.items() if _where(plan)[k] == "device")
@@ -317,13 +317,18 @@ def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
     buffer = 0 if in_place else max(buckets) * _width(plan.config.reduce_dtype)
     count = 0 if in_place else min(_STEP_BUFFERS, len(buckets))
     gathered = _stage3_gathered_peak(plan) * plan.width if plan.policy.params_sharded else 0
+    numel = [b.layout.total_size for b in plan.buffers]
     # hpZ: between forward and backward every unit's 1/K slice of its values is held
     hpz = plan.config.zero_optimization.zero_hpz_partition_size
     secondary = (sum(b.layout.total_size for b in plan.buffers) // hpz * plan.width
                  if plan.policy.params_sharded and hpz > 1 else 0)
+    # stage 3 on the CPU: released units' memory kept for the next gathers, at most the two largest units
+    # (Note [Spare gather storage])
+    spares = (sum(sorted(numel, reverse=True)[:2]) * plan.width
+              if plan.policy.params_sharded and plan.device.type == "cpu" else 0)
     return {"reduce_bucket_buffer": buffer, "reduce_bucket_buffers": count, "reduce_buckets": count * buffer,
-            "gathered_params_peak": gathered, "hpz_secondary_peak": secondary,
-            "peak_bytes": total + count * buffer + gathered + secondary,
+            "gathered_params_peak": gathered, "hpz_secondary_peak": secondary, "gather_spares_peak": spares,
+            "peak_bytes": total + count * buffer + gathered + secondary + spares,
             "assumes": f"{count} reduce bucket buffer(s) of the largest bucket in flight"
                        + ("; stage 3: units run once each, in registration order, none reading another "
                           "unit's parameters" if plan.policy.params_sharded else "")}
