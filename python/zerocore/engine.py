@@ -60,7 +60,6 @@ __all__ = ["Engine", "EngineState", "initialize"]
 _USABLE = (EngineState.IDLE, EngineState.FORWARD, EngineState.AWAITING_STEP, EngineState.NO_SYNC)
 
 
-
 def initialize(
     model: nn.Module,
     config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str],
@@ -454,17 +453,15 @@ class Engine:
         return save_16bit_model(self, save_dir, save_filename)
 
     def land_param_gathers(self) -> None:
-        """Waits for every parameter gather still in flight: stages 1-2's after a step (Note [Gathers land on
-        first read]), stage 3's prefetches."""
+        """Waits for every parameter gather in flight (Note [Gathers land on first read]; stage 3's prefetches)."""
         if self.stage3 is not None:
             self.stage3.land_gathers()
         for buffer in self.buffers:
             buffer.land_gathers()
 
     def absorb_param_writes(self) -> list[ShardedBuffer]:
-        """Parameters written in place since the last step reach the fp32 master now (Note [Writes to
-        parameters]): at every step, and before the optimizer state is saved. Returns the buffers that
-        absorbed a write."""
+        """In-place writes since the last step reach the fp32 master (Note [Writes to parameters]): at every
+        step and before the optimizer state is saved. Returns the buffers that absorbed a write."""
         self.land_param_gathers()
         written = [buffer for buffer in self.buffers if buffer.params_written()]
         for buffer in written:
