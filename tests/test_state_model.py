@@ -4,6 +4,7 @@ step, and the config keys that change communication (bucket sizes, reduce_scatte
 from __future__ import annotations
 
 import copy
+import io
 import pathlib
 import re
 
@@ -298,8 +299,17 @@ def first_read_worker(rank: int, world: int, stage: int) -> list[str]:
         if step == 1:  # the next forward reads them (a tied head read by the parent, F.linear with a child's weight)
             with torch.no_grad():
                 engine(tokens)
+        read = model
+        if step == 2:  # a deep copy is a plain model with whole values
+            read = copy.deepcopy(model)
+            assert all(type(p) is torch.nn.Parameter for p in read.parameters())
+        if step == 3:  # so is a pickled one (torch.save(model))
+            saved = io.BytesIO()
+            torch.save(model, saved)
+            saved.seek(0)
+            read = torch.load(saved, weights_only=False)
         # right after step(): the plain model's own state dict holds every rank's updated shard
-        reference.assert_matches({k: v.clone() for k, v in model.state_dict().items()}, label=f"step {step}")
+        reference.assert_matches({k: v.clone() for k, v in read.state_dict().items()}, label=f"step {step}")
         assert buffer.gathers_in_flight == 0 and all(type(p) is torch.nn.Parameter for p in params)
     engine.close()
     return seen

@@ -38,7 +38,7 @@ from ._policy import StagePolicy
 from ._sharded_param import mark_in_flight, mark_landed, mark_sharded, mark_whole
 from .layout import Bucket, FlatLayout
 
-_ALIGNMENT = 64  # elements: 128 bytes of a 16-bit dtype (vector loads, cache lines, coalesced access)
+ALIGNMENT = 64  # elements: 128 bytes of a 16-bit dtype (vector loads, cache lines, coalesced access)
 
 
 class ShardedBuffer:
@@ -54,7 +54,7 @@ class ShardedBuffer:
         self.params = params
         self.names = list(names)
         self.groups = list(groups)  # param group of each parameter
-        self.layout = FlatLayout([p.numel() for p in params], world, _ALIGNMENT, bucket_cap)
+        self.layout = FlatLayout([p.numel() for p in params], world, ALIGNMENT, bucket_cap)
         self.buckets: list[Bucket] = self.layout.buckets
         self.offsets: list[int] = self.layout.offsets().tolist()
         self.rank = rank

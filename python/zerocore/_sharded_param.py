@@ -118,6 +118,22 @@ class _AwaitsGather:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    # copy.deepcopy and pickling (torch.save(model)) build the copy from the class and __dict__: land first,
+    # so the copy is an ordinary parameter of the original class with whole values
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        self._land_now()
+        return self.__deepcopy__(memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self._land_now()
+        return self.__reduce_ex__(protocol)
+
+    def _land_now(self) -> None:
+        land = self.__dict__.get(_LAND)
+        if land is not None:
+            land()
+        mark_landed(self)
+
 
 _awaiting: dict[type, type] = {}
 _awaiting_originals: dict[type, type] = {}

@@ -68,7 +68,7 @@ from ._units import UnitSpec
 if TYPE_CHECKING:
     from .engine import Engine
 
-_NO_BUCKET_CAP = 2**62  # one bucket per unit: one all-gather gathers the whole unit
+NO_BUCKET_CAP = 2**62  # one bucket per unit: one all-gather gathers the whole unit
 # the gathers that feed computation, which qwZ quantizes; state dicts, gathered(), close() get exact values
 _QUANTIZED_LABELS = frozenset({"all_gather_forward", "all_gather_backward", "all_gather_external"})
 
@@ -89,7 +89,7 @@ class Stage3Runtime:
         self.max_live = zo.stage3_max_live_parameters
         self.prefetch_elements = zo.stage3_prefetch_bucket_size
         self.units = [Unit(s, engine.new_buffer(f"unit {s.name or '<root>'}", s.params, s.param_names,
-                                                [group_of[id(p)] for p in s.params], _NO_BUCKET_CAP))
+                                                [group_of[id(p)] for p in s.params], NO_BUCKET_CAP))
                       for s in specs if s.params]
         self._unit_of_buffer = {id(u.buffer): u for u in self.units}
         self._slot_of = {u.index: slot for slot, u in enumerate(self.units)}  # unit index -> position in units

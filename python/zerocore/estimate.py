@@ -49,8 +49,8 @@ from ._native import _C
 from ._nvme_params import check_param_offload, plan_param_file
 from ._nvme_state import pipeline_buffers, plan_sub_groups
 from ._policy import StagePolicy
-from ._sharded_buffer import _ALIGNMENT
-from ._stage3 import _NO_BUCKET_CAP
+from ._sharded_buffer import ALIGNMENT
+from ._stage3 import NO_BUCKET_CAP
 from ._units import UnitSpec, resolve_units
 from .config import ZeroConfig, hidden_size_of
 from .layout import FlatLayout
@@ -184,7 +184,7 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
     state = optimizer_state_for(config, where, 0)  # the engine's own rule (raises for unsupported offload)
     check_param_offload(config.zero_optimization.offload_param, where)
     if count is not None:
-        layout = FlatLayout([count], world, _ALIGNMENT, _NO_BUCKET_CAP if policy.params_sharded else
+        layout = FlatLayout([count], world, ALIGNMENT, NO_BUCKET_CAP if policy.params_sharded else
                             BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce)
         return _Plan(config, policy, where, state, [_Unit(layout, count)], 0, True)
     groups = collect_trainable(model, param_groups, config.optimizer)  # also checks param_groups, as initialize
@@ -193,7 +193,7 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
     else:  # _construction.whole_model_buffer: every trainable parameter, in param-group order, in reduce buckets
         sizes = [p.numel() for g in groups for p in g["params"]]
         cap = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce
-        buffers = [_Unit(FlatLayout(sizes, world, _ALIGNMENT, cap), sum(sizes))]
+        buffers = [_Unit(FlatLayout(sizes, world, ALIGNMENT, cap), sum(sizes))]
     return _Plan(config, policy, where, state, buffers, _frozen_bytes(model, config.compute_dtype), False)
 
 
@@ -210,7 +210,7 @@ def _stage3_buffers(model: nn.Module, units: Any, world: int) -> list[_Unit]:
         if spec.params:
             sizes = [p.numel() for p in spec.params]
             slot_of[spec.index] = len(buffers)
-            buffers.append(_Unit(FlatLayout(sizes, world, _ALIGNMENT, _NO_BUCKET_CAP), sum(sizes),
+            buffers.append(_Unit(FlatLayout(sizes, world, ALIGNMENT, NO_BUCKET_CAP), sum(sizes),
                                  None if parent is None else slot_of[parent], spec.parent is None))
     return buffers
 
