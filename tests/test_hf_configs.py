@@ -412,7 +412,8 @@ def test_one_cycle_stays_between_its_bounds_and_peaks_after_the_first_phase(lo, 
     low, high = min(lo, hi), max(lo, hi)
     assert all(low - 1e-12 <= v <= high + 1e-12 for v in lrs)
     assert all(0.85 - 1e-12 <= m <= 0.95 + 1e-12 for m in moms)
-    assert lrs[first] == pytest.approx(hi, rel=1e-12, abs=1e-15)  # the peak: step first_step_size
+    # the peak: step first_step_size (lo + (hi - lo) * 1.0 rounds like the bounds above: 1e-12 absolute)
+    assert lrs[first] == pytest.approx(hi, rel=1e-12, abs=1e-12)
     assert lrs[first + second:] == [lo] * 5  # after the cycle, without decay: cycle_min_lr
 
 
