@@ -5,17 +5,17 @@
 // Note [Reducer memory]
 // ---------------------
 // Bucket buffers come from a small pool, in the reduce dtype. A bucket takes the smallest free buffer that
-// holds it when its first gradient arrives and returns it once its reduce-scatter completed and its shard
-// was deposited. When none fits, the oldest bucket in flight is completed first; only when nothing in flight
+// holds it when its first gradient arrives and returns it once its reduce-scatter completed and its shard was
+// deposited. When none fits, the oldest bucket in flight is completed first; only when nothing in flight
 // frees one that fits does the pool grow, by a buffer of the second-largest bucket's size (or the bucket's
 // own, for the largest), so that every bucket but the largest fits every buffer and stage 3's blocks do not
 // each take a buffer of the root unit's size. (Letting two reductions travel while a third bucket fills was
 // measured: no faster beyond this machine's noise, and one more bucket of peak memory.) With gradients
-// arriving roughly in reverse layout order (the launch order),
-// two or three buffers are live at a time, whatever the model size. A pool buffer is never zeroed as a
-// whole: each gradient is written into its slot once, scaled by the prescale in the same pass where the
-// dtypes agree, and at launch only the padding and the slots of parameters without a gradient are zeroed
-// (a bucket costs one pass over its gradients, not a zeroing, a copy and a scaling).
+// arriving roughly in reverse layout order (the launch order), two or three buffers are live at a time,
+// whatever the model size. A pool buffer is never zeroed as a whole: each gradient is written into its slot
+// once, scaled by the prescale in the same pass where the dtypes agree, and at launch only the padding and
+// the slots of parameters without a gradient are zeroed (a bucket costs one pass over its gradients, not a
+// zeroing, a copy and a scaling).
 #pragma once
 
 #include <deque>

@@ -16,12 +16,22 @@ there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ._native import _C
 
 
+def spare_capacity(unit_numels: Sequence[int], width: int) -> int:
+    """The bytes of spares a stage-3 runtime keeps: its two largest units (the engine and estimate_memory
+    both size them here)."""
+    return sum(sorted(unit_numels, reverse=True)[:2]) * width
+
+
 class GatherSpares:
+    """Released units' memory; a capacity of 0 keeps none (every release frees, every fill allocates)."""
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._spares: list[torch.Tensor] = []  # empty uint8 tensors owning the storages' memory

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._gather_spares import GatherSpares
 from ._optimizer_state import OptimizerState, Shard, shard_geometry
 from ._policy import StagePolicy
 from ._sharded_param import mark_in_flight, mark_landed, mark_sharded, mark_whole
@@ -74,7 +75,8 @@ class ShardedBuffer:
         # Note [Gathers land on first read]: (bucket, pending collective) in issue order, and their elements
         self._in_flight: collections.deque[tuple[int, Any]] = collections.deque()
         self._in_flight_elements = 0
-        self.spares: Any = None  # stage 3: the runtime's GatherSpares (Note [Spare gather storage])
+        # stage 3: the runtime's spares once built (Note [Spare gather storage]); none kept before
+        self.spares = GatherSpares(0)
 
     @property
     def numel(self) -> int:
@@ -307,12 +309,8 @@ class ShardedBuffer:
 
     def _allocate_full(self) -> None:
         """Parameters sharded and at rest: ``full`` gets its memory back before a gather fills it."""
-        storage = self.full.untyped_storage()
-        if storage.nbytes() == 0:
-            if self.spares is not None:
-                self.spares.fill(self.full, self.numel * self.full.element_size())
-            else:
-                storage.resize_(self.numel * self.full.element_size())
+        if self.full.untyped_storage().nbytes() == 0:
+            self.spares.fill(self.full, self.numel * self.full.element_size())
 
     def regather(self, comm: Any, label: str) -> None:
         """Every bucket of ``full`` again from every rank's shard, landed on return (a collective)."""
@@ -365,10 +363,7 @@ class ShardedBuffer:
         for param, placeholder, name in zip(self.params, self.placeholders, self.names):
             param.data = placeholder
             mark_sharded(param, name)
-        if self.spares is not None:
-            self.spares.release(self.full)
-        else:
-            self.full.untyped_storage().resize_(0)
+        self.spares.release(self.full)
 
     def take_shard_from_full(self) -> None:
         """``full`` was overwritten (``zerocore.gathered`` with a modifier rank): this rank's shard and the

@@ -65,22 +65,24 @@ class _RefusesCompute:
         )
 
 
-_subclasses: dict[type, type] = {}
-_originals: dict[type, type] = {}
+_subclasses: dict[tuple[type, type], type] = {}  # (guard, parameter class) -> the guarded subclass
+_originals: dict[type, type] = {}  # guarded subclass -> the parameter class it guards
 
 
-def _refusing(cls: type) -> type:
-    if cls not in _subclasses:
-        sub = type(f"ZeroSharded{cls.__name__}", (_RefusesCompute, cls), {"__module__": __name__})
-        _subclasses[cls], _originals[sub] = sub, cls
-    return _subclasses[cls]
+def _guarded(guard: type, prefix: str, cls: type) -> type:
+    """``cls`` with ``guard``'s ``__torch_function__`` in front (one class per guard and parameter class)."""
+    key = (guard, cls)
+    if key not in _subclasses:
+        sub = type(f"{prefix}{cls.__name__}", (guard, cls), {"__module__": __name__})
+        _subclasses[key], _originals[sub] = sub, cls
+    return _subclasses[key]
 
 
 def mark_sharded(param: nn.Parameter, name: str) -> None:
     """``param`` holds a placeholder now: computing with it raises, naming ``name``."""
     if not isinstance(param, _RefusesCompute):
         param.__dict__[_NAME] = name
-        param.__class__ = _refusing(type(param))
+        param.__class__ = _guarded(_RefusesCompute, "ZeroSharded", type(param))
 
 
 def mark_whole(param: nn.Parameter) -> None:
@@ -112,9 +114,7 @@ class _AwaitsGather:
         if _operation(func)[0] not in _METADATA:
             for leaf in tree_leaves((args, kwargs)):
                 if isinstance(leaf, _AwaitsGather):
-                    land = leaf.__dict__.get(_LAND)
-                    if land is not None:
-                        land()  # swaps the class of leaf (and of every parameter landed with it) back
+                    leaf._land_now()  # swaps the class of leaf (and of every parameter landed with it) back
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -135,26 +135,15 @@ class _AwaitsGather:
         mark_landed(self)
 
 
-_awaiting: dict[type, type] = {}
-_awaiting_originals: dict[type, type] = {}
-
-
-def _awaiting_class(cls: type) -> type:
-    if cls not in _awaiting:
-        sub = type(f"ZeroGathering{cls.__name__}", (_AwaitsGather, cls), {"__module__": __name__})
-        _awaiting[cls], _awaiting_originals[sub] = sub, cls
-    return _awaiting[cls]
-
-
 def mark_in_flight(param: nn.Parameter, land: Callable[[], None]) -> None:
     """``param``'s gather is in flight: its first read calls ``land()`` (which must call :func:`mark_landed`)."""
     if not isinstance(param, _AwaitsGather):
-        param.__class__ = _awaiting_class(type(param))
+        param.__class__ = _guarded(_AwaitsGather, "ZeroGathering", type(param))
     param.__dict__[_LAND] = land
 
 
 def mark_landed(param: nn.Parameter) -> None:
     """``param``'s gather landed: an ordinary parameter of its own class again."""
     if isinstance(param, _AwaitsGather):
-        param.__class__ = _awaiting_originals[type(param)]
+        param.__class__ = _originals[type(param)]
     param.__dict__.pop(_LAND, None)

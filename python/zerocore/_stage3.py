@@ -57,7 +57,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ._divergence import DivergenceCheck
-from ._gather_spares import GatherSpares
+from ._gather_spares import GatherSpares, spare_capacity
 from ._native import _C
 from ._sharded_buffer import ShardedBuffer
 from ._sharded_param import mark_whole
@@ -106,8 +106,8 @@ class Stage3Runtime:
         for unit in self.units:
             unit.persistent = unit.spec.parent is None or unit.numel < zo.stage3_param_persistence_threshold
         # built and released: from here on, released units' memory serves the next gathers
-        largest = sorted((u.numel for u in self.units), reverse=True)[:2]
-        self.spares = GatherSpares(sum(largest) * torch.empty((), dtype=engine.compute_dtype).element_size())
+        self.spares = GatherSpares(spare_capacity([u.numel for u in self.units],
+                                                  torch.empty((), dtype=engine.compute_dtype).element_size()))
         for unit in self.units:
             unit.buffer.spares = self.spares
         self._unit_of_param = {id(p): unit for unit in self.units for p in unit.params}

@@ -44,6 +44,7 @@ from torch import nn
 
 from ._buckets import BucketSizes
 from ._construction import optimizer_state_for
+from ._gather_spares import spare_capacity
 from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
 from ._native import _C
 from ._nvme_params import check_param_offload, plan_param_file
@@ -324,8 +325,7 @@ def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
                  if plan.policy.params_sharded and hpz > 1 else 0)
     # stage 3 on the CPU: released units' memory kept for the next gathers, at most the two largest units
     # (Note [Spare gather storage])
-    spares = (sum(sorted(numel, reverse=True)[:2]) * plan.width
-              if plan.policy.params_sharded and plan.device.type == "cpu" else 0)
+    spares = spare_capacity(numel, plan.width) if plan.policy.params_sharded and plan.device.type == "cpu" else 0
     return {"reduce_bucket_buffer": buffer, "reduce_bucket_buffers": count, "reduce_buckets": count * buffer,
             "gathered_params_peak": gathered, "hpz_secondary_peak": secondary, "gather_spares_peak": spares,
             "peak_bytes": total + count * buffer + gathered + secondary + spares,
