@@ -2,6 +2,9 @@
 for DDP (fused AdamW) and zerocore's default configs, on bench/train_step.py's model and data.
 
     python bench/step_phases.py [--systems ddp,zero1,zero2,zero3] [--steps 8] [--warmup 3] [--world 2]
+                                [--dtype fp32|bf16]
+
+bf16 as in bench/train_step.py: DDP's forward and loss under ``torch.autocast``, zerocore with ``bf16.enabled``.
 
 Prints, per system, the median milliseconds of each phase on every rank (rank0/rank1/...).
 """
@@ -9,6 +12,7 @@ Prints, per system, the median milliseconds of each phase on every rank (rank0/r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -21,16 +25,24 @@ from _peers import ADAMW, batch, build_model, loss_of, zerocore_config  # noqa: 
 MODEL = {"layers": 6, "dim": 512, "seq": 128, "batch": 2, "vocab": 8192}
 
 
-def _rank_main(rank: int, world: int, system: str, steps: int, warmup: int) -> dict[str, float]:
+def _rank_main(rank: int, world: int, system: str, steps: int, warmup: int, dtype: str) -> dict[str, float]:
     import torch
 
+    bf16 = dtype == "bf16"
     model = build_model(MODEL)
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         wrapped = DDP(model, gradient_as_bucket_view=True)
         opt = torch.optim.AdamW(wrapped.parameters(), fused=True, **ADAMW)
-        forward, backward = (lambda x, y: loss_of(wrapped(x), y)), (lambda loss: loss.backward())
+        autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+
+        def forward(x, y):
+            with autocast():
+                return loss_of(wrapped(x), y)
+
+        def backward(loss) -> None:
+            loss.backward()
 
         def step() -> None:
             opt.step()
@@ -38,7 +50,7 @@ def _rank_main(rank: int, world: int, system: str, steps: int, warmup: int) -> d
     else:
         import zerocore
 
-        engine = zerocore.initialize(model, zerocore_config(MODEL, int(system[-1]), tuned=False, bf16=False))
+        engine = zerocore.initialize(model, zerocore_config(MODEL, int(system[-1]), tuned=False, bf16=bf16))
         forward, backward, step = (lambda x, y: loss_of(engine(x), y)), engine.backward, engine.step
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
     for i in range(warmup + steps):
@@ -62,9 +74,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
     for system in args.systems.split(","):
-        results: list[dict[str, Any]] = run_ranks(_rank_main, args.world, system, args.steps, args.warmup,
+        results: list[dict[str, Any]] = run_ranks(_rank_main, args.world, system, args.steps, args.warmup, args.dtype,
                                                   timeout=600)
         print(f"{system:6s} " + "  ".join(
             f"{name} " + "/".join(f"{r[name]:.0f}" for r in results) + " ms" for name in results[0]))

@@ -319,14 +319,13 @@ def test_a_rank_killed_at_a_random_moment_of_saving_leaves_latest_loadable(seed,
     """SIGKILL one rank at a random moment while both ranks save checkpoint after checkpoint: ``latest``
     always names a complete checkpoint, which loads (here at world size 1, stage 1: all files are read
     and checked against their checksums)."""
-    import multiprocessing as mp
     import random as stdlib_random
     import signal
     import time
 
-    from _dist import _worker, free_port
+    from _dist import _worker, free_port, rank_context
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     started, queue, port = ctx.Event(), ctx.Queue(), free_port()
     procs = [ctx.Process(target=_worker, args=(saving_forever_worker, r, 2, port, (str(tmp_path), started), queue,
                                                30.0), daemon=True) for r in range(2)]
