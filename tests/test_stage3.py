@@ -181,7 +181,8 @@ def memory_worker(rank: int, world: int) -> dict:
     return {"peak": runtime.last_step_peak_elements, "largest": largest, "report": report,
             "shards": sum(u.layout.shard_size for u in runtime.units), "comm": engine.comm_report(),
             "persistent": sum(u.numel for u in runtime.units if u.persistent),
-            "psi": sum(u.numel for u in runtime.units), "block0": runtime.units[1].numel}
+            "psi": sum(u.numel for u in runtime.units), "block0": runtime.units[1].numel,
+            "last": next(u.numel for u in runtime.units if u.index == runtime.recorded_order[-1])}
 
 
 def test_stage3_memory_and_comm_volume():
@@ -198,10 +199,14 @@ def test_stage3_memory_and_comm_volume():
         c = result["comm"]["collectives"]
         steps = 3
         # Psi reduce-scattered per step; Psi gathered in forward plus once more for blocks.0, which runs twice
-        # and is released in between; in backward every unit but the persistent root is gathered again.
+        # and is released in between; once an order is recorded (steps 2 and 3) the step starts the next
+        # forward's first gather, the root's (Note [Gathers started in the step]; no room for more under
+        # max_live), so the last step's is one more; in backward every unit but the persistent root is gathered
+        # again, except, from step 2 on, the forward's last unit (Note [Last unit stays for the backward]).
         assert c["reduce_scatter"]["logical_elements"] == steps * psi
-        assert c["all_gather_forward"]["logical_elements"] == steps * (psi + result["block0"])
-        assert c["all_gather_backward"]["logical_elements"] == steps * (psi - result["persistent"])
+        assert c["all_gather_forward"]["logical_elements"] == steps * (psi + result["block0"]) + result["persistent"]
+        assert c["all_gather_backward"]["logical_elements"] == (steps * (psi - result["persistent"])
+                                                                - (steps - 1) * result["last"])
 
 
 def order_change_worker(rank: int, world: int) -> int:
@@ -217,7 +222,9 @@ def order_change_worker(rank: int, world: int) -> int:
     changed = [w for w in caught if "forward order changed" in str(w.message)]
     assert len(changed) == 1, [str(w.message) for w in caught]
     assert "expected module 'blocks.0'" in str(changed[0].message) and "'blocks.2'" in str(changed[0].message)
-    assert all(u.state.value == "sharded" or u.persistent for u in engine.stage3.units)
+    # after the step: sharded, or gathering the updated values for the next forward (Note [Gathers started in
+    # the step]); nothing stays gathered from before the update
+    assert all(u.state.value in ("sharded", "gathering") for u in engine.stage3.units)
     return engine.stage3.order_changes
 
 
@@ -458,13 +465,14 @@ def spare_reuse_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
     engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                                         "zero_optimization": {"stage": 3}}, units=[nn.Sequential])
+                                         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+                                 units=[nn.Sequential])
     reference = copy.deepcopy(engine.full_state_dict(rank0_only=False))
     for step in range(3):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step + 10 * rank))
         engine.backward(engine(x).square().mean())
+        report = engine.memory_report()["bytes"]  # every unit released: after the step some gather again
         engine.step()
-    report = engine.memory_report()["bytes"]
     state = engine.full_state_dict(rank0_only=False)
     two_largest = sum(sorted((u.numel for u in engine.stage3.units), reverse=True)[:2]) * 4
     engine.close()
@@ -475,3 +483,45 @@ def spare_reuse_worker(rank: int, world: int) -> dict:
 def test_stage3_keeps_spares_within_two_units_and_trains():
     for result in run_ranks(spare_reuse_worker, 2):
         assert 0 < result["spares"] <= result["bound"] and result["changed"]
+
+
+def gathers_after_step_worker(rank: int, world: int) -> dict:
+    """Once an order is recorded, step() starts the next forward's first gathers (Note [Gathers started in the
+    step]): a unit in flight is still at rest for the user (state_dict and compute raise as for a sharded one),
+    a unit module called on its own lands it, and its values are the updated ones."""
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config(stage3_max_live_parameters=600))
+    for step in range(2):
+        engine.backward(loss_of(engine, *data(step, rank)))
+        engine.step()
+    states = {u.name: u.state.value for u in engine.stage3.units}
+    errors = []
+    for read in (lambda: model.state_dict(), lambda: model.embed.weight.sum()):
+        try:
+            read()
+            errors.append("no error")
+        except RuntimeError as error:
+            errors.append(str(error))
+    h = torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(7))
+    direct = model.blocks[0](h)  # gathers (or lands) its own unit
+    full = engine.full_state_dict(rank0_only=False)
+    expected = nn.functional.layer_norm(
+        h + torch.tanh(nn.functional.linear(h, full["blocks.0.linear.weight"], full["blocks.0.linear.bias"])),
+        (DIM,), full["blocks.0.norm.weight"], full["blocks.0.norm.bias"])
+    torch.testing.assert_close(direct, expected, rtol=0, atol=0)
+    before = engine.comm_report()["collectives"]["all_gather_forward"]["calls"]
+    engine(data(2, rank)[0])  # the root's gather is the one already in flight
+    forward_gathers = engine.comm_report()["collectives"]["all_gather_forward"]["calls"] - before
+    return {"states": states, "errors": errors, "forward_gathers": forward_gathers}
+
+
+def test_the_step_starts_the_next_forwards_first_gathers_and_reads_stay_right():
+    for result in run_ranks(gathers_after_step_worker, 2):
+        # max_live 600 leaves no room for a prefetch beside the root (384 elements): only the root is ahead
+        assert result["states"] == {"<root>": "gathering", "blocks.0": "sharded", "blocks.1": "sharded",
+                                    "blocks.2": "sharded"}, result
+        assert "state_dict() of a ZeRO stage 3 model" in result["errors"][0], result
+        assert "'embed.weight'" in result["errors"][1] and "zerocore.gathered" in result["errors"][1], result
+        # blocks.0 twice (released in between), blocks.1, blocks.2; the root's came from the step
+        assert result["forward_gathers"] == 4, result

@@ -3,7 +3,8 @@
 Note [Divergence tags]
 ----------------------
 Every gather of a unit is paired with a tiny all-gather of a tag (unit, call count in this step, step,
-and whether this rank failed to read its shard: Note [NVMe parameter shards]) from every rank, issued just before the unit's own all-gather and never waited for on its own: the unit's
+whether this rank failed to read its shard: Note [NVMe parameter shards], and what the gather is for:
+forward, backward, ...) from every rank, issued just before the unit's own all-gather and never waited for on its own: the unit's
 wait first waits for the tag and compares every rank's tag with this rank's. On the CPU the comparison
 reads memory the collective just wrote (no device sync), and a mismatch raises on every rank, naming the
 rank, the step and both modules, before the unit's possibly mismatched gather is waited for. On an
@@ -25,7 +26,12 @@ import torch
 from ._transforms import outside_transforms
 
 
-_FIELDS = 4  # per rank: unit, call count in this step, step, whether this rank failed to read its shard
+_FIELDS = 5  # per rank: unit, call count in this step, step, whether this rank failed to read its shard, purpose
+# What a gather is for, by its label; a rank gathering a unit for its forward while another gathers the same
+# unit for its backward is out of lockstep even where unit, call and step agree (a rank-dependent extra call
+# of the last unit, whose backward needs no gather, Note [Last unit stays for the backward]).
+_PURPOSES = ("all_gather_forward", "all_gather_backward", "all_gather_external", "all_gather_state_dict",
+             "all_gather_user", "all_gather_load", "all_gather_close")
 
 
 class RanksDivergedError(RuntimeError):
@@ -45,18 +51,20 @@ class DivergenceCheck:
         self.step_tags: list[torch.Tensor] = []
         self.read_failure: str | None = None  # the last shard this rank could not read, for the messages
 
-    def _tag(self, unit: int, call: int, step: int, failed: bool) -> torch.Tensor:
+    def _tag(self, unit: int, call: int, step: int, failed: bool, label: str) -> torch.Tensor:
+        purpose = _PURPOSES.index(label) if label in _PURPOSES else len(_PURPOSES)
         tag = torch.zeros(_FIELDS * self.world, dtype=torch.int64, device=self.device)
-        tag[_FIELDS * self.rank : _FIELDS * (self.rank + 1)] = torch.tensor([unit, call, step, int(failed)])
+        tag[_FIELDS * self.rank : _FIELDS * (self.rank + 1)] = torch.tensor([unit, call, step, int(failed), purpose])
         return tag
 
     @outside_transforms  # tags are the engine's tensors, never a transform's (Note [torch.func transforms])
-    def before_gather(self, unit: int, call: int, step: int, read_failure: str | None = None) -> Any:
-        """Issues the tag exchange for one gather; what the unit hands to :meth:`after_gather` at its wait.
-        ``read_failure``: this rank could not read its shard (Note [NVMe parameter shards])."""
+    def before_gather(self, unit: int, call: int, step: int, label: str, read_failure: str | None = None) -> Any:
+        """Issues the tag exchange for one gather (``label``: what it is for); what the unit hands to
+        :meth:`after_gather` at its wait. ``read_failure``: this rank could not read its shard (Note [NVMe
+        parameter shards])."""
         if read_failure is not None:
             self.read_failure = read_failure
-        tag = self._tag(unit, call, step, read_failure is not None)
+        tag = self._tag(unit, call, step, read_failure is not None, label)
         work = self.comm.all_gather(tag, unit, "unit_tag")
         if self.strict:
             work.wait()
@@ -107,14 +115,18 @@ class DivergenceCheck:
                 f"their NVMe file at step {step}, so every rank stops at this gather (none is left waiting in a "
                 "collective); the shards on disk are unchanged: load the last checkpoint once the disk is fixed. "
                 f"This rank: {self.read_failure if self.rank in failed else 'its read succeeded'}")
-        rows = [row[:3] for row in rows]
+        rows = [row[:3] + row[4:] for row in rows]
         mine = rows[self.rank]
         for other, row in enumerate(rows):
             if row != mine:
                 raise RanksDivergedError(
-                    f"ranks diverged at step {step}: rank {other} gathered module "
-                    f"{self.names.get(row[0], row[0])!r} (call {row[1]}) while rank {self.rank} gathered "
-                    f"{self.names.get(mine[0], mine[0])!r} (call {mine[1]}). Under ZeRO stage 3 every rank must run "
-                    "the same modules in the same order (SPMD); a rank-dependent branch over a module with "
-                    "parameters breaks that."
+                    f"ranks diverged at step {step}: rank {other} gathered module {self._what(row)} while rank "
+                    f"{self.rank} gathered {self._what(mine)}. Under ZeRO stage 3 every rank must run the same "
+                    "modules in the same order (SPMD); a rank-dependent branch over a module with parameters "
+                    "breaks that."
                 )
+
+    def _what(self, row: list[int]) -> str:
+        unit, call, _, purpose = row
+        label = _PURPOSES[purpose].removeprefix("all_gather_") if purpose < len(_PURPOSES) else "other"
+        return f"{self.names.get(unit, unit)!r} (call {call}, {label} gather)"

@@ -28,17 +28,28 @@ the gather is waited for (Note [Divergence tags]): if ranks run different units 
 branch), the first divergent gather raises on every rank with the rank, the step and both modules,
 instead of hanging or mixing one unit's shards into another's silently.
 
-Note [External parameters]
---------------------------
-A module may use a parameter of another unit outside that unit's forward: a parent calling
-``F.linear(x, self.child.weight)``, a head reading a tied embedding, a bias a submodule returns and its
-parent adds (DeepSpeed calls these external parameters). Every module that owns stage-3 parameters gets an
-``_ExternalAccess`` dict as its ``_parameters``: during a forward (or a recomputation in backward), reading
-a parameter whose unit is not gathered gathers that unit on the spot (every rank runs the same forward, so
-every rank gathers it at the same point) and pins it; so does a unit whose forward returns one of its own
-parameters. A pinned unit stays gathered through the backward, which needs the same values, and is
-released when the backward ends (at the end of the forward when it runs without grad). Reads outside a
-forward gather nothing (Note [Sharded placeholders]).
+Note [Last unit stays for the backward]
+---------------------------------------
+From step 2 on, the last unit of the recorded forward order is not released after its forward when a
+backward may follow (grad enabled, its outputs require grad) and the forward went along the recorded
+order: the backward needs that unit first, so releasing it and gathering it again would be a collective
+with nothing to overlap, moving one unit more per step. It is released as soon as its gradients are in
+(or when the backward or the step ends), so no peak grows: the backward would hold it at that point
+anyway, together with the unit prefetched before it. torchtitan leaves its last block unsharded after
+forward for the same reason. Every rank decides alike (same recorded order, same forward), so the
+collectives stay in lockstep; the values are those the backward would gather (the shards change only at
+the step; qwZ quantizes a shard the same way every time).
+
+Note [Gathers started in the step]
+----------------------------------
+Once an order is recorded, the gathers the next forward would issue at its start (its first unit, the
+root's embedding as a rule, and what it prefetches from there under the same budget and cap) start inside
+the optimizer step, each as soon as its unit's shard is updated, like stages 1-2's all-gathers: they travel
+while the other shards compute instead of being waited for, with nothing to overlap, by the forward's first
+module. Such a unit is GATHERING after ``step()``; the forward waits for it as for any prefetch, a module
+called on its own lands it first, and every other path (state dicts, ``gathered()``, checkpoints, close)
+lands it before reading. A sharded-state error (``model.state_dict()``, ``load_state_dict()`` outside
+``gathered()``) is raised for it as for a sharded unit, so nothing depends on which units were ahead.
 
 Prefetch: step 1 records the sequence of units gathered in forward; later steps gather the next unit of
 that sequence while the current one computes (and the previous one in backward), never holding more than
@@ -48,7 +59,7 @@ recorded sequence warns once, naming the expected and the seen module, and gathe
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +72,7 @@ from ._gather_spares import GatherSpares, spare_capacity
 from ._native import _C
 from ._sharded_buffer import ShardedBuffer
 from ._sharded_param import mark_whole
+from ._stage3_access import install_access_checks, remove_external_access
 from ._stage3_unit import Unit, UnitState
 from ._transforms import outside_transforms, wrapped_values
 from ._units import UnitSpec
@@ -127,6 +139,7 @@ class Stage3Runtime:
         self.peak_live_elements = 0  # since the last optimizer step
         self.last_step_peak_elements = 0  # the peak of the last completed step
         self.order_changes = 0
+        self._started_in_step: set[int] = set()  # units whose gather started after this step's update
         self.reading_state = False  # inside the engine's full_state_dict(): state_dict() may see placeholders
         self.divergence = DivergenceCheck(engine, {u.index: u.name for u in self.units}, strict_spmd)
         self._register_module_hooks()
@@ -137,9 +150,7 @@ class Stage3Runtime:
         for handle in self.hook_handles:
             handle.remove()
         self.hook_handles = []
-        for module in self.engine.module.modules():
-            if isinstance(module._parameters, _ExternalAccess):
-                module._parameters = dict(module._parameters)
+        remove_external_access(self.engine.module)
         for unit in self.units:
             unit.pinned = False
             self.ensure_gathered(unit, "all_gather_close")
@@ -161,58 +172,8 @@ class Stage3Runtime:
             self.hook_handles.append(module.register_forward_pre_hook(lambda m, args, unit=unit: self.pre_forward(unit)))
             self.hook_handles.append(
                 module.register_forward_hook(lambda m, args, out, unit=unit: self.post_forward(unit, out)))
-        self._register_sharded_access_checks()
-        for module in self.engine.module.modules():
-            if any(id(p) in self._unit_of_param for p in module._parameters.values() if p is not None):
-                module._parameters = _ExternalAccess(module._parameters, self)
-
-    def _register_sharded_access_checks(self) -> None:
-        """A module run while its parameters are sharded (called directly, outside its unit's forward)
-        would compute on NaN placeholders: raise instead, naming the parameter and the way out."""
-        owner = {id(p): (unit, name) for unit in self.units for p, name in zip(unit.params, unit.spec.param_names)}
-        for module in self.engine.module.modules():
-            mine = [owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner]
-            if mine:
-                # Registered after the units' gather hooks, so a unit module gathers before it is checked.
-                self.hook_handles.append(module.register_forward_pre_hook(
-                    lambda m, args, mine=mine: self._check_gathered(mine)))
-                # model.state_dict() (torch.save, save_pretrained) would write NaN placeholders: raise.
-                self.hook_handles.append(module.register_state_dict_pre_hook(
-                    lambda m, prefix, keep_vars, mine=mine: self._check_state_dict(mine)))
-                # model.load_state_dict() would fail on the placeholders with torch's aliasing error: name the way.
-                self.hook_handles.append(module.register_load_state_dict_pre_hook(
-                    lambda m, *args, mine=mine: self._check_load(mine)))
-
-    def _check_gathered(self, params: list[tuple[Unit, str]]) -> None:
-        for unit, name in params:
-            if unit.state is UnitState.SHARDED:
-                raise RuntimeError(
-                    f"parameter {name!r} is sharded by ZeRO stage 3 (unit {unit.name!r} is not gathered): run "
-                    f"the model through the engine, call the unit {unit.name!r} itself, or wrap the access in "
-                    "`with zerocore.gathered(params):`"
-                )
-
-    def _check_state_dict(self, params: list[tuple[Unit, str]]) -> None:
-        if self.reading_state:
-            return  # the engine's own full_state_dict() gathers each unit before reading it
-        for unit, name in params:
-            if unit.state is UnitState.SHARDED:
-                raise RuntimeError(
-                    f"state_dict() of a ZeRO stage 3 model while parameter {name!r} is sharded would hold NaN "
-                    "placeholders: use engine.full_state_dict() (a collective: every rank calls it; rank 0 gets "
-                    "whole tensors), or engine.close() to get the plain model back, or wrap the call in "
-                    "`with zerocore.gathered(model.parameters()):`"
-                )
-
-    def _check_load(self, params: list[tuple[Unit, str]]) -> None:
-        for unit, name in params:
-            if unit.state is UnitState.SHARDED:
-                raise RuntimeError(
-                    f"load_state_dict() into a ZeRO stage 3 model while parameter {name!r} is sharded: load inside "
-                    "`with zerocore.gathered(model.parameters(), modifier_rank=0): model.load_state_dict(sd)` "
-                    "(every rank enters the block; rank 0's values reach every rank's shard and fp32 master), or "
-                    "load into the plain model before zerocore.initialize()"
-                )
+        # Note [External parameters]; running or saving a module whose parameters are sharded raises
+        self.hook_handles += install_access_checks(self.engine.module, self.units, self._unit_of_param, self)
 
     def _in_backward(self) -> bool:
         return torch._C._current_graph_task_id() != -1
@@ -231,6 +192,7 @@ class Stage3Runtime:
             for t in outputs:  # a parameter handed out: its parent uses it later (Note [External parameters])
                 if isinstance(t, nn.Parameter) and id(t) in self._unit_of_param:
                     self._pin(self._unit_of_param[id(t)])
+        backward_follows = False
         if torch.is_grad_enabled():
             tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
             tensors += wrapped_values(outputs)  # under torch.func transforms (Note [torch.func transforms])
@@ -238,9 +200,18 @@ class Stage3Runtime:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads, unit=unit: self.pre_backward(unit), mode="any"
                 )
+                backward_follows = True
         if not self._in_backward() and not unit.persistent and not unit.pinned:
-            self.release(unit)
+            if not (backward_follows and self._ends_recorded_forward(unit)):
+                self.release(unit)
         return None
+
+    def _ends_recorded_forward(self, unit: Unit) -> bool:
+        """``unit`` is the last of the recorded forward order, reached along it: the backward needs it first
+        (Note [Last unit stays for the backward])."""
+        order = self.recorded_order
+        return (self._prefetch_enabled and order is not None and self._position == len(order)
+                and order[-1] == unit.index)
 
     def access_external(self, unit: Unit) -> None:
         """A parameter of ``unit`` is read outside its unit's forward (Note [External parameters])."""
@@ -327,12 +298,13 @@ class Stage3Runtime:
         unit.wait()
 
     @outside_transforms
-    def _gather(self, unit: Unit, label: str) -> None:
+    def _gather(self, unit: Unit, label: str, step: int | None = None) -> None:
+        """``step``: the step the gather's divergence tag names, when it is not the current one."""
         unit.calls += 1
         partition = self.hpz_slot is not None and label == "all_gather_backward" and unit.secondary is not None
         # this rank's values first (from the parameter file, maybe): a failed read rides on the tag
         failure = None if partition else unit.buffer.stage_own(0)
-        tag = self.divergence.before_gather(unit.index, unit.calls, self.step, failure)
+        tag = self.divergence.before_gather(unit.index, unit.calls, self.step if step is None else step, label, failure)
         if partition:
             unit.start_partition_gather(self.hpz_comm, label, self.divergence, tag, self.hpz_slot)
             unit.quantized = self.quantizes_weights  # the forward's values, as they were gathered
@@ -426,12 +398,45 @@ class Stage3Runtime:
                 self.release(unit)
         self._any_pinned = False
 
+    def gathers_in_step(self) -> Callable[[int], None] | None:
+        """The optimizer step's ``after_shard``: the gathers the next forward would issue at its start (its
+        first unit and what it prefetches from there) start as soon as their units' shards are updated
+        (Note [Gathers started in the step]); None before an order is recorded or with NVMe parameter shards."""
+        self._started_in_step.clear()  # (a step that raised part-way left its own)
+        if self.recorded_order is None or self._reads_ahead:
+            return None
+        first = self._recorded_slots[0]
+        sharded = [slot != first for slot in range(len(self.units))]
+        ahead = [first, *_C.plan_forward_prefetch(
+            recorded_order=self._recorded_slots, position=1, unit_numel=self._numels, unit_sharded=sharded,
+            live_elements=self._numels[first], max_live=self.max_live, prefetch_budget=self.prefetch_elements)]
+        shards_left = {slot: len(self.units[slot].buffer.optimizer_shards) for slot in ahead}
+        slot_of_shard = {shard.index: slot for slot in ahead for shard in self.units[slot].buffer.optimizer_shards}
+
+        def after_shard(index: int) -> None:
+            slot = slot_of_shard.get(index)
+            if slot is None:
+                return
+            shards_left[slot] -= 1
+            if shards_left[slot] == 0:
+                unit = self.units[slot]
+                unit.pinned = False
+                self.release(unit)  # its gathered copy, if it kept one, holds the values before the update
+                unit.calls = 0
+                self._gather(unit, "all_gather_forward", self.step + 1)
+                self._started_in_step.add(unit.index)
+
+        return after_shard
+
     def end_forward_backward_step(self) -> None:
-        """After the optimizer step: shards changed, so every gathered copy is stale."""
+        """After the optimizer step: shards changed, so every gathered copy is stale (except those gathered
+        after the update, Note [Gathers started in the step])."""
         for unit in self.units:
             unit.pinned = False
-            self.release(unit)
-            unit.calls = 0
+            if unit.index not in self._started_in_step:
+                self.release(unit)
+                unit.calls = 0
+        self._started_in_step.clear()
         self._any_pinned = False
         self._end_order_record()
         self._whole_forward = False
@@ -458,27 +463,3 @@ class Stage3Runtime:
     # ---- outside forward ------------------------------------------------------------------------------
     def unit_of_buffer(self, buffer: ShardedBuffer) -> Unit:
         return self._unit_of_buffer[id(buffer)]
-
-
-class _ExternalAccess(dict):
-    """A module's ``_parameters`` under stage 3: reading a parameter whose unit is not gathered, during a
-    forward, gathers and pins that unit (Note [External parameters]). ``nn.Module.__getattr__`` reads
-    parameters through ``__getitem__``; iteration (``parameters()``, ``state_dict()``) does not."""
-
-    def __init__(self, params: dict[str, Any], runtime: Stage3Runtime) -> None:
-        super().__init__(params)
-        self._runtime = runtime
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
-        return copy.deepcopy(dict(self), memo)  # a copied module is a plain module, not this engine's
-
-    def __reduce__(self) -> Any:
-        return dict, (dict(self),)
-
-    def __getitem__(self, name: str) -> Any:
-        param = dict.__getitem__(self, name)
-        if param is not None:
-            unit = self._runtime._unit_of_param.get(id(param))
-            if unit is not None and unit.state is not UnitState.GATHERED:
-                self._runtime.access_external(unit)
-        return param

@@ -127,9 +127,11 @@ def update_and_gather(engine: Engine, grad_scale: float) -> None:
     is updated (so it travels while the next shard computes) and is still in flight on return: the next
     forward overlaps it, each parameter waiting for its bucket's gather on its first read (Note [Gathers land
     on first read]), with at most ``allgather_bucket_size`` elements in flight when it is set. Stage 3
-    gathers each unit when it is next used."""
+    starts the gathers the next forward begins with (Note [Gathers started in the step]) and gathers every
+    other unit when it is next used."""
     if engine.policy.params_sharded:
-        engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale)
+        engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale,
+                                    after_shard=engine.stage3.gathers_in_step())
         return
     (buffer,) = engine.buffers  # stages 1-2: the whole model is one buffer, its shard i is bucket i
     cap = engine.buckets.allgather_in_flight
