@@ -5,6 +5,7 @@ bench/gpu_check.sh on a lent device machine."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -168,4 +169,37 @@ def test_parameter_shards_on_nvme_match_the_reference_on_cuda(optimizer, tmp_pat
     report = engine.memory_report()
     assert report["bytes"]["params"] == 0 and report["nvme"]["param_file_bytes"] > 0
     assert report["nvme"]["param_reads_ahead_used"] > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_steady_state_step_syncs_the_host_once(stage):
+    """Issue 8 item 6 on the device: a steady-state forward and backward never wait for the GPU (stage 3's
+    gathers and divergence tags included), and step() syncs once (its verdicts' all-reduce read on the host).
+    torch.cuda.set_sync_debug_mode reports every synchronizing call with the Python line that made it."""
+    model = build("transformer").cuda()
+    engine = zerocore.initialize(model, make_config(stage, bf16={"enabled": True}))
+    generator = torch.Generator().manual_seed(0)
+    inputs, target = (t.cuda() for t in batch("transformer", generator, size=16))
+    for _ in range(3):  # the order is recorded, buffers exist
+        engine.backward(loss_fn("transformer", engine(inputs), target))
+        engine.step()
+    torch.cuda.synchronize()
+    syncs: dict[str, list[str]] = {}
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            phases = (("forward", lambda: loss_fn("transformer", engine(inputs), target)),
+                      ("backward", lambda: engine.backward(loss)), ("step", engine.step))
+            loss = None
+            for phase, run in phases:
+                seen = len(caught)
+                result = run()
+                loss = result if phase == "forward" else loss
+                syncs[phase] = [f"{w.filename}:{w.lineno}" for w in caught[seen:]
+                                if "synchronizing" in str(w.message)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not syncs["forward"] and not syncs["backward"] and len(syncs["step"]) <= 1, syncs
     engine.close()

@@ -53,9 +53,13 @@ class DivergenceCheck:
 
     def _tag(self, unit: int, call: int, step: int, failed: bool, label: str) -> torch.Tensor:
         purpose = _PURPOSES.index(label) if label in _PURPOSES else len(_PURPOSES)
-        tag = torch.zeros(_FIELDS * self.world, dtype=torch.int64, device=self.device)
-        tag[_FIELDS * self.rank : _FIELDS * (self.rank + 1)] = torch.tensor([unit, call, step, int(failed), purpose])
-        return tag
+        values = [0] * (_FIELDS * self.world)
+        values[_FIELDS * self.rank : _FIELDS * (self.rank + 1)] = [unit, call, step, int(failed), purpose]
+        tag = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cpu":
+            return tag
+        # a copy from pageable memory would wait for the stream: a host sync per gather
+        return tag.pin_memory().to(self.device, non_blocking=True)
 
     @outside_transforms  # tags are the engine's tensors, never a transform's (Note [torch.func transforms])
     def before_gather(self, unit: int, call: int, step: int, label: str, read_failure: str | None = None) -> Any:

@@ -43,9 +43,11 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     sum_of_squares = engine.optimizer_state.grad_sum_of_squares()
     store = engine.optimizer_state.store
     unusable = store.check_whole() if store is not None else None  # NVMe: checked before anything changes
-    verdicts = torch.tensor([0.0, float(bool(written)), float(unusable is not None)], dtype=torch.float64,
-                            device=sum_of_squares.device)
+    # filled in place (torch.tensor(list, device=...) would copy from pageable memory: a second host sync)
+    verdicts = torch.zeros(3, dtype=torch.float64, device=sum_of_squares.device)
     verdicts[0] = sum_of_squares
+    verdicts[1] = float(bool(written))
+    verdicts[2] = float(unusable is not None)
     if engine.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
         verdicts = torch.cat([verdicts, engine.stage3.divergence.verdict().reshape(1).double()])
     engine.comm.all_reduce(verdicts, False).wait()

@@ -10,15 +10,15 @@ states and their legal transitions: Note [Engine states] in _lifecycle.py.
 
 What the stage changes is a policy (Note [Stage policy]); the storage is one ShardedBuffer per unit
 (Note [Sharded buffer]; stages 1-2: one for the whole model; stage 3: one per unit, scheduled by
-_stage3.py), each registering its shards with the one optimizer state (Note [Optimizer state ownership]). Which backwards reduce gradients: the policy's
-``reduce_every_sync`` (stages 2-3), else only the accumulation boundary's (stage 1). The boundary
-``step()`` then, on every rank in the same order: all-reduces the gradients' sum of squares (the global
-norm for clipping, and the fp16 overflow verdict: one collective, one host sync), runs the fused Adam
-kernel on every shard (writing the compute-dtype params in the same pass) and, in stages 1-2, all-gathers
-each bucket's params, which the next forward overlaps: any read after ``step()`` (``model.state_dict()``,
-``model(x)``, a parameter) first waits for its parameter's gather, so it sees whole, updated parameters
-(Note [Gathers land on first read] in _sharded_param.py), and every other method of the engine lands them all
-before it does anything.
+_stage3.py), each registering its shards with the one optimizer state (Note [Optimizer state
+ownership]). Which backwards reduce gradients: the policy's ``reduce_every_sync`` (stages 2-3), else only
+the accumulation boundary's (stage 1). The boundary ``step()`` then, on every rank in the same order:
+all-reduces the gradients' sum of squares (the global norm for clipping, and the fp16 overflow verdict: one
+collective, one host sync), runs the fused Adam kernel on every shard (writing the compute-dtype params in
+the same pass) and starts the gathers the next forward overlaps: in stages 1-2 every bucket's, and any read
+after ``step()`` first waits for its parameter's gather (Note [Gathers land on first read] in
+_sharded_param.py); in stage 3 those the next forward begins with (Note [Gathers started in the step]).
+Every other method of the engine lands them all before it does anything.
 """
 
 from __future__ import annotations
