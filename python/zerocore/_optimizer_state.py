@@ -30,6 +30,7 @@ import torch
 from . import ops
 
 _NORM_BLOCK = 16384  # elements reduced in fp32 before the float64 sum (see grad_sum_of_squares)
+_NORM_CHUNK = 32 * _NORM_BLOCK  # 16-bit gradients: elements widened to fp32 at a time (2 MiB)
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -315,7 +316,12 @@ class OptimizerState:
             grads = shard.grads
             whole = grads.numel() // _NORM_BLOCK * _NORM_BLOCK
             if whole:
-                blocks = torch.linalg.vector_norm(grads[:whole].view(-1, _NORM_BLOCK), dim=1, dtype=torch.float32)
+                # On the CPU, 16-bit gradients are widened to fp32 inside vector_norm: chunk by chunk, that
+                # temporary stays in cache instead of being a fresh shard-sized allocation every step (~7x
+                # slower for 14M bf16 elements); each block's norm is the same either way
+                chunk = whole if grads.dtype == torch.float32 or grads.device.type != "cpu" else _NORM_CHUNK
+                pieces = [grads[start:min(start + chunk, whole)].view(-1, _NORM_BLOCK) for start in range(0, whole, chunk)]
+                blocks = torch.cat([torch.linalg.vector_norm(piece, dim=1, dtype=torch.float32) for piece in pieces])
                 total += blocks.double().square().sum()
             if whole < grads.numel():
                 total += torch.linalg.vector_norm(grads[whole:], dtype=torch.float32).double().square()
