@@ -8,9 +8,9 @@ full buffer's storage is resized to zero, while every parameter keeps its global
 Gathering resizes the storage back and all-gathers into it, so the views, and the tensors autograd
 saved from an earlier gather, see the data again (FSDP's storage-resize technique). A unit is gathered
 before its forward and released after it (except the root unit and units under
-``stage3_param_persistence_threshold``, which stay gathered until the step), gathered again before its
-backward (a hook on its outputs' gradients) and released once every parameter in it got its gradient;
-the gradients are reduce-scattered by the GradReducer (one bucket per unit) into the unit's gradient
+``stage3_param_persistence_threshold``, which stay gathered until the step, and the forward's last unit:
+Note [Last unit stays for the backward]), gathered again before its backward (a hook on its outputs'
+gradients) and released once every parameter in it got its gradient; the gradients are reduce-scattered by the GradReducer (one bucket per unit) into the unit's gradient
 shard and the full gradients are freed at once.
 
 Note [Sharded placeholders]
@@ -59,8 +59,8 @@ recorded sequence warns once, naming the expected and the seen module, and gathe
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
