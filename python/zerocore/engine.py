@@ -408,12 +408,10 @@ class Engine:
         return self.full_state_dict(rank0_only=False)
 
     def full_state_dict(self, dtype: torch.dtype | None = None, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The model's full state dict, keyed by the original names and loadable into the plain model
-        with ``load_state_dict(strict=True)``; CPU tensors, in ``dtype`` when given (floating ones).
-
-        Stage 3 gathers one unit at a time, so the peak is the output plus one unit. A collective: call it
-        on every rank. With ``rank0_only`` other ranks get an empty dict.
-        """
+        """The model's full state dict, keyed by the original names and loadable into the plain model with
+        ``load_state_dict(strict=True)``; CPU tensors, in ``dtype`` when given (floating ones). Stage 3
+        gathers one unit at a time (peak: the output plus one unit). A collective: call it on every rank;
+        with ``rank0_only`` other ranks get an empty dict."""
         self.lifecycle.require("full_state_dict()", *_USABLE)
         self.land_param_gathers()
         return full_state_dict(self, dtype, rank0_only)
