@@ -7,7 +7,9 @@ killed, so a hang becomes a fast failure instead of a stuck CI.
 Ranks are forked from a forkserver that has imported torch and zerocore once, instead of spawned: a fresh
 interpreter spends ~1.8 s of CPU importing torch, which on two cores was most of a small multi-rank test.
 The forkserver never runs a torch op, so no OpenMP or other worker threads exist when it forks, and every
-rank still starts from the same clean state (a process of its own, its own process group).
+rank still starts from the same clean state (a process of its own, its own process group). The ranks see the
+environment the forkserver started with (the first run_ranks call's): a test that needs a variable set for
+its ranks sets it inside the rank function, as _worker sets MASTER_ADDR and RANK.
 """
 
 from __future__ import annotations
