@@ -10,8 +10,9 @@ saved from an earlier gather, see the data again (FSDP's storage-resize techniqu
 before its forward and released after it (except the root unit and units under
 ``stage3_param_persistence_threshold``, which stay gathered until the step, and the forward's last unit:
 Note [Last unit stays for the backward]), gathered again before its backward (a hook on its outputs'
-gradients) and released once every parameter in it got its gradient; the gradients are reduce-scattered by the GradReducer (one bucket per unit) into the unit's gradient
-shard and the full gradients are freed at once.
+gradients) and released once every parameter in it got its gradient; the gradients are reduce-scattered
+by the GradReducer (one bucket per unit) into the unit's gradient shard and the full gradients are freed
+at once.
 
 Note [Sharded placeholders]
 ---------------------------
@@ -420,7 +421,6 @@ class Stage3Runtime:
             shards_left[slot] -= 1
             if shards_left[slot] == 0:
                 unit = self.units[slot]
-                unit.pinned = False
                 self.release(unit)  # its gathered copy, if it kept one, holds the values before the update
                 unit.calls = 0
                 self._gather(unit, "all_gather_forward", self.step + 1)

@@ -97,22 +97,27 @@ def _check_gathered(params: list[tuple[Unit, str]]) -> None:
 def _check_state_dict(params: list[tuple[Unit, str]], runtime: Stage3Runtime) -> None:
     if runtime.reading_state:
         return  # the engine's own full_state_dict() gathers each unit before reading it
-    for unit, name in params:
-        if unit.state is not UnitState.GATHERED:  # sharded, or its gather still in flight
-            raise RuntimeError(
-                f"state_dict() of a ZeRO stage 3 model while parameter {name!r} is sharded would hold NaN "
-                "placeholders: use engine.full_state_dict() (a collective: every rank calls it; rank 0 gets "
-                "whole tensors), or engine.close() to get the plain model back, or wrap the call in "
-                "`with zerocore.gathered(model.parameters()):`"
-            )
+    name = _first_at_rest(params)
+    if name is not None:
+        raise RuntimeError(
+            f"state_dict() of a ZeRO stage 3 model while parameter {name!r} is sharded would hold NaN "
+            "placeholders: use engine.full_state_dict() (a collective: every rank calls it; rank 0 gets "
+            "whole tensors), or engine.close() to get the plain model back, or wrap the call in "
+            "`with zerocore.gathered(model.parameters()):`"
+        )
 
 
 def _check_load(params: list[tuple[Unit, str]]) -> None:
-    for unit, name in params:
-        if unit.state is not UnitState.GATHERED:  # sharded, or its gather still in flight
-            raise RuntimeError(
-                f"load_state_dict() into a ZeRO stage 3 model while parameter {name!r} is sharded: load inside "
-                "`with zerocore.gathered(model.parameters(), modifier_rank=0): model.load_state_dict(sd)` "
-                "(every rank enters the block; rank 0's values reach every rank's shard and fp32 master), or "
-                "load into the plain model before zerocore.initialize()"
-            )
+    name = _first_at_rest(params)
+    if name is not None:
+        raise RuntimeError(
+            f"load_state_dict() into a ZeRO stage 3 model while parameter {name!r} is sharded: load inside "
+            "`with zerocore.gathered(model.parameters(), modifier_rank=0): model.load_state_dict(sd)` "
+            "(every rank enters the block; rank 0's values reach every rank's shard and fp32 master), or "
+            "load into the plain model before zerocore.initialize()"
+        )
+
+
+def _first_at_rest(params: list[tuple[Unit, str]]) -> str | None:
+    """The first parameter whose unit is not gathered: sharded, or its gather still in flight."""
+    return next((name for unit, name in params if unit.state is not UnitState.GATHERED), None)
