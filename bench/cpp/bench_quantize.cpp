@@ -1,5 +1,6 @@
 // zerocore-bench quantize: zerocore::quantize_symmetric and dequantize_symmetric (int8 / int4, fp32 / bf16 /
-// fp16 data) per SIMD path and thread count, against the copy stream's roofline measured in the same run.
+// fp16 data) per SIMD path and thread count, against two rooflines measured in the same run: the copy stream
+// and the stream of the call's own read:write shape (Note [Shaped streams] in zerocore/stream_probe.hpp).
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -79,15 +80,33 @@ struct Case {
   ScalarType dtype;
   zerocore::SimdPath path;
   int64_t bytes;  // read + written by one call
+  // Its data bytes per q byte as a stream shape: quantize reads 2-8 lines per line written, dequantize the
+  // reverse. The scales (4 bytes per group) are left out of the shape.
+  zerocore::StreamShape shape;
+};
+
+struct StreamVariant {
+  zerocore::StoreKind stores;
+  int64_t prefetch_bytes;  // shaped streams only: a software prefetch this far ahead of each line read
+
+  std::string name() const {
+    const std::string store = zerocore::store_kind_name(stores);
+    return prefetch_bytes > 0 ? store + "+pf" + std::to_string(prefetch_bytes / 1024) + "k" : store;
+  }
+};
+
+struct Roofline {
+  double best_gbps;
+  double median_gbps;
+  StreamVariant fastest;
 };
 
 struct Row {
   int64_t threads;
   Case c;
   Timing timing;
-  double roofline_gbps;
-  double roofline_median_gbps;
-  zerocore::StoreKind roofline_stores;
+  Roofline copy;
+  Roofline shaped;
 };
 
 // The buffers of one dtype: the data (input of quantize, output of dequantize) and q/scales for both bits.
@@ -131,10 +150,12 @@ int quantize_command(int argc, char** argv) {
   bool json = false;
   ArgParser parser("quantize",
                    "Times zerocore::quantize_symmetric and dequantize_symmetric (one fp32 scale per group) and,\n"
-                   "interleaved with them on the same machine, the copy stream (8 B/element fp32 a = b, the faster\n"
-                   "of regular and nt stores). GB/s counts the bytes each call reads plus writes: quantize reads\n"
-                   "the data (4 or 2 B/element) and writes q (1 or 0.5 B) and the scales; dequantize the reverse.\n"
-                   "The fraction is best GB/s over the copy's best GB/s.");
+                   "interleaved with them on the same machine, two rooflines: the copy stream (8 B/element fp32\n"
+                   "a = b) and a stream of the call's own shape (quantize reads 2-8 cache lines per line written,\n"
+                   "dequantize the reverse; xor only), each the faster of regular and nt stores. GB/s counts the\n"
+                   "bytes each call reads plus writes: quantize reads the data (4 or 2 B/element) and writes q\n"
+                   "(1 or 0.5 B) and the scales; dequantize the reverse. The fractions are best GB/s over each\n"
+                   "roofline's best GB/s; the shaped one is the memory roofline of the call's traffic.");
   parser.add_int("elements", &elements, 1, "elements quantized per call");
   parser.add_int("group-size", &group_size, 2, "elements per scale (even, for int4)");
   parser.add_int_list("threads", &threads, 1, "thread counts to measure, e.g. 1,2");
@@ -164,14 +185,18 @@ int quantize_command(int argc, char** argv) {
           const ScalarType dtype = parse_type(dtype_name);
           const int64_t bytes = elements * type_bytes(dtype) +
                                 zerocore::quantized_bytes(elements, static_cast<int>(bits)) + groups * 4;
-          cases.push_back(Case{direction == "quantize", static_cast<int>(bits), dtype_name, dtype, path, bytes});
+          const int ratio = static_cast<int>(type_bytes(dtype) * 8 / bits);
+          const zerocore::StreamShape shape =
+              direction == "quantize" ? zerocore::StreamShape{ratio, 1} : zerocore::StreamShape{1, ratio};
+          cases.push_back(
+              Case{direction == "quantize", static_cast<int>(bits), dtype_name, dtype, path, bytes, shape});
         }
       }
     }
   }
 
   std::vector<Row> rows;
-  const int64_t stream_bytes = elements * zerocore::stream_kernel_bytes_per_element(zerocore::StreamKernel::kCopy);
+  const int64_t copy_bytes = elements * zerocore::stream_kernel_bytes_per_element(zerocore::StreamKernel::kCopy);
   for (int64_t thread_count : threads) {
     zerocore::ThreadPool pool(static_cast<int>(thread_count));
     zerocore::StreamProbe probe(elements, &pool);
@@ -208,28 +233,68 @@ int quantize_command(int argc, char** argv) {
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     };
 
-    // Copy passes and kernel calls alternate, one warm-up round first, so that the roofline and the kernels
-    // see the same machine: measured one after the other on a shared host they drift apart.
-    std::vector<Timing> stream_timings(stores.size());
+    // The shapes the cases need, each once; index 0 of the streams is the copy, then one per shape.
+    std::vector<zerocore::StreamShape> shapes;
+    std::vector<size_t> shape_of_case;
+    for (const Case& c : cases) {
+      size_t index = 0;
+      while (index < shapes.size() &&
+             (shapes[index].reads != c.shape.reads || shapes[index].writes != c.shape.writes)) {
+        ++index;
+      }
+      if (index == shapes.size()) shapes.push_back(c.shape);
+      shape_of_case.push_back(index);
+    }
+    // Each stream runs with every store kind; the shaped ones also with a software prefetch 4 or 16 KiB
+    // ahead (the quantize kernels prefetch 4 KiB ahead: the roofline must not be beatable by prefetching).
+    std::vector<StreamVariant> copy_variants, shaped_variants;
+    for (zerocore::StoreKind store : stores) {
+      copy_variants.push_back(StreamVariant{store, 0});
+      for (int64_t prefetch_bytes : {0, 4096, 16384}) shaped_variants.push_back(StreamVariant{store, prefetch_bytes});
+    }
+    auto variants_of = [&](size_t stream) -> const std::vector<StreamVariant>& {
+      return stream == 0 ? copy_variants : shaped_variants;
+    };
+    auto time_stream = [&](size_t stream, StreamVariant variant) {
+      return stream == 0 ? probe.time_pass(zerocore::StreamKernel::kCopy, variant.stores)
+                         : probe.time_shaped_pass(shapes[stream - 1], variant.stores, variant.prefetch_bytes);
+    };
+    auto stream_bytes_of = [&](size_t stream) {
+      return stream == 0 ? copy_bytes : probe.shaped_pass_bytes(shapes[stream - 1]);
+    };
+
+    // Stream passes and kernel calls alternate, one warm-up round first, so that the rooflines and the
+    // kernels see the same machine: measured one after the other on a shared host they drift apart.
+    std::vector<std::vector<Timing>> stream_timings;
+    for (size_t stream = 0; stream < 1 + shapes.size(); ++stream) {
+      stream_timings.emplace_back(variants_of(stream).size());
+    }
     std::vector<Timing> case_timings(cases.size());
     for (int64_t round = -1; round < repeat; ++round) {
-      for (size_t s = 0; s < stores.size(); ++s) {
-        const double seconds = probe.time_pass(zerocore::StreamKernel::kCopy, stores[s]);
-        if (round >= 0) stream_timings[s].seconds.push_back(seconds);
+      for (size_t stream = 0; stream < stream_timings.size(); ++stream) {
+        for (size_t v = 0; v < variants_of(stream).size(); ++v) {
+          const double seconds = time_stream(stream, variants_of(stream)[v]);
+          if (round >= 0) stream_timings[stream][v].seconds.push_back(seconds);
+        }
       }
       for (size_t k = 0; k < cases.size(); ++k) {
         const double seconds = run_case(cases[k]);
         if (round >= 0) case_timings[k].seconds.push_back(seconds);
       }
     }
-    size_t fastest = 0;
-    for (size_t s = 1; s < stores.size(); ++s) {
-      if (stream_timings[s].best() < stream_timings[fastest].best()) fastest = s;
-    }
-    const double roofline = stream_bytes / stream_timings[fastest].best() * 1e-9;
-    const double roofline_median = stream_bytes / stream_timings[fastest].median() * 1e-9;
+    auto roofline_of = [&](size_t stream) {
+      const std::vector<Timing>& timings = stream_timings[stream];
+      size_t fastest = 0;
+      for (size_t v = 1; v < timings.size(); ++v) {
+        if (timings[v].best() < timings[fastest].best()) fastest = v;
+      }
+      const double bytes = static_cast<double>(stream_bytes_of(stream));
+      return Roofline{bytes / timings[fastest].best() * 1e-9, bytes / timings[fastest].median() * 1e-9,
+                      variants_of(stream)[fastest]};
+    };
+    const Roofline copy = roofline_of(0);
     for (size_t k = 0; k < cases.size(); ++k) {
-      rows.push_back(Row{thread_count, cases[k], case_timings[k], roofline, roofline_median, stores[fastest]});
+      rows.push_back(Row{thread_count, cases[k], case_timings[k], copy, roofline_of(1 + shape_of_case[k])});
     }
   }
 
@@ -256,10 +321,15 @@ int quantize_command(int argc, char** argv) {
           .field_number("median_seconds", row.timing.median())
           .field_number("best_gbps", best)
           .field_number("median_gbps", gbps(row.c.bytes, row.timing.median()))
-          .field_number("roofline_gbps", row.roofline_gbps)
-          .field_number("roofline_median_gbps", row.roofline_median_gbps)
-          .field_string("roofline_stores", zerocore::store_kind_name(row.roofline_stores))
-          .field_number("fraction_of_roofline", best / row.roofline_gbps)
+          .field_number("roofline_gbps", row.copy.best_gbps)
+          .field_number("roofline_median_gbps", row.copy.median_gbps)
+          .field_string("roofline_stores", row.copy.fastest.name())
+          .field_number("fraction_of_roofline", best / row.copy.best_gbps)
+          .field_string("shape", zerocore::stream_shape_name(row.c.shape))
+          .field_number("shaped_roofline_gbps", row.shaped.best_gbps)
+          .field_number("shaped_roofline_median_gbps", row.shaped.median_gbps)
+          .field_string("shaped_roofline_stores", row.shaped.fastest.name())
+          .field_number("fraction_of_shaped_roofline", best / row.shaped.best_gbps)
           .end_object();
     }
     out.end_array().end_object();
@@ -269,19 +339,22 @@ int quantize_command(int argc, char** argv) {
 
   std::printf("quantize: %lld elements, group size %lld (%lld groups)\n", static_cast<long long>(elements),
               static_cast<long long>(group_size), static_cast<long long>(groups));
-  std::printf("roofline: the copy stream (8 B/element, faster store kind), its passes interleaved with the calls;\n"
-              "%lld rounds after a warm-up round; GB/s = bytes read + written; fraction = best / best roofline\n\n",
+  std::printf("rooflines: the copy stream (8 B/element) and the stream of the call's shape (lines read:written),\n"
+              "each the faster store kind, their passes interleaved with the calls; %lld rounds after a warm-up\n"
+              "round; GB/s = bytes read + written; 'of copy' / 'of shape' = best / that roofline's best\n\n",
               static_cast<long long>(repeat));
   Table table({"threads", "direction", "bits", "dtype", "path", "MB/call", "best ms", "median ms", "best GB/s",
-               "median GB/s", "roofline GB/s", "stores", "fraction"});
+               "median GB/s", "copy GB/s", "of copy", "shape", "shape GB/s", "stores", "of shape"});
   for (const Row& row : rows) {
     const double best = gbps(row.c.bytes, row.timing.best());
     table.add_row({std::to_string(row.threads), row.c.quantize ? "quantize" : "dequantize",
                    std::to_string(row.c.bits), row.c.dtype_name, zerocore::simd_path_name(row.c.path),
                    format("%.1f", row.c.bytes * 1e-6), format("%.2f", row.timing.best() * 1e3),
                    format("%.2f", row.timing.median() * 1e3), format("%.2f", best),
-                   format("%.2f", gbps(row.c.bytes, row.timing.median())), format("%.2f", row.roofline_gbps),
-                   zerocore::store_kind_name(row.roofline_stores), format("%.3f", best / row.roofline_gbps)});
+                   format("%.2f", gbps(row.c.bytes, row.timing.median())), format("%.2f", row.copy.best_gbps),
+                   format("%.3f", best / row.copy.best_gbps), zerocore::stream_shape_name(row.c.shape),
+                   format("%.2f", row.shaped.best_gbps), row.shaped.fastest.name(),
+                   format("%.3f", best / row.shaped.best_gbps)});
   }
   table.print(stdout);
   return 0;

@@ -86,6 +86,57 @@ void portable_non_temporal(StreamKernel kernel, const StreamArrays& x, int64_t b
 }
 #endif
 
+// The shaped streams' portable loops (Note [Shaped streams]); lines of kLineFloats 32-bit words, as in
+// stream_range_avx512's shaped kernels. Non-temporal stores write 16 bytes at a time with SSE.
+using stream_detail::kLineFloats;
+
+inline int shape_ratio(StreamShape shape) { return shape.reads > 1 ? shape.reads : shape.writes; }
+
+// The portable loops do not prefetch: their prefetching passes are the same as the others.
+void portable_shaped(StreamShape shape, StoreKind stores, int64_t /*prefetch_bytes*/, const StreamArrays& x, int64_t begin,
+                     int64_t end) {
+  const int ratio = shape_ratio(shape);
+  const auto* in = reinterpret_cast<const uint32_t*>(x.a1);
+  auto* out = reinterpret_cast<uint32_t*>(x.a0);
+  for (int64_t j = begin; j < end; ++j) {
+    if (shape.reads > 1) {  // shrink: ratio wide lines xor-ed into narrow line j
+      uint32_t line[kLineFloats] = {};
+      for (int k = 0; k < ratio; ++k) {
+        for (int64_t w = 0; w < kLineFloats; ++w) line[w] ^= in[(j * ratio + k) * kLineFloats + w];
+      }
+#if defined(ZEROCORE_PORTABLE_NON_TEMPORAL)
+      if (stores == StoreKind::kNonTemporal) {
+        for (int64_t w = 0; w < kLineFloats; w += 4) {
+          _mm_stream_si128(reinterpret_cast<__m128i*>(out + j * kLineFloats + w),
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + w)));
+        }
+        continue;
+      }
+#endif
+      for (int64_t w = 0; w < kLineFloats; ++w) out[j * kLineFloats + w] = line[w];
+    } else {  // grow: narrow line j written to ratio wide lines
+      for (int k = 0; k < ratio; ++k) {
+        uint32_t* dst = out + (j * ratio + k) * kLineFloats;
+        const uint32_t* src = in + j * kLineFloats;
+#if defined(ZEROCORE_PORTABLE_NON_TEMPORAL)
+        if (stores == StoreKind::kNonTemporal) {
+          for (int64_t w = 0; w < kLineFloats; w += 4) {
+            _mm_stream_si128(reinterpret_cast<__m128i*>(dst + w),
+                             _mm_load_si128(reinterpret_cast<const __m128i*>(src + w)));
+          }
+          continue;
+        }
+#endif
+        for (int64_t w = 0; w < kLineFloats; ++w) dst[w] = src[w];
+      }
+    }
+  }
+#if defined(ZEROCORE_PORTABLE_NON_TEMPORAL)
+  if (stores == StoreKind::kNonTemporal) _mm_sfence();
+#endif
+  (void)stores;
+}
+
 double median_of(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t n = values.size();
@@ -157,6 +208,18 @@ int64_t stream_kernel_bytes_per_element(StreamKernel kernel) {
     case StreamKernel::kAdam: return (4 + 3) * kFloat;
   }
   return 0;
+}
+
+std::string stream_shape_name(StreamShape shape) {
+  return std::to_string(shape.reads) + ":" + std::to_string(shape.writes);
+}
+
+void check_stream_shape(StreamShape shape) {
+  const bool ratio_ok = [](int r) { return r == 1 || r == 2 || r == 4 || r == 8; }(shape.reads > 1 ? shape.reads
+                                                                                                  : shape.writes);
+  ZC_CHECK_ARG(ratio_ok && (shape.reads == 1 || shape.writes == 1),
+               "unknown stream shape ", stream_shape_name(shape),
+               " (lines read : lines written); expected one of 1:1, 2:1, 4:1, 8:1, 1:2, 1:4, 1:8");
 }
 
 const char* store_kind_name(StoreKind stores) { return stores == StoreKind::kNonTemporal ? "nt" : "regular"; }
@@ -254,6 +317,44 @@ double StreamProbe::time_pass(StreamKernel kernel, StoreKind stores) {
   ensure_arrays(stream_kernel_arrays(kernel));  // first touch is not part of the pass
   const auto start = std::chrono::steady_clock::now();
   pass(kernel, stores);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int64_t StreamProbe::shaped_lines(StreamShape shape) const {
+  check_stream_shape(shape);
+  return elements_ / (kLineFloats * shape_ratio(shape));
+}
+
+int64_t StreamProbe::shaped_pass_bytes(StreamShape shape) const {
+  const int64_t narrow_bytes = shaped_lines(shape) * kLineFloats * static_cast<int64_t>(sizeof(float));
+  return narrow_bytes * (1 + shape_ratio(shape));
+}
+
+void StreamProbe::shaped_pass(StreamShape shape, StoreKind stores, int64_t prefetch_bytes) {
+  const int64_t lines = shaped_lines(shape);
+  const StreamArrays arrays{arrays_[0].as<float>(), arrays_[1].as<float>(), nullptr, nullptr};
+  void (*range_kernel)(StreamShape, StoreKind, int64_t, const StreamArrays&, int64_t, int64_t) = &portable_shaped;
+#if defined(ZEROCORE_HAVE_AVX512)
+  if (path_ == SimdPath::kAvx512) range_kernel = &stream_detail::shaped_range_avx512;
+#endif
+  auto body = [&](int64_t begin, int64_t end) { range_kernel(shape, stores, prefetch_bytes, arrays, begin, end); };
+  // A grain of whole wide-side pages, as the arrays were first touched.
+  const int64_t grain = std::max<int64_t>(1, kStreamGrain / kLineFloats);
+  if (pool_ != nullptr) {
+    pool_->parallel_for(lines, grain, body);
+  } else {
+    body(0, lines);
+  }
+}
+
+double StreamProbe::time_shaped_pass(StreamShape shape, StoreKind stores, int64_t prefetch_bytes) {
+  ZC_CHECK_ARG(prefetch_bytes >= 0 && prefetch_bytes % 64 == 0,
+               "shaped stream prefetch distance must be a non-negative multiple of 64 bytes, got ", prefetch_bytes);
+  check_stores(stores);
+  check_stream_shape(shape);
+  ensure_arrays(2);  // first touch is not part of the pass
+  const auto start = std::chrono::steady_clock::now();
+  shaped_pass(shape, stores, prefetch_bytes);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 

@@ -99,7 +99,67 @@ void run_range(StreamKernel kernel, const StreamArrays& x, int64_t begin, int64_
   }
 }
 
+// A line's load, after a prefetch into L2 (T1, as the quantize kernels do) `ahead` floats further on when
+// kPrefetch.
+template <bool kPrefetch>
+inline __m512i load_line(const float* src, int64_t ahead) {
+  if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(src + ahead), _MM_HINT_T1);
+  return _mm512_load_si512(src);
+}
+
+// A shrinking shaped stream: kRatio wide lines xor-ed into each narrow line.
+template <bool kNonTemporal, bool kPrefetch, int kRatio>
+void shrink_lines(const StreamArrays& x, int64_t begin, int64_t end, int64_t ahead) {
+  for (int64_t j = begin; j < end; ++j) {
+    const float* in = x.a1 + j * kRatio * kLineFloats;
+    __m512i v = load_line<kPrefetch>(in, ahead);
+    for (int k = 1; k < kRatio; ++k) v = _mm512_xor_si512(v, load_line<kPrefetch>(in + k * kLineFloats, ahead));
+    store_line<kNonTemporal>(x.a0 + j * kLineFloats, _mm512_castsi512_ps(v));
+  }
+}
+
+// A growing shaped stream: each narrow line written to kRatio wide lines.
+template <bool kNonTemporal, bool kPrefetch, int kRatio>
+void grow_lines(const StreamArrays& x, int64_t begin, int64_t end, int64_t ahead) {
+  for (int64_t j = begin; j < end; ++j) {
+    const __m512 v = _mm512_castsi512_ps(load_line<kPrefetch>(x.a1 + j * kLineFloats, ahead));
+    float* out = x.a0 + j * kRatio * kLineFloats;
+    for (int k = 0; k < kRatio; ++k) store_line<kNonTemporal>(out + k * kLineFloats, v);
+  }
+}
+
+template <bool kNonTemporal, bool kPrefetch>
+void run_shaped(StreamShape shape, const StreamArrays& x, int64_t begin, int64_t end, int64_t ahead) {
+  const bool shrinks = shape.reads > 1;
+  switch (shrinks ? shape.reads : shape.writes) {
+    case 1: return grow_lines<kNonTemporal, kPrefetch, 1>(x, begin, end, ahead);
+    case 2:
+      return shrinks ? shrink_lines<kNonTemporal, kPrefetch, 2>(x, begin, end, ahead)
+                     : grow_lines<kNonTemporal, kPrefetch, 2>(x, begin, end, ahead);
+    case 4:
+      return shrinks ? shrink_lines<kNonTemporal, kPrefetch, 4>(x, begin, end, ahead)
+                     : grow_lines<kNonTemporal, kPrefetch, 4>(x, begin, end, ahead);
+    default:
+      return shrinks ? shrink_lines<kNonTemporal, kPrefetch, 8>(x, begin, end, ahead)
+                     : grow_lines<kNonTemporal, kPrefetch, 8>(x, begin, end, ahead);
+  }
+}
+
 }  // namespace
+
+void shaped_range_avx512(StreamShape shape, StoreKind stores, int64_t prefetch_bytes, const StreamArrays& arrays,
+                         int64_t begin, int64_t end) {
+  const int64_t ahead = prefetch_bytes / static_cast<int64_t>(sizeof(float));
+  const bool prefetch = prefetch_bytes > 0;
+  if (stores == StoreKind::kNonTemporal) {
+    prefetch ? run_shaped<true, true>(shape, arrays, begin, end, ahead)
+             : run_shaped<true, false>(shape, arrays, begin, end, ahead);
+    _mm_sfence();
+  } else {
+    prefetch ? run_shaped<false, true>(shape, arrays, begin, end, ahead)
+             : run_shaped<false, false>(shape, arrays, begin, end, ahead);
+  }
+}
 
 void stream_range_avx512(StreamKernel kernel, StoreKind stores, const StreamArrays& arrays, int64_t begin,
                          int64_t end) {

@@ -30,11 +30,20 @@ constexpr float kAdamStep = 1e-3f;
 // stores need it).
 constexpr int64_t kStreamGrain = 1024;
 
+// fp32 per 64-byte cache line: a shaped stream's unit (Note [Shaped streams]).
+constexpr int64_t kLineFloats = 16;
+
 #if defined(ZEROCORE_HAVE_AVX512)
 // Runs `kernel` on [begin, end); begin is a multiple of kStreamGrain. Call only when
 // cpu_supports(SimdPath::kAvx512).
 void stream_range_avx512(StreamKernel kernel, StoreKind stores, const StreamArrays& arrays, int64_t begin,
                          int64_t end);
+// Runs a shaped stream over narrow-side lines [begin, end): for shrinking shapes (reads > 1) a1 is the wide
+// input and a0 the narrow output, for growing ones (writes > 1) a1 is the narrow input and a0 the wide
+// output. prefetch_bytes > 0: a software prefetch into L2 that far ahead of every line read. Call only when
+// cpu_supports(SimdPath::kAvx512).
+void shaped_range_avx512(StreamShape shape, StoreKind stores, int64_t prefetch_bytes, const StreamArrays& arrays,
+                         int64_t begin, int64_t end);
 #endif
 
 }  // namespace stream_detail

@@ -13,6 +13,19 @@
 // cost an extra read (RFO) that this accounting does not show; non-temporal stores avoid it, which is why
 // both store kinds are measured and the faster one is the roofline. The in-place adam kernel reads every
 // line it writes, so for it the two store kinds usually differ little.
+//
+// Note [Shaped streams]
+// ---------------------
+// The copy stream is the roofline of a kernel that reads as many bytes as it writes. A kernel far from that
+// shape is not bounded by it: quantize reads 4-8 bytes for each byte it writes, and one core's reads are
+// limited by the cache misses it can keep in flight, while its non-temporal writes drain beside them. Seen
+// on this project's 2-core VM: the copy stream at 35 GB/s on one thread, of which only half is reads, so a
+// kernel that only read would score about 0.5 of it however well it streamed; dequantize, the reverse
+// shape, scores up to 1.38. A shaped stream reads `reads` cache lines for every `writes` lines it writes (one
+// of the two is 1), touching each byte once and computing only an xor, with no software prefetch and with
+// one 4 or 16 KiB ahead of its reads; the fastest of those and of the two store kinds is the fastest the memory
+// system moves that mix of bytes: the roofline of a kernel with the same shape. Bytes are counted as for
+// the other kernels: read plus written.
 #pragma once
 
 #include <cstddef>
@@ -60,6 +73,18 @@ int stream_kernel_arrays(StreamKernel kernel);
 int64_t stream_kernel_bytes_per_element(StreamKernel kernel);
 
 enum class StoreKind { kRegular = 0, kNonTemporal = 1 };
+
+// The read:write shape of a shaped stream (Note [Shaped streams]): `reads` lines read per `writes` lines
+// written; one of the two is 1 and the other 1, 2, 4 or 8.
+struct StreamShape {
+  int reads = 1;
+  int writes = 1;
+};
+
+// "4:1" and the like.
+std::string stream_shape_name(StreamShape shape);
+// Throws InvalidArgument naming the accepted shapes when `shape` is not one of them.
+void check_stream_shape(StreamShape shape);
 
 const char* store_kind_name(StoreKind stores);  // "regular" | "nt"
 
@@ -114,11 +139,21 @@ class StreamProbe {
   // starts). For callers that interleave probe passes with the kernel they compare it to, so that both
   // see the same machine: on a shared host the bandwidth drifts between back-to-back measurements.
   double time_pass(StreamKernel kernel, StoreKind stores);
+  // The same for a shaped stream (Note [Shaped streams]) over the probe's first two arrays: the wide side
+  // is `elements` fp32 (rounded down to whole 64-byte lines of the narrow side), the narrow side that
+  // divided by the ratio. prefetch_bytes > 0 (a multiple of 64): a software prefetch into L2 that far
+  // ahead of every line read (the AVX-512 path only; the portable loops ignore it). shaped_pass_bytes is
+  // what one pass reads plus writes.
+  double time_shaped_pass(StreamShape shape, StoreKind stores, int64_t prefetch_bytes = 0);
+  int64_t shaped_pass_bytes(StreamShape shape) const;
 
  private:
   void ensure_arrays(int count);
   void check_stores(StoreKind stores) const;
   void pass(StreamKernel kernel, StoreKind stores);
+  void shaped_pass(StreamShape shape, StoreKind stores, int64_t prefetch_bytes);
+  // Narrow-side lines (16 fp32 each) a shaped pass of this shape covers.
+  int64_t shaped_lines(StreamShape shape) const;
 
   int64_t elements_;
   ThreadPool* pool_;
