@@ -25,7 +25,8 @@ shard itself). Every system trains it from the same seed on the same data (``_pe
   ds_nvme     DeepSpeed ZeRO-3 ``offload_optimizer: {device: nvme}`` (DeepSpeed swaps optimizer state to NVMe
               only in stage 3; in stages 1-2 ``nvme`` means CPU offload), same directory, sub_group_size and
               aio settings; run only when its async_io op can build here (``AsyncIOBuilder().is_compatible()``,
-              checked at run time; it needs libaio's headers and library), else skipped with the reason.
+              checked at run time; it needs libaio's headers and library: Debian's ``libaio-dev``), else
+              skipped with the reason.
 
 DeepSpeed's rows need ``.venv-ds/bin/python`` (see train_step.py's docstring); without DeepSpeed they are left
 out with the reason.
@@ -416,8 +417,9 @@ def main() -> None:
             left = os.listdir(root)
             if left:
                 notes.append(f"{system} left files in the NVMe directory: {left}")
-                for name in left:
-                    os.remove(os.path.join(root, name))
+                for name in left:  # DeepSpeed leaves its swap folder (zero_stage_3/...) behind
+                    path = os.path.join(root, name)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         nvme_rows = [r for r in results if r["system"].startswith("zc_nvme_t")]
         if nvme_rows:
             state_bytes = nvme_rows[0]["nvme_file_bytes"][0]
