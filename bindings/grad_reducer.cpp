@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <ATen/ScalarOps.h>
+
 #include "zerocore/error.hpp"
 
 namespace zerocore::bindings {
@@ -14,6 +16,7 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
       destinations_(std::move(shard_destinations)),
       reduce_dtype_(reduce_dtype),
       prescale_(prescale),
+      prescale_tensor_(at::native::wrapped_scalar_tensor(prescale)),
       overlap_(overlap),
       tracker_(geometry_.param_bucket, static_cast<int64_t>(geometry_.bucket_padded_size.size()),
                geometry_.launch_order) {
@@ -130,7 +133,11 @@ void GradReducer::mark_ready(int64_t param, const at::Tensor& grad) {
       // One pass where the dtypes agree (the product is computed in the reduce dtype either way, so the
       // values are those of a copy followed by the scaling); a widening copy is scaled at launch instead.
       if (prescale_ != 1.0 && grad.scalar_type() == reduce_dtype_) {
-        at::mul_out(slot, grad.reshape({-1}), prescale_);
+        // The prescale as a tensor: mul_out with a Scalar is a composite that multiplies into a fresh
+        // tensor and copies that into `slot` (a gradient-sized allocation, its page faults and a second pass
+        // for every gradient); with a 0-dim tensor the kernel writes into `slot` directly, computing the
+        // same products in the gradient's dtype.
+        at::mul_out(slot, grad.reshape({-1}), prescale_tensor_);
         slot_state_[param] = SlotState::kScaled;
       } else {
         slot.copy_(grad.reshape({-1}));

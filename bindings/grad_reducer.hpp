@@ -75,6 +75,7 @@ class GradReducer {
   std::vector<at::Tensor> in_place_;  // per bucket: a gradient buffer region reduced in place, or undefined
   at::ScalarType reduce_dtype_;
   double prescale_;
+  at::Tensor prescale_tensor_;  // prescale_ as a wrapped 0-dim CPU tensor (a scalar operand for mul_out)
   bool overlap_;
   at::TensorOptions buffer_options_;
   ReadyTracker tracker_;
