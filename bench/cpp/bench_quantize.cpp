@@ -1,6 +1,7 @@
 // zerocore-bench quantize: zerocore::quantize_symmetric and dequantize_symmetric (int8 / int4, fp32 / bf16 /
 // fp16 data) per SIMD path and thread count, against two rooflines measured in the same run: the copy stream
 // and the stream of the call's own read:write shape (Note [Shaped streams] in zerocore/stream_probe.hpp).
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -196,10 +197,14 @@ int quantize_command(int argc, char** argv) {
   }
 
   std::vector<Row> rows;
-  const int64_t copy_bytes = elements * zerocore::stream_kernel_bytes_per_element(zerocore::StreamKernel::kCopy);
+  // The streams run over at least one narrow line of the widest shape (8:1, 128 fp32), so a tiny --elements
+  // still has a shaped roofline (in cache either way).
+  const int64_t stream_elements = std::max<int64_t>(elements, 128);
+  const int64_t copy_bytes =
+      stream_elements * zerocore::stream_kernel_bytes_per_element(zerocore::StreamKernel::kCopy);
   for (int64_t thread_count : threads) {
     zerocore::ThreadPool pool(static_cast<int>(thread_count));
-    zerocore::StreamProbe probe(elements, &pool);
+    zerocore::StreamProbe probe(stream_elements, &pool);
     std::vector<zerocore::StoreKind> stores{zerocore::StoreKind::kRegular};
     if (zerocore::stream_supports_non_temporal(probe.path())) stores.push_back(zerocore::StoreKind::kNonTemporal);
     std::vector<Buffers> buffers;
