@@ -153,10 +153,11 @@ int quantize_command(int argc, char** argv) {
                    "Times zerocore::quantize_symmetric and dequantize_symmetric (one fp32 scale per group) and,\n"
                    "interleaved with them on the same machine, two rooflines: the copy stream (8 B/element fp32\n"
                    "a = b) and a stream of the call's own shape (quantize reads 2-8 cache lines per line written,\n"
-                   "dequantize the reverse; xor only), each the faster of regular and nt stores. GB/s counts the\n"
-                   "bytes each call reads plus writes: quantize reads the data (4 or 2 B/element) and writes q\n"
-                   "(1 or 0.5 B) and the scales; dequantize the reverse. The fractions are best GB/s over each\n"
-                   "roofline's best GB/s; the shaped one is the memory roofline of the call's traffic.");
+                   "dequantize the reverse; xor only), each the fastest of regular and nt stores (the shaped one\n"
+                   "also with no, a 4 KiB or a 16 KiB software prefetch). GB/s counts the bytes each call reads\n"
+                   "plus writes: quantize reads the data (4 or 2 B/element) and writes q (1 or 0.5 B) and the\n"
+                   "scales; dequantize the reverse. The fractions are best GB/s over each roofline's best GB/s;\n"
+                   "the shaped one is the memory roofline of the call's traffic.");
   parser.add_int("elements", &elements, 1, "elements quantized per call");
   parser.add_int("group-size", &group_size, 2, "elements per scale (even, for int4)");
   parser.add_int_list("threads", &threads, 1, "thread counts to measure, e.g. 1,2");
@@ -242,13 +243,9 @@ int quantize_command(int argc, char** argv) {
     std::vector<zerocore::StreamShape> shapes;
     std::vector<size_t> shape_of_case;
     for (const Case& c : cases) {
-      size_t index = 0;
-      while (index < shapes.size() &&
-             (shapes[index].reads != c.shape.reads || shapes[index].writes != c.shape.writes)) {
-        ++index;
-      }
-      if (index == shapes.size()) shapes.push_back(c.shape);
-      shape_of_case.push_back(index);
+      const auto at = std::find(shapes.begin(), shapes.end(), c.shape);
+      shape_of_case.push_back(static_cast<size_t>(at - shapes.begin()));
+      if (at == shapes.end()) shapes.push_back(c.shape);
     }
     // Each stream runs with every store kind; the shaped ones also with a software prefetch 4 or 16 KiB
     // ahead (the quantize kernels prefetch 4 KiB ahead: the roofline must not be beatable by prefetching).
@@ -345,8 +342,9 @@ int quantize_command(int argc, char** argv) {
   std::printf("quantize: %lld elements, group size %lld (%lld groups)\n", static_cast<long long>(elements),
               static_cast<long long>(group_size), static_cast<long long>(groups));
   std::printf("rooflines: the copy stream (8 B/element) and the stream of the call's shape (lines read:written),\n"
-              "each the faster store kind, their passes interleaved with the calls; %lld rounds after a warm-up\n"
-              "round; GB/s = bytes read + written; 'of copy' / 'of shape' = best / that roofline's best\n\n",
+              "each its fastest variant ('stores': store kind, +pfNk a software prefetch N KiB ahead), their\n"
+              "passes interleaved with the calls; %lld rounds after a warm-up round; GB/s = bytes read + written;\n"
+              "'of copy' / 'of shape' = best / that roofline's best\n\n",
               static_cast<long long>(repeat));
   Table table({"threads", "direction", "bits", "dtype", "path", "MB/call", "best ms", "median ms", "best GB/s",
                "median GB/s", "copy GB/s", "of copy", "shape", "shape GB/s", "stores", "of shape"});

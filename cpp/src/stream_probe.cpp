@@ -93,8 +93,8 @@ using stream_detail::kLineFloats;
 inline int shape_ratio(StreamShape shape) { return shape.reads > 1 ? shape.reads : shape.writes; }
 
 // The portable loops do not prefetch: their prefetching passes are the same as the others.
-void portable_shaped(StreamShape shape, StoreKind stores, int64_t /*prefetch_bytes*/, const StreamArrays& x, int64_t begin,
-                     int64_t end) {
+void portable_shaped(StreamShape shape, StoreKind stores, int64_t /*prefetch_bytes*/, const StreamArrays& x,
+                     int64_t begin, int64_t end) {
   const int ratio = shape_ratio(shape);
   const auto* in = reinterpret_cast<const uint32_t*>(x.a1);
   auto* out = reinterpret_cast<uint32_t*>(x.a0);
@@ -338,7 +338,7 @@ void StreamProbe::shaped_pass(StreamShape shape, StoreKind stores, int64_t prefe
   if (path_ == SimdPath::kAvx512) range_kernel = &stream_detail::shaped_range_avx512;
 #endif
   auto body = [&](int64_t begin, int64_t end) { range_kernel(shape, stores, prefetch_bytes, arrays, begin, end); };
-  // A grain of whole wide-side pages, as the arrays were first touched.
+  // A grain of 64 narrow lines: every range starts on a 4 KiB page of both arrays.
   const int64_t grain = std::max<int64_t>(1, kStreamGrain / kLineFloats);
   if (pool_ != nullptr) {
     pool_->parallel_for(lines, grain, body);

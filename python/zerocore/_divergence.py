@@ -8,9 +8,9 @@ forward, backward, ...) from every rank, issued just before the unit's own all-g
 for on its own: the unit's wait first waits for the tag and compares every rank's tag with this rank's.
 On the CPU the comparison reads memory the collective just wrote (no device sync), and a mismatch raises
 on every rank, naming the rank, the step and both modules, before the unit's possibly mismatched gather
-is waited for. On an accelerator the comparison stays on the device and accumulates into a flag that ``step()`` reads with the
-gradient norm (its one host sync), and raises then. So the default path has no blocking round-trip per
-gather (prefetches really run ahead), and divergence is still never silent.
+is waited for. On an accelerator the comparison stays on the device and accumulates into a flag that
+``step()`` reads with the gradient norm (its one host sync), and raises then. So the default path has no
+blocking round-trip per gather (prefetches really run ahead), and divergence is still never silent.
 
 The strict mode (``initialize(..., strict_spmd=True)``) keeps the older check: every gather first waits
 for the tag exchange on the host, so ranks that would gather units of different sizes are stopped before

@@ -79,6 +79,8 @@ enum class StoreKind { kRegular = 0, kNonTemporal = 1 };
 struct StreamShape {
   int reads = 1;
   int writes = 1;
+
+  bool operator==(const StreamShape& other) const { return reads == other.reads && writes == other.writes; }
 };
 
 // "4:1" and the like.
