@@ -1,7 +1,16 @@
 // zerocore._C.move_storage: hands one CPU storage's memory to another without copying or allocating, so
 // stage 3 can keep a released unit's pages for the next gather (Note [Spare gather storage] in
-// python/zerocore/_gather_spares.py).
+// python/zerocore/_gather_spares.py). zerocore._C.advise_huge_pages: asks the kernel to back a buffer with
+// transparent huge pages (Note [Huge pages for direct I/O] in python/zerocore/_safetensors_io.py).
 #include <c10/core/StorageImpl.h>
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "bindings.hpp"
 #include "zerocore/error.hpp"
@@ -30,11 +39,52 @@ void move_storage(const at::Tensor& dst, const at::Tensor& src) {
   to->set_nbytes(nbytes);
 }
 
+// The size of a transparent huge page (2 MiB on x86-64), or 0 where the kernel offers none.
+int64_t huge_page_size() {
+  static const int64_t size = [] {
+    std::ifstream in("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+    int64_t bytes = 0;
+    if (!(in >> bytes) || bytes <= 0) return int64_t{0};
+    std::ifstream mode("/sys/kernel/mm/transparent_hugepage/enabled");
+    std::string line;
+    std::getline(mode, line);
+    return line.find("[never]") == std::string::npos ? bytes : int64_t{0};
+  }();
+  return size;
+}
+
+// madvise(MADV_HUGEPAGE) over the whole huge pages inside `tensor`'s bytes; returns how many bytes were
+// advised (0 where the kernel has no huge pages or refuses). Advice only: the values are untouched, and pages
+// already faulted in stay as they are until the kernel's khugepaged merges them.
+int64_t advise_huge_pages(const at::Tensor& tensor) {
+  ZC_CHECK_ARG(tensor.device().is_cpu() && tensor.is_contiguous(),
+               "advise_huge_pages: a contiguous CPU tensor is needed");
+  const int64_t huge = huge_page_size();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (huge == 0) return 0;
+  const auto begin = reinterpret_cast<uintptr_t>(tensor.data_ptr());
+  const uintptr_t end = begin + static_cast<uintptr_t>(tensor.nbytes());
+  const auto step = static_cast<uintptr_t>(huge);
+  const uintptr_t lo = (begin + step - 1) / step * step;
+  const uintptr_t hi = end / step * step;
+  if (hi <= lo) return 0;
+  if (madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) != 0) return 0;
+  return static_cast<int64_t>(hi - lo);
+#else
+  (void)huge;
+  return 0;
+#endif
+}
+
 }  // namespace
 
 void bind_storage(pybind11::module_& m) {
   m.def("move_storage", &move_storage, pybind11::arg("dst"), pybind11::arg("src"),
         "dst's empty CPU storage takes src's memory (no copy, no allocation); src's storage is left empty.");
+  m.def("huge_page_size", &huge_page_size,
+        "The size of a transparent huge page in bytes, or 0 where the kernel offers none.");
+  m.def("advise_huge_pages", &advise_huge_pages, pybind11::arg("tensor"),
+        "madvise(MADV_HUGEPAGE) over the whole huge pages inside the tensor's bytes; returns the bytes advised.");
 }
 
 }  // namespace zerocore::bindings

@@ -581,3 +581,42 @@ def test_read_into_a_tensor_that_requires_grad(workdir):
         io.wait(io.read(h, 0, p))
     assert p._version > version and torch.equal(p.detach(), torch.arange(4.0))
     io.close(h)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# direct-I/O buffers (Note [Huge pages for direct I/O])
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 4095, 1 << 20, 3 << 20, (8 << 20) + 123])
+@pytest.mark.parametrize("skew", [0, 7, 4096 + 100])
+def test_aligned_empty_keeps_its_phase_and_large_buffers_start_a_huge_page(n, skew, workdir):
+    from zerocore._safetensors_io import aligned_empty
+
+    buffer = aligned_empty(n, skew=skew)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == n and buffer.is_contiguous()
+    assert buffer.data_ptr() % PAGE == skew % PAGE
+    huge = _C.huge_page_size()
+    if huge and n >= 2 * huge:
+        assert buffer.data_ptr() % huge == skew % PAGE  # within the first page of a huge page
+    # a direct read lands in it byte for byte, whatever its phase
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    path = os.path.join(workdir, "phase.bin")
+    with open(path, "wb") as f:
+        f.write(bytes(skew % PAGE) + bytes(data.tolist()))
+    io = _C.AsyncIO(block_size=1 << 20, queue_depth=4, thread_count=2)
+    handle = io.open(path, "r")
+    io.wait(io.read(handle, skew % PAGE, buffer))
+    io.close(handle)
+    assert torch.equal(buffer, data)
+
+
+def test_advise_huge_pages_is_advice_only():
+    small = torch.arange(1000, dtype=torch.float32)
+    assert _C.advise_huge_pages(small) == 0  # holds no whole huge page
+    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB
+    before = big.clone()
+    _C.advise_huge_pages(big)
+    assert torch.equal(big, before)
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        _C.advise_huge_pages(big[::2])
