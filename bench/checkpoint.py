@@ -23,7 +23,9 @@ Reads are cold: before every timed read (disk read, every load, both consolidati
 of the directory about to be read and drops them from the page cache (``posix_fadvise(DONTNEED)``, no root
 needed; ``_pagecache.py``), then all ranks meet at a barrier; ``mincore`` checks what is left cached.
 ``--warm`` skips the eviction (reads then come from the page cache). Writes are timed as the tools do them
-(zerocore and DCP include their fsync).
+(zerocore and DCP include their fsync). A zerocore load returns with the stages 1-2 parameter all-gathers
+in flight, as ``step()`` does (the next forward lands them): its row times the load until it returns on
+every rank, and the row "+ parameters landed" until every rank has also waited for those gathers.
 
     python bench/checkpoint.py [--world 2] [--layers 6 --dim 512 --seq 128 --vocab 8192] [--rounds 3]
                                [--warm] [--no-deepspeed] [--json] [--dir DIR]
@@ -98,7 +100,7 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any], root: str, rounds: in
 
     import zerocore
 
-    keys = ["disk_write", "disk_read", "zc_save", "zc_load"]
+    keys = ["disk_write", "disk_read", "zc_save", "zc_load", "zc_load_landed"]
     if with_dcp:
         keys += ["dcp_save", "dcp_load"]
     if with_ds:
@@ -136,12 +138,21 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any], root: str, rounds: in
             out["resident_after_evict"].append(resident_fraction(path))
         dist.barrier()
 
-    def timed(key: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-        dist.barrier()
+    # The timing barriers use a group of their own: on the engine's group a barrier would queue behind the
+    # parameter all-gathers a zerocore load leaves in flight (as step() does), and time them as the load's.
+    clock = dist.new_group(backend="gloo")
+
+    def timed(key: str, fn: Any, *args: Any, then: tuple[str, Any] | None = None, **kwargs: Any) -> None:
+        """``key``: until ``fn`` returned on every rank; ``then=(key2, fn2)``: also until ``fn2`` did after it."""
+        dist.barrier(group=clock)
         start = time.perf_counter()
         fn(*args, **kwargs)
-        dist.barrier()
+        dist.barrier(group=clock)
         out[key].append(time.perf_counter() - start)
+        if then is not None:
+            then[1]()
+            dist.barrier(group=clock)
+            out[then[0]].append(time.perf_counter() - start)
 
     sizes: dict[str, int] = {}
     for r in range(rounds):
@@ -150,7 +161,7 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any], root: str, rounds: in
         timed("zc_save", engine.save_checkpoint, zc)
         sizes["zc"] = _dir_bytes(zc)
         cold(zc)
-        timed("zc_load", engine.load_checkpoint, zc)
+        timed("zc_load", engine.load_checkpoint, zc, then=("zc_load_landed", engine.land_param_gathers))
 
         # the disk: each rank writes (fsynced) and reads back a file of its share of the zerocore checkpoint
         disk = os.path.join(root, f"disk{r}")
@@ -313,7 +324,8 @@ def main() -> None:
     rows_spec = [("disk sequential write + fsync", "disk_write", "disk", "save"),
                  (f"disk sequential read ({read_label})", "disk_read", "disk", "load"),
                  ("zerocore save_checkpoint", "zc_save", "zc", "save"),
-                 (f"zerocore load_checkpoint ({read_label})", "zc_load", "zc", "load")]
+                 (f"zerocore load_checkpoint ({read_label})", "zc_load", "zc", "load"),
+                 (f"zerocore load_checkpoint + parameters landed ({read_label})", "zc_load_landed", "zc", "load")]
     if with_dcp:
         rows_spec += [("torch DCP save (DDP + AdamW)", "dcp_save", "dcp", "save"),
                       (f"torch DCP load ({read_label})", "dcp_load", "dcp", "load")]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import zerocore
+from _deferred_comm import GatherAtWait
 from _dist import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -134,6 +135,36 @@ def test_a_checkpoint_loads_at_another_world_size_and_stage(saved, loaded, tmp_p
         assert result["steps"] == 3
         for name, value in before["saved"].items():
             assert result["loaded"][name] == value, name
+
+
+def first_read_after_load_worker(rank: int, world: int, stage: int, directory: str) -> bool:
+    from zerocore._sharded_param import _AwaitsGather
+
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(stage))
+    _train(engine, rank, 0, 3)
+    engine.save_checkpoint(directory)
+    saved = {k: v.detach().clone() for k, v in model.named_parameters()}
+    _train(engine, rank, 3, 2)
+    engine.comm = GatherAtWait(engine.comm)  # the load's all-gathers happen only when a read waits for them
+    engine.load_checkpoint(directory)
+    (buffer,) = engine.buffers
+    assert buffer.gathers_in_flight == len(buffer.buckets) > 1  # load_checkpoint returned before any landed
+    assert all(isinstance(p, _AwaitsGather) for p in model.parameters() if p.requires_grad)
+    loaded = model.state_dict()  # the user's next read: it waits for every gather it touches
+    assert buffer.gathers_in_flight == 0
+    for name, value in saved.items():  # every rank's shard, not only this rank's, is the saved one
+        assert torch.equal(loaded[name], value), name
+    engine.close()
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_read_right_after_a_load_sees_the_loaded_values(stage, tmp_path):
+    """load_checkpoint leaves stages 1-2's parameter all-gathers in flight, as step() does; the first read of
+    a parameter waits for its gather (Note [Gathers land on first read])."""
+    assert all(run_ranks(first_read_after_load_worker, 2, stage, str(tmp_path)))
 
 
 def bad_input_worker(rank: int, world: int, directory: str) -> list[str]:

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerocore
 from zerocore.engine import EngineState
+from _deferred_comm import GatherAtWait
 from _dist import run_ranks
 from _models import batch, build, loss_fn
 from _parity import ReferencePair, as_dtype
@@ -251,26 +252,6 @@ def test_reads_right_after_step_see_whole_updated_parameters(stage):
     assert all(run_ranks(reads_worker, 2, stage))
 
 
-class _GatherAtWait:
-    """A stand-in for the engine's Comm whose all-gathers are issued only when waited for: until a read
-    lands one, the peers' regions still hold the old values, so a read that did not wait would see them."""
-
-    def __init__(self, comm) -> None:
-        self._comm = comm
-
-    def __getattr__(self, name: str):
-        return getattr(self._comm, name)
-
-    def all_gather(self, bucket, tag, label="all_gather"):
-        comm = self._comm
-
-        class Deferred:
-            def wait(self) -> None:
-                comm.all_gather(bucket, tag, label).wait()
-
-        return Deferred()
-
-
 def first_read_worker(rank: int, world: int, stage: int) -> list[str]:
     from zerocore._sharded_param import _AwaitsGather
 
@@ -279,7 +260,7 @@ def first_read_worker(rank: int, world: int, stage: int) -> list[str]:
     reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0,
                                                                  foreach=False), wrap=DDP)
     engine = zerocore.initialize(model, _config(stage, reduce_bucket_size=100))
-    engine.comm = _GatherAtWait(engine.comm)
+    engine.comm = GatherAtWait(engine.comm)
     seen = []
     for step in range(4):
         tokens, target = batch("odd", torch.Generator().manual_seed(step + 10 * rank))

@@ -318,6 +318,14 @@ class ShardedBuffer:
             self.gather(comm, bucket, label).wait()
         self.note_param_versions()
 
+    def regather_in_background(self, comm: Any, label: str, cap: int | None = None) -> None:
+        """Parameters whole (stages 1-2), after every shard was overwritten: every bucket's all-gather starts
+        and is left in flight, as after a step (``gather_in_background``)."""
+        self.land_gathers()
+        for bucket in range(len(self.buckets)):
+            self.gather_in_background(comm, bucket, label, cap)
+        self.note_param_versions()
+
     def attach_views(self) -> None:
         for param, view in zip(self.params, self.views):
             param.data = view

@@ -23,8 +23,10 @@ and renamed), so a process killed at any moment leaves the previous checkpoint l
 
 Reshard at load: a rank loading at any world size and stage walks its own shards' pieces and copies each
 from the saved pieces that cover the same parameter elements, reading only those byte ranges (safetensors
-blocks around them through the C++ I/O engine, each block checked). Everything is read and validated (index,
-files, checksums, names and shapes) on every rank before any rank changes its engine.
+blocks around them through the C++ I/O engine, each block checked). A shard laid out exactly like a saved
+one (the same world size and stage) reads each state as one range, padding included. Everything is read and
+validated (index, files, checksums, names and shapes) on every rank before any rank changes its engine.
+The stages 1-2 parameter all-gathers that follow a load are left in flight, as after ``step()``.
 
 This module moves state between an engine and a checkpoint (``save_checkpoint``, ``load_checkpoint``);
 _checkpoint_format.py reads and writes the directory itself, and _checkpoint_cli.py is
@@ -204,7 +206,8 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
         if engine.device.type == "cuda" and "rng.cuda" in staged.rng:
             torch.cuda.set_rng_state(staged.rng["rng.cuda"], engine.device)
         random.setstate(_python_rng(index["ranks"][engine.rank]["python_rng"]))
-    dist.barrier(group=engine.process_group)
+    # no barrier: every rank read everything before the verdicts, and a barrier here would wait for the
+    # parameter all-gathers that reload_params_from_shards leaves in flight for the next forward to overlap
     return staged.path, dict(index["client_state"])
 
 
@@ -237,13 +240,20 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
     # per saved file, the (shard, state, element offset, saved tensor, saved offset, length) this rank takes
     wanted: dict[int, list[tuple[int, str, int, str, int, int]]] = {}
     for shard in engine.optimizer_state.shards:
-        for piece in shard.pieces:
-            for lo, hi, rank, saved_shard, saved_offset in covering(sources, piece.name, piece.tensor_offset,
-                                                                    piece.length):
-                at = piece.shard_offset + (lo - piece.tensor_offset)
-                for state in states:
-                    wanted.setdefault(rank, []).append((shard.index, state, at, f"{saved_shard}.{state}",
-                                                        saved_offset, hi - lo))
+        covers = [(piece, cover) for piece in shard.pieces
+                  for cover in covering(sources, piece.name, piece.tensor_offset, piece.length)]
+        whole = _same_shard_saved(index, shard, [cover for _, cover in covers])
+        if whole is not None:  # one range a state, padding included, instead of one a parameter
+            rank, saved_shard = whole
+            for state in states:
+                wanted.setdefault(rank, []).append((shard.index, state, 0, f"{saved_shard}.{state}", 0,
+                                                    shard.numel))
+            continue
+        for piece, (lo, hi, rank, saved_shard, saved_offset) in covers:
+            at = piece.shard_offset + (lo - piece.tensor_offset)
+            for state in states:
+                wanted.setdefault(rank, []).append((shard.index, state, at, f"{saved_shard}.{state}",
+                                                    saved_offset, hi - lo))
     same_world = index["world_size"] == engine.world_size
     if same_world:
         wanted.setdefault(engine.rank, [])  # its RNG states
@@ -283,6 +293,20 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
         for f in files.values():
             f.close()
     return staged
+
+
+def _same_shard_saved(index: Mapping[str, Any], shard: Any, covers: Sequence[tuple[int, int, int, int, int]]
+                      ) -> tuple[int, int] | None:
+    """``(rank, saved shard)`` when every element of ``shard`` comes from one saved shard laid out exactly
+    like it (same size, same pieces at the same offsets: a load at the world size and stage of the save), so
+    its states can be read whole; None otherwise."""
+    sources = {(rank, saved_shard) for _, _, rank, saved_shard, _ in covers}
+    if len(sources) != 1:
+        return None
+    rank, saved_shard = next(iter(sources))
+    saved = index["ranks"][rank]["shards"][saved_shard]
+    mine = [[p.name, p.tensor_offset, p.shard_offset, p.length] for p in shard.pieces]
+    return (rank, saved_shard) if saved["numel"] == shard.numel and saved["pieces"] == mine else None
 
 
 def _fresh_state(state: Any, keys: Sequence[str], wanted: Mapping[int, list[tuple[int, str, int, str, int, int]]],

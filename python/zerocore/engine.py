@@ -473,7 +473,8 @@ class Engine:
 
     def reload_params_from_shards(self) -> None:
         """The optimizer shards were overwritten (a checkpoint load): the parameters follow them, every rank
-        issuing the same all-gathers (stages 1-2) or releasing every unit (stage 3, gathered again on use)."""
+        issuing the same all-gathers, left in flight as after ``step()`` (stages 1-2: Note [Gathers land on
+        first read]), or releasing every unit (stage 3, gathered again on use)."""
         if self.stage3 is not None:
             self.stage3.land_gathers()
             self.stage3.forget_partition_slices()
@@ -482,7 +483,7 @@ class Engine:
                 self.stage3.release(unit)
             return
         for buffer in self.buffers:
-            buffer.regather(self.comm, "all_gather_load")
+            buffer.regather_in_background(self.comm, "all_gather_load", self.buckets.allgather_in_flight)
 
     # ---- zerocore.gathered --------------------------------------------------------------------------
     def gather_for_user(self, params: list[nn.Parameter]) -> None:
