@@ -9,6 +9,8 @@ import os
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
@@ -559,3 +561,42 @@ def test_to_hf_output_loads_with_from_pretrained(tmp_path):
     state = _plain(loaded.state_dict())
     for name, value in expected.items():
         assert state[name] == value, name
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_checked_reads_land_every_range_wherever_its_destination_lies(tmp_path, data):
+    """``VerifiedFile.read`` with ranges in any order, adjacent or not in the file, landing in one storage
+    next to each other (read as one range), with gaps, out of phase with the file, or in tensors of their
+    own: every destination gets exactly its bytes."""
+    import zerocore._safetensors_io as stio
+
+    size = data.draw(st.integers(1, 3 * 8192 + 77))
+    payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+    path = str(tmp_path / f"f{size}.safetensors")
+    checksums = stio.write_tensors(path, {"lead": torch.arange(3, dtype=torch.uint8), "x": payload}, block=4096)
+    io = stio.open_io({"block_size": 8192, "queue_depth": 4, "thread_count": 2})
+    f = stio.VerifiedFile(io, path, checksums)
+    try:
+        start, _, _ = f.tensor_range("x")
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, size - 1), max_size=6)) if size > 1 else []))
+        pieces = [(a, b - a) for a, b in zip([0] + cuts, cuts + [size])]
+        chosen = data.draw(st.lists(st.sampled_from(pieces), min_size=1, max_size=len(pieces), unique=True))
+        shared = stio.aligned_empty(size + 64 * len(chosen), skew=data.draw(st.integers(0, 4095)))
+        into, at = [], 0
+        for offset, length in chosen:
+            if data.draw(st.booleans()):  # in the shared storage, next to the previous one or after a gap
+                at += data.draw(st.sampled_from([0, 0, 5, 64]))
+                into.append(shared[at : at + length])
+                at += length
+            else:
+                into.append(stio.aligned_empty(length, skew=data.draw(st.integers(0, 4095))))
+        order = data.draw(st.permutations(range(len(chosen))))
+        ranges = [(start + chosen[i][0], chosen[i][1]) for i in order]
+        got = f.read(ranges, into=[into[i] for i in order])
+        for i, out in zip(order, got):
+            offset, length = chosen[i]
+            assert out.data_ptr() == into[i].data_ptr()
+            assert torch.equal(out, payload[offset : offset + length]), (offset, length)
+    finally:
+        f.close()

@@ -223,6 +223,8 @@ class VerifiedFile:
                 if dest.dtype != torch.uint8 or dest.numel() != length or not dest.is_contiguous():
                     raise ValueError(f"read(into=...): each destination must be a contiguous uint8 tensor of "
                                      f"its range's {length} bytes, got {dest.dtype} {list(dest.shape)}")
+        requested = out
+        ranges, out = _coalesced(ranges, out)
         data_size = self.size - self.data_start
         wanted = sorted({b for offset, length in ranges if length
                          for b in range(offset // self.block, (offset + length - 1) // self.block + 1)})
@@ -284,7 +286,7 @@ class VerifiedFile:
                             direct))
         while pending:
             land(*pending.pop(0))
-        return out
+        return requested
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` (checked)."""
@@ -295,6 +297,28 @@ class VerifiedFile:
         if data.storage_offset() % data.new_empty((), dtype=dtype).element_size():
             data = data.clone()  # safetensors packs tensors without aligning them to their element size
         return data.view(dtype).view(shape)
+
+
+def _coalesced(ranges: Sequence[tuple[int, int]], out: Sequence[torch.Tensor]
+               ) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    """The ranges with their destinations, those that follow each other both in the file and in one
+    storage's memory merged into one (read whole, no chunk of them goes through a buffer)."""
+    merged_ranges: list[tuple[int, int]] = []
+    merged_out: list[torch.Tensor] = []
+    for i in sorted(range(len(ranges)), key=lambda i: ranges[i][0]):
+        (offset, length), dest = ranges[i], out[i]
+        if merged_ranges and length:
+            last_offset, last_length = merged_ranges[-1]
+            last = merged_out[-1]
+            if (last_offset + last_length == offset and last.data_ptr() + last_length == dest.data_ptr()
+                    and last.untyped_storage().data_ptr() == dest.untyped_storage().data_ptr()):
+                merged_ranges[-1] = (last_offset, last_length + length)
+                merged_out[-1] = torch.empty(0, dtype=torch.uint8).set_(
+                    last.untyped_storage(), last.storage_offset(), (last_length + length,))
+                continue
+        merged_ranges.append((offset, length))
+        merged_out.append(dest)
+    return merged_ranges, merged_out
 
 
 def aligned_empty(n: int, skew: int = 0) -> torch.Tensor:

@@ -40,7 +40,7 @@ import os
 import random
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,10 +82,17 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     state = engine.optimizer_state
     entries: list[tuple[str, list[int], torch.dtype]] = []
     ranks_pieces = []
-    for i, shard in enumerate(state.shards):
-        entries += [(f"{i}.{name}", [shard.numel], torch.float32) for name in _STATES]
+    for shard in state.shards:
         ranks_pieces.append({"numel": shard.numel, "pieces": [
             [p.name, p.tensor_offset, p.shard_offset, p.length] for p in shard.pieces]})
+    # The file holds each state's shards one after the other, as the flat state does, so a load at the same
+    # world size reads each state as one range in phase with where it lands; state read back from NVMe is
+    # written a shard at a time instead, so that each shard is read once.
+    numbered = list(enumerate(state.shards))
+    if state.store is None:
+        entries += [(f"{i}.{name}", [shard.numel], torch.float32) for name in _STATES for i, shard in numbered]
+    else:
+        entries += [(f"{i}.{name}", [shard.numel], torch.float32) for i, shard in numbered for name in _STATES]
     rng = {"rng.cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and engine.device.type == "cuda":
         rng["rng.cuda"] = torch.cuda.get_rng_state(engine.device)
@@ -272,15 +279,20 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
                 ranges[rank].append((start + 4 * offset, 4 * length))
         staged.fresh = _fresh_state(engine.optimizer_state, states, wanted, ranges)
         for rank in sorted(wanted):
-            into = []
-            for (shard_index, state, at, *_), (start, nbytes) in zip(wanted[rank], ranges[rank]):
+            into: list[torch.Tensor | None] = []
+            kept_apart: list[int] = []
+            for i, ((shard_index, state, at, *_), (start, nbytes)) in enumerate(zip(wanted[rank], ranges[rank])):
                 shard = engine.optimizer_state.shards[shard_index]
                 if state in staged.fresh and state in shard.flat_offsets:
                     at_byte = 4 * (shard.flat_offsets[state] + at)
                     into.append(staged.fresh[state][at_byte : at_byte + nbytes])
                 else:  # kept apart and copied in once every rank has validated
-                    into.append(stio.aligned_empty(nbytes, skew=start))
-                    staged.copies.setdefault(shard_index, []).append((state, at, into[-1].view(torch.float32)))
+                    into.append(None)
+                    kept_apart.append(i)
+            for i, buffer in _staging(ranges[rank], kept_apart):
+                into[i] = buffer
+                shard_index, state, at, *_ = wanted[rank][i]
+                staged.copies.setdefault(shard_index, []).append((state, at, buffer.view(torch.float32)))
             files[rank].read(ranges[rank], into=into)
             if same_world and rank == engine.rank:
                 staged.rng = {name: files[rank].tensor(name).clone() for name in ("rng.cpu", "rng.cuda")
@@ -293,6 +305,21 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
         for f in files.values():
             f.close()
     return staged
+
+
+def _staging(ranges: Sequence[tuple[int, int]], which: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+    """A buffer for each of ``ranges[i]``, ``i`` in ``which``: one aligned allocation per run of ranges that
+    follow each other in the file, each range a slice of it, so the reader reads such a run as one range."""
+    order = sorted(which, key=lambda i: ranges[i][0])
+    while order:
+        run = [order.pop(0)]
+        while order and ranges[order[0]][0] == sum(ranges[run[-1]]):
+            run.append(order.pop(0))
+        first = ranges[run[0]][0]
+        buffer = stio.aligned_empty(sum(ranges[run[-1]]) - first, skew=first)
+        for i in run:
+            start, nbytes = ranges[i]
+            yield i, buffer[start - first : start - first + nbytes]
 
 
 def _same_shard_saved(index: Mapping[str, Any], shard: Any, covers: Sequence[tuple[int, int, int, int, int]]
