@@ -21,6 +21,8 @@ kernel's default "madvise" mode gives them only to memory that asks). So ``align
 of two huge pages or more at a huge page's start and advises it before any page is touched: the checkpoint
 reader's destinations (which a load adopts as the optimizer state), its staging chunks and the NVMe bounce
 buffers. Where the kernel has no transparent huge pages the advice is skipped and nothing else changes.
+With the page cache filling all but 229 MiB of RAM, where each huge page must first be compacted out of it,
+the same load read at the disk's speed all the same (107 ms against the disk's 107 ms; 2026-12-02).
 
 The files are plain safetensors (an 8-byte little-endian header length, a JSON header of dtypes, shapes and
 byte offsets, then the data), readable by the ``safetensors`` library; writing them here needs no numpy
