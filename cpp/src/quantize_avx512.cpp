@@ -13,6 +13,7 @@
 #endif
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "quantize_kernels.hpp"
@@ -179,49 +180,6 @@ inline void store_q(uint8_t* out, __m512i q, int64_t count) {
   }
 }
 
-// max |x| bits accumulated alongside the quantize loop (see quantize_group), 16 elements at a time (masked)
-// or a 64-byte line at a time.
-template <ScalarType kIn>
-struct AbsMax {
-  __m512i acc = _mm512_setzero_si512();  // fp32: |x| bits per 32-bit lane; bf16 / fp16: per 16-bit lane
-
-  inline void add(const void* input, int64_t i, __mmask16 mask) {
-    if constexpr (kIn == ScalarType::kFloat32) {
-      const __m512i bits = _mm512_maskz_loadu_epi32(mask, static_cast<const float*>(input) + i);
-      acc = _mm512_max_epu32(acc, _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(kF32AbsMask))));
-    } else {
-      const __m512i bits = _mm512_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(input) + i);
-      acc = _mm512_max_epu16(acc, _mm512_and_si512(bits, _mm512_set1_epi16(0x7FFF)));
-    }
-  }
-
-  // The 64-byte line at element i (16 fp32 or 32 16-bit elements), unmasked.
-  inline void add_line(const void* input, int64_t i) {
-    if constexpr (kIn == ScalarType::kFloat32) {
-      const __m512i bits = _mm512_loadu_si512(static_cast<const float*>(input) + i);
-      acc = _mm512_max_epu32(acc, _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(kF32AbsMask))));
-    } else {
-      const __m512i bits = _mm512_loadu_si512(static_cast<const uint16_t*>(input) + i);
-      acc = _mm512_max_epu16(acc, _mm512_and_si512(bits, _mm512_set1_epi16(0x7FFF)));
-    }
-  }
-
-  // As fp32 bits, like group_absmax_bits.
-  inline uint32_t bits() const {
-    if constexpr (kIn == ScalarType::kFloat32) {
-      return _mm512_reduce_max_epu32(acc);
-    } else {
-      const __m256i m = _mm256_max_epu16(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
-      __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-      h = _mm_max_epu16(h, _mm_srli_si128(h, 8));
-      h = _mm_max_epu16(h, _mm_srli_si128(h, 4));
-      h = _mm_max_epu16(h, _mm_srli_si128(h, 2));
-      const auto largest = static_cast<uint16_t>(_mm_cvtsi128_si32(h));
-      return float_bits(kIn == ScalarType::kBFloat16 ? bf16_to_float(largest) : half_to_float(largest));
-    }
-  }
-};
-
 // A block: the elements whose q fill one 64-byte vector (64 int8 values, 128 int4 values).
 template <int kBits>
 constexpr int64_t kBlockElements = kBits == 8 ? 64 : 128;
@@ -316,52 +274,37 @@ inline __m512i quantize_block(const void* input, int64_t i, const R& rounder) {
   }
 }
 
-// Quantizes `range` and, in the same loop, finds max |x| of `next` (the following group, never longer; empty
-// when there is none), whose bits it returns: the next group streams in from memory while this one (in L1
-// since its own max pass) is converted, instead of a burst of misses per group with the memory idle in
-// between. A software prefetch 4 KiB ahead of that stream, into L2 (T1: an L1 prefetch would hold one of
-// the few line-fill buffers the demand loads need), takes single-thread fp32 quantize from DRAM from about
-// 10 to 14.5 GB/s on a 2-core AVX-512 VM (T0, or 1 KiB or 16 KiB ahead, did worse there). kNextFull: next is
-// as long as range (every group but a range's last two), so the next group's part of a block needs no mask.
-template <ScalarType kIn, int kBits, bool kNextFull, typename R>
-uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange next, const R& rounder, bool stream) {
+// How far ahead of the conversion quantize prefetches its input, and how. The group's max pass and then its
+// conversion read the group from L1, where a non-temporal prefetch 16 KiB ahead (one per 64-byte line,
+// issued from the conversion loop) has put it. Measured on a 2-core Zen 5 VM, fp32 int8 from DRAM on one
+// thread went from 0.63-0.80 to 0.82-1.05 of its shaped roofline, and the other cases likewise; 8 KiB was
+// too short, 24-32 KiB no better, T0 about as good. The kernel this replaced read the next group's lines
+// (its max) as demand loads from memory inside the current group's conversion loop, with a T1 prefetch
+// 4 KiB ahead: it ran at about the serial sum of its compute time and its memory time, as if the max
+// steps waiting on memory held back the conversion work behind them instead of running beside it.
+constexpr int64_t kPrefetchBytes = 16384;
+
+inline void prefetch_input(const char* at) { _mm_prefetch(at, _MM_HINT_NTA); }
+
+// Quantizes `range` (max |x| already known) and prefetches the input kPrefetchBytes ahead of it.
+template <ScalarType kIn, int kBits, typename R>
+void quantize_group(const QuantizeArgs& args, GroupRange range, const R& rounder, bool stream) {
   constexpr int64_t kBytes = kIn == ScalarType::kFloat32 ? 4 : 2;
-  constexpr int64_t kPrefetchElements = 4096 / kBytes;
   constexpr int64_t kBlock = kBlockElements<kBits>;
+  constexpr int64_t kLine = 64 / kBytes;
+  constexpr int64_t kAhead = kPrefetchBytes / kBytes;
   // In locals: q's stores are through uint8_t, which may alias anything, so args' fields would be reloaded
   // after every store.
   const void* const input = args.input;
   const int64_t n = args.n;
   uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
   const char* const input_bytes = static_cast<const char*>(input);
-  AbsMax<kIn> next_max;
-  const int64_t next_offset = next.begin - range.begin;
-  // Element i's vector of the next group (the same place in it) into next_max, and a prefetch further on.
-  auto step_next = [&](int64_t i) {
-    const int64_t ahead = i + next_offset;
-    if (ahead < next.end) next_max.add(input, ahead, lanes_mask(next.end - ahead));
-    if (ahead + kPrefetchElements < n) {
-      _mm_prefetch(input_bytes + (ahead + kPrefetchElements) * kBytes, _MM_HINT_T1);
-    }
-  };
   // Whole blocks, each 64 bytes of q. A large input's q is stored non-temporally: it leaves the cache before
   // the collective reads it anyway, and skipping the read-for-ownership saves a read per byte written.
   int64_t i = range.begin;
   for (; i + kBlock <= range.end; i += kBlock) {
-    if constexpr (kNextFull) {
-      // Line by line, each line's prefetch next to its load. The same loads and prefetches issued as a
-      // burst per block (the loads, then the prefetches under one test) made fp32 from DRAM about 10% slower
-      // than this in paired runs, and slower than the previous per-vector loop, though faster in L2.
-      constexpr int64_t kLine = 64 / kBytes;
-      const int64_t ahead = i + next_offset;
-      for (int64_t v = 0; v < kBlock; v += kLine) {
-        next_max.add_line(input, ahead + v);
-        if (ahead + v + kPrefetchElements < n) {
-          _mm_prefetch(input_bytes + (ahead + v + kPrefetchElements) * kBytes, _MM_HINT_T1);
-        }
-      }
-    } else {
-      for (int64_t v = 0; v < kBlock; v += kLanes) step_next(i + v);
+    for (int64_t v = 0; v < kBlock; v += kLine) {
+      if (i + v + kAhead < n) prefetch_input(input_bytes + (i + v + kAhead) * kBytes);
     }
     const __m512i bytes = quantize_block<kIn, kBits>(input, i, rounder);
     uint8_t* const at = q + q_byte_offset(kBits, i - range.begin);
@@ -372,42 +315,40 @@ uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange n
     }
   }
   for (; i < range.end; i += kLanes) {
-    step_next(i);
     const __m512i values = rounder.quantize(load_in<kIn>(input, i, lanes_mask(range.end - i)));
     store_q<kBits>(q + q_byte_offset(kBits, i - range.begin), values, range.end - i);
   }
-  return next_max.bits();
 }
 
 template <ScalarType kIn, int kBits>
 QuantizeResult quantize_groups(const QuantizeArgs& args, int64_t group_begin, int64_t group_end) {
+  constexpr int64_t kBytes = kIn == ScalarType::kFloat32 ? 4 : 2;
   QuantizeResult result;
   if (group_begin >= group_end) return result;
   const bool stream = args.n >= kStreamMinElements;
-  uint32_t absmax_bits = group_absmax_bits<kIn>(args.input, group_range(args.n, args.group_size, group_begin));
+  // The first kPrefetchBytes, which no conversion loop prefetches.
+  const int64_t first = group_range(args.n, args.group_size, group_begin).begin * kBytes;
+  const int64_t first_end = std::min(args.n * kBytes, first + kPrefetchBytes);
+  for (int64_t at = first; at < first_end; at += 64) prefetch_input(static_cast<const char*>(args.input) + at);
   for (int64_t g = group_begin; g < group_end; ++g) {
     const GroupRange range = group_range(args.n, args.group_size, g);
-    const GroupRange next = g + 1 < group_end ? group_range(args.n, args.group_size, g + 1) : GroupRange{0, 0};
-    auto next_absmax = [&] { return next.begin < next.end ? group_absmax_bits<kIn>(args.input, next) : 0u; };
+    const uint32_t absmax_bits = group_absmax_bits<kIn>(args.input, range);
     if (absmax_bits >= kF32ExponentMask) {
       flag_nonfinite_group<kIn>(args, g, range, result);
-      absmax_bits = next_absmax();
       continue;
     }
     const float scale = group_scale(absmax_bits, kBits == 8 ? 127 : 7);
     if (scale == 0.0f) {
       write_zero_group(args, g, range);
-      absmax_bits = next_absmax();
       continue;
     }
     args.scales[g] = scale;
     const WorkingScale working = working_scale(scale);
-    const bool next_full = next.end - next.begin == range.end - range.begin;
-    auto run = [&](const auto& rounder) {
-      return next_full ? quantize_group<kIn, kBits, true>(args, range, next, rounder, stream)
-                       : quantize_group<kIn, kBits, false>(args, range, next, rounder, stream);
-    };
-    absmax_bits = working.prescale == 1.0f ? run(Rounder<false>(working)) : run(Rounder<true>(working));
+    if (working.prescale == 1.0f) {
+      quantize_group<kIn, kBits>(args, range, Rounder<false>(working), stream);
+    } else {
+      quantize_group<kIn, kBits>(args, range, Rounder<true>(working), stream);
+    }
   }
   if (stream) _mm_sfence();  // order the weakly-ordered stores before whatever the caller does next
   return result;
