@@ -277,9 +277,10 @@ inline __m512i quantize_block(const void* input, int64_t i, const R& rounder) {
 
 // How far ahead of the conversion quantize prefetches its input, and how. The group's max pass and then its
 // conversion read the group from L1, where a non-temporal prefetch 16 KiB ahead (one per 64-byte line,
-// issued from the conversion loop) has put it. Measured on a 2-core Zen 5 VM, fp32 int8 from DRAM on one
-// thread went from 0.63-0.80 to 0.82-1.05 of its shaped roofline, and the other cases likewise; 8 KiB was
-// too short, 24-32 KiB no better, T0 about as good. The kernel this replaced read the next group's lines
+// issued from the conversion loop) has put it. On a 2-core Zen 5 VM, 17 runs alternating with the previous
+// kernel, one thread from DRAM: median fraction of the shaped roofline 0.60 -> 0.72 (fp32 int8), 0.62 ->
+// 0.85 (fp32 int4), 0.71 -> 0.81 and 0.61 -> 0.70 (bf16); two threads about unchanged (bench/RESULTS.md).
+// 8 KiB ahead was worse, 24-32 KiB and T0 no better. The kernel this replaced read the next group's lines
 // (its max) as demand loads from memory inside the current group's conversion loop, with a T1 prefetch
 // 4 KiB ahead: it ran at about the serial sum of its compute time and its memory time, as if the max
 // steps waiting on memory held back the conversion work behind them instead of running beside it.
@@ -449,8 +450,8 @@ constexpr float kVectorMinScale = kBits == 8 && kOut == ScalarType::kBFloat16 ? 
 
 // A group's whole 64-byte vectors of q (64 int8 or 128 int4 values) to fp32 or bf16, for a finite scale
 // >= kVectorMinScale; returns the first element not written. The per-vector loop below it took one masked
-// load, a prefetch test and a store test per 16 elements, and int4 to bf16 ran at 31 GB/s in L1 on the
-// Zen 5 VM (int4 to fp32 60, int8 to fp32 120): now about 150, 180 and 170. int4 looks its 16 possible
+// load, a prefetch test and a store test per 16 elements, and int4 to bf16 ran at 31 GB/s in L2 on the
+// Zen 5 VM (int4 to fp32 60, int8 to fp32 126): now about 160, 180 and 190. int4 looks its 16 possible
 // values up in a table of the group's outputs (vpermps, vpermw) computed as the scalar path computes each
 // element (q * scale in fp32, then rounded to bf16), instead of converting, multiplying and rounding every
 // element. int8 to bf16 has no such table in a register and computes.
