@@ -13,7 +13,9 @@
 #endif
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "quantize_kernels.hpp"
 
@@ -179,49 +181,6 @@ inline void store_q(uint8_t* out, __m512i q, int64_t count) {
   }
 }
 
-// max |x| bits accumulated alongside the quantize loop (see quantize_group), 16 elements at a time (masked)
-// or a 64-byte line at a time.
-template <ScalarType kIn>
-struct AbsMax {
-  __m512i acc = _mm512_setzero_si512();  // fp32: |x| bits per 32-bit lane; bf16 / fp16: per 16-bit lane
-
-  inline void add(const void* input, int64_t i, __mmask16 mask) {
-    if constexpr (kIn == ScalarType::kFloat32) {
-      const __m512i bits = _mm512_maskz_loadu_epi32(mask, static_cast<const float*>(input) + i);
-      acc = _mm512_max_epu32(acc, _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(kF32AbsMask))));
-    } else {
-      const __m512i bits = _mm512_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(input) + i);
-      acc = _mm512_max_epu16(acc, _mm512_and_si512(bits, _mm512_set1_epi16(0x7FFF)));
-    }
-  }
-
-  // The 64-byte line at element i (16 fp32 or 32 16-bit elements), unmasked.
-  inline void add_line(const void* input, int64_t i) {
-    if constexpr (kIn == ScalarType::kFloat32) {
-      const __m512i bits = _mm512_loadu_si512(static_cast<const float*>(input) + i);
-      acc = _mm512_max_epu32(acc, _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(kF32AbsMask))));
-    } else {
-      const __m512i bits = _mm512_loadu_si512(static_cast<const uint16_t*>(input) + i);
-      acc = _mm512_max_epu16(acc, _mm512_and_si512(bits, _mm512_set1_epi16(0x7FFF)));
-    }
-  }
-
-  // As fp32 bits, like group_absmax_bits.
-  inline uint32_t bits() const {
-    if constexpr (kIn == ScalarType::kFloat32) {
-      return _mm512_reduce_max_epu32(acc);
-    } else {
-      const __m256i m = _mm256_max_epu16(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
-      __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-      h = _mm_max_epu16(h, _mm_srli_si128(h, 8));
-      h = _mm_max_epu16(h, _mm_srli_si128(h, 4));
-      h = _mm_max_epu16(h, _mm_srli_si128(h, 2));
-      const auto largest = static_cast<uint16_t>(_mm_cvtsi128_si32(h));
-      return float_bits(kIn == ScalarType::kBFloat16 ? bf16_to_float(largest) : half_to_float(largest));
-    }
-  }
-};
-
 // A block: the elements whose q fill one 64-byte vector (64 int8 values, 128 int4 values).
 template <int kBits>
 constexpr int64_t kBlockElements = kBits == 8 ? 64 : 128;
@@ -316,52 +275,38 @@ inline __m512i quantize_block(const void* input, int64_t i, const R& rounder) {
   }
 }
 
-// Quantizes `range` and, in the same loop, finds max |x| of `next` (the following group, never longer; empty
-// when there is none), whose bits it returns: the next group streams in from memory while this one (in L1
-// since its own max pass) is converted, instead of a burst of misses per group with the memory idle in
-// between. A software prefetch 4 KiB ahead of that stream, into L2 (T1: an L1 prefetch would hold one of
-// the few line-fill buffers the demand loads need), takes single-thread fp32 quantize from DRAM from about
-// 10 to 14.5 GB/s on a 2-core AVX-512 VM (T0, or 1 KiB or 16 KiB ahead, did worse there). kNextFull: next is
-// as long as range (every group but a range's last two), so the next group's part of a block needs no mask.
-template <ScalarType kIn, int kBits, bool kNextFull, typename R>
-uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange next, const R& rounder, bool stream) {
+// How far ahead of the conversion quantize prefetches its input, and how. The group's max pass and then its
+// conversion read the group from L1, where a non-temporal prefetch 16 KiB ahead (one per 64-byte line,
+// issued from the conversion loop) has put it. On a 2-core Zen 5 VM, 17 runs alternating with the previous
+// kernel, one thread from DRAM: median fraction of the shaped roofline 0.60 -> 0.72 (fp32 int8), 0.62 ->
+// 0.85 (fp32 int4), 0.71 -> 0.81 and 0.61 -> 0.70 (bf16); two threads about unchanged (bench/RESULTS.md).
+// 8 KiB ahead was worse, 24-32 KiB and T0 no better. The kernel this replaced read the next group's lines
+// (its max) as demand loads from memory inside the current group's conversion loop, with a T1 prefetch
+// 4 KiB ahead: it ran at about the serial sum of its compute time and its memory time, as if the max
+// steps waiting on memory held back the conversion work behind them instead of running beside it.
+constexpr int64_t kPrefetchBytes = 16384;
+
+inline void prefetch_input(const char* at) { _mm_prefetch(at, _MM_HINT_NTA); }
+
+// Quantizes `range` (max |x| already known) and prefetches the input kPrefetchBytes ahead of it.
+template <ScalarType kIn, int kBits, typename R>
+void quantize_group(const QuantizeArgs& args, GroupRange range, const R& rounder, bool stream) {
   constexpr int64_t kBytes = kIn == ScalarType::kFloat32 ? 4 : 2;
-  constexpr int64_t kPrefetchElements = 4096 / kBytes;
   constexpr int64_t kBlock = kBlockElements<kBits>;
+  constexpr int64_t kLine = 64 / kBytes;
+  constexpr int64_t kAhead = kPrefetchBytes / kBytes;
   // In locals: q's stores are through uint8_t, which may alias anything, so args' fields would be reloaded
   // after every store.
   const void* const input = args.input;
   const int64_t n = args.n;
   uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
   const char* const input_bytes = static_cast<const char*>(input);
-  AbsMax<kIn> next_max;
-  const int64_t next_offset = next.begin - range.begin;
-  // Element i's vector of the next group (the same place in it) into next_max, and a prefetch further on.
-  auto step_next = [&](int64_t i) {
-    const int64_t ahead = i + next_offset;
-    if (ahead < next.end) next_max.add(input, ahead, lanes_mask(next.end - ahead));
-    if (ahead + kPrefetchElements < n) {
-      _mm_prefetch(input_bytes + (ahead + kPrefetchElements) * kBytes, _MM_HINT_T1);
-    }
-  };
   // Whole blocks, each 64 bytes of q. A large input's q is stored non-temporally: it leaves the cache before
   // the collective reads it anyway, and skipping the read-for-ownership saves a read per byte written.
   int64_t i = range.begin;
   for (; i + kBlock <= range.end; i += kBlock) {
-    if constexpr (kNextFull) {
-      // Line by line, each line's prefetch next to its load. The same loads and prefetches issued as a
-      // burst per block (the loads, then the prefetches under one test) made fp32 from DRAM about 10% slower
-      // than this in paired runs, and slower than the previous per-vector loop, though faster in L2.
-      constexpr int64_t kLine = 64 / kBytes;
-      const int64_t ahead = i + next_offset;
-      for (int64_t v = 0; v < kBlock; v += kLine) {
-        next_max.add_line(input, ahead + v);
-        if (ahead + v + kPrefetchElements < n) {
-          _mm_prefetch(input_bytes + (ahead + v + kPrefetchElements) * kBytes, _MM_HINT_T1);
-        }
-      }
-    } else {
-      for (int64_t v = 0; v < kBlock; v += kLanes) step_next(i + v);
+    for (int64_t v = 0; v < kBlock; v += kLine) {
+      if (i + v + kAhead < n) prefetch_input(input_bytes + (i + v + kAhead) * kBytes);
     }
     const __m512i bytes = quantize_block<kIn, kBits>(input, i, rounder);
     uint8_t* const at = q + q_byte_offset(kBits, i - range.begin);
@@ -372,42 +317,40 @@ uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange n
     }
   }
   for (; i < range.end; i += kLanes) {
-    step_next(i);
     const __m512i values = rounder.quantize(load_in<kIn>(input, i, lanes_mask(range.end - i)));
     store_q<kBits>(q + q_byte_offset(kBits, i - range.begin), values, range.end - i);
   }
-  return next_max.bits();
 }
 
 template <ScalarType kIn, int kBits>
 QuantizeResult quantize_groups(const QuantizeArgs& args, int64_t group_begin, int64_t group_end) {
+  constexpr int64_t kBytes = kIn == ScalarType::kFloat32 ? 4 : 2;
   QuantizeResult result;
   if (group_begin >= group_end) return result;
   const bool stream = args.n >= kStreamMinElements;
-  uint32_t absmax_bits = group_absmax_bits<kIn>(args.input, group_range(args.n, args.group_size, group_begin));
+  // The first kPrefetchBytes, which no conversion loop prefetches.
+  const int64_t first = group_range(args.n, args.group_size, group_begin).begin * kBytes;
+  const int64_t first_end = std::min(args.n * kBytes, first + kPrefetchBytes);
+  for (int64_t at = first; at < first_end; at += 64) prefetch_input(static_cast<const char*>(args.input) + at);
   for (int64_t g = group_begin; g < group_end; ++g) {
     const GroupRange range = group_range(args.n, args.group_size, g);
-    const GroupRange next = g + 1 < group_end ? group_range(args.n, args.group_size, g + 1) : GroupRange{0, 0};
-    auto next_absmax = [&] { return next.begin < next.end ? group_absmax_bits<kIn>(args.input, next) : 0u; };
+    const uint32_t absmax_bits = group_absmax_bits<kIn>(args.input, range);
     if (absmax_bits >= kF32ExponentMask) {
       flag_nonfinite_group<kIn>(args, g, range, result);
-      absmax_bits = next_absmax();
       continue;
     }
     const float scale = group_scale(absmax_bits, kBits == 8 ? 127 : 7);
     if (scale == 0.0f) {
       write_zero_group(args, g, range);
-      absmax_bits = next_absmax();
       continue;
     }
     args.scales[g] = scale;
     const WorkingScale working = working_scale(scale);
-    const bool next_full = next.end - next.begin == range.end - range.begin;
-    auto run = [&](const auto& rounder) {
-      return next_full ? quantize_group<kIn, kBits, true>(args, range, next, rounder, stream)
-                       : quantize_group<kIn, kBits, false>(args, range, next, rounder, stream);
-    };
-    absmax_bits = working.prescale == 1.0f ? run(Rounder<false>(working)) : run(Rounder<true>(working));
+    if (working.prescale == 1.0f) {
+      quantize_group<kIn, kBits>(args, range, Rounder<false>(working), stream);
+    } else {
+      quantize_group<kIn, kBits>(args, range, Rounder<true>(working), stream);
+    }
   }
   if (stream) _mm_sfence();  // order the weakly-ordered stores before whatever the caller does next
   return result;
@@ -473,6 +416,115 @@ inline void stream_out(void* out, int64_t i, __m512 value) {
   }
 }
 
+// bf16 bits of a finite fp32 vector, rounded to nearest even as bf16_lanes rounds, in the high half of each
+// 32-bit lane: bits + 0x7FFF, plus one where bit 16 (the bf16 lsb) is set (a test and a masked add measured
+// faster than bf16_lanes' shift, and and add).
+inline __m512i bf16_high(__m512 value) {
+  const __m512i bits = _mm512_castps_si512(value);
+  const __m512i biased = _mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF));
+  return _mm512_mask_add_epi32(biased, _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x10000)), biased,
+                               _mm512_set1_epi32(1));
+}
+
+// 32 bf16 values, in order, from the even elements (`even`) and the odd ones (`odd`) of 32 consecutive ones:
+// lane d holds elements 2d and 2d + 1, so the two high halves merge with no shuffle (vpternlog 0xE4:
+// mask ? first : second).
+inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+  return _mm512_ternarylogic_epi32(bf16_high(odd), _mm512_srli_epi32(bf16_high(even), 16),
+                                   _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xE4);
+}
+
+template <bool kNonTemporal>
+inline void store_vector(void* at, __m512i value) {
+  if constexpr (kNonTemporal) {
+    _mm512_stream_si512(static_cast<__m512i*>(at), value);
+  } else {
+    _mm512_storeu_si512(at, value);
+  }
+}
+
+// The smallest scale dequantize_vectors takes: int8 to bf16 multiplies q * 2^24 by scale * 2^-24, exact
+// (and so rounded as q * scale) only while scale * 2^-24 is a normal fp32 number. 0 for the other cases.
+template <ScalarType kOut, int kBits>
+constexpr float kVectorMinScale = kBits == 8 && kOut == ScalarType::kBFloat16 ? 0x1p-98f : 0.0f;
+
+// A group's whole 64-byte vectors of q (64 int8 or 128 int4 values) to fp32 or bf16, for a finite scale
+// >= kVectorMinScale; returns the first element not written. The per-vector loop below it took one masked
+// load, a prefetch test and a store test per 16 elements, and int4 to bf16 ran at 31 GB/s in L2 on the
+// Zen 5 VM (int4 to fp32 60, int8 to fp32 126): now about 160, 180 and 190. int4 looks its 16 possible
+// values up in a table of the group's outputs (vpermps, vpermw) computed as the scalar path computes each
+// element (q * scale in fp32, then rounded to bf16), instead of converting, multiplying and rounding every
+// element. int8 to bf16 has no such table in a register and computes.
+template <ScalarType kOut, int kBits, bool kNonTemporal>
+int64_t dequantize_vectors(const DequantizeArgs& args, GroupRange range, float scale_value) {
+  constexpr int64_t kVector = kBits == 8 ? 64 : 128;  // elements per 64 bytes of q
+  const uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
+  const int64_t q_end = q_byte_offset(kBits, args.n + 1);
+  constexpr int64_t kQAhead = 1024;  // as in dequantize_group
+  // int4: the output of each nibble, 0-7 then -8 to -1 (bf16: in words 0-15 and again in 16-31).
+  __m512i table = _mm512_setzero_si512();
+  if constexpr (kBits == 4) {
+    const __m512 values = _mm512_mul_ps(_mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                        _mm512_set1_ps(scale_value));
+    if constexpr (kOut == ScalarType::kFloat32) {
+      table = _mm512_castps_si512(values);
+    } else {
+      table = _mm512_broadcast_i64x4(_mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_high(values), 16)));
+    }
+  }
+  int64_t i = range.begin;
+  for (; i + kVector <= range.end; i += kVector) {
+    const int64_t at = q_byte_offset(kBits, i);
+    if (at + kQAhead < q_end) _mm_prefetch(reinterpret_cast<const char*>(args.q + at + kQAhead), _MM_HINT_T0);
+    const uint8_t* const src = q + q_byte_offset(kBits, i - range.begin);
+    if constexpr (kBits == 8 && kOut == ScalarType::kFloat32) {
+      const __m512 scale = _mm512_set1_ps(scale_value);
+      float* const out = static_cast<float*>(args.out) + i;
+      for (int k = 0; k < 4; ++k) {
+        const __m512i values = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k)));
+        store_vector<kNonTemporal>(out + 16 * k,
+                                   _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(values), scale)));
+      }
+    } else if constexpr (kBits == 8) {
+      // Word d of 32 q bytes, sign-extended: shifted left by 24 it is q_2d * 2^24, with its low byte cleared
+      // q_2d+1 * 2^8; no shift back down, the scales make up for it (kVectorMinScale).
+      const __m512 scale_even = _mm512_set1_ps(scale_value * 0x1p-24f);
+      const __m512 scale_odd = _mm512_set1_ps(scale_value * 0x1p-8f);
+      const __m512i high_bytes = _mm512_set1_epi32(static_cast<int>(0xFFFFFF00u));
+      uint16_t* const out = static_cast<uint16_t*>(args.out) + i;
+      for (int k = 0; k < 2; ++k) {
+        const __m512i words =
+            _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * k)));
+        const __m512 even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_slli_epi32(words, 24)), scale_even);
+        const __m512 odd = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(words, high_bytes)), scale_odd);
+        store_vector<kNonTemporal>(out + 32 * k, bf16_pairs(even, odd));
+      }
+    } else if constexpr (kOut == ScalarType::kFloat32) {
+      // Lane j of output vector k: dword 2k + j / 8 of the 64 bytes, shifted right so that its nibble j % 8
+      // is in the low 4 bits, the only ones vpermps reads of an index.
+      const __m512i bytes = _mm512_loadu_si512(src);
+      const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      const __m512i shifts = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+      float* const out = static_cast<float*>(args.out) + i;
+      for (int k = 0; k < 8; ++k) {
+        const __m512i lanes = _mm512_permutexvar_epi32(_mm512_add_epi32(first, _mm512_set1_epi32(2 * k)), bytes);
+        store_vector<kNonTemporal>(out + 16 * k, _mm512_permutexvar_epi32(_mm512_srlv_epi32(lanes, shifts), table));
+      }
+    } else {
+      // Byte d of 16 q bytes zero-extended to dword d and or-ed with itself shifted left by 12: the low word's
+      // low 5 bits (all vpermw reads of an index) are the low nibble and a bit that picks the table's
+      // identical second half, the high word is the high nibble. So elements 2d and 2d + 1, in order.
+      uint16_t* const out = static_cast<uint16_t*>(args.out) + i;
+      for (int c = 0; c < 4; ++c) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * c)));
+        store_vector<kNonTemporal>(out + 32 * c,
+                                   _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table));
+      }
+    }
+  }
+  return i;
+}
+
 template <ScalarType kOut, int kBits, bool kStream>
 void dequantize_group(const DequantizeArgs& args, int64_t g) {
   const GroupRange range = group_range(args.n, args.group_size, g);
@@ -490,6 +542,17 @@ void dequantize_group(const DequantizeArgs& args, int64_t g) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(load_q<kBits>(q + q_byte_offset(kBits, i - range.begin), count)), scale);
   };
   int64_t i = range.begin;
+  if constexpr (kOut != ScalarType::kFloat16) {
+    const float scale_value = args.scales[g];
+    if (scale_value >= kVectorMinScale<kOut, kBits> && scale_value <= std::numeric_limits<float>::max()) {
+      const auto address =
+          reinterpret_cast<uintptr_t>(out_bytes + range.begin * static_cast<int64_t>(kVectorBytes / kLanes));
+      i = kStream && address % 64 == 0 ? dequantize_vectors<kOut, kBits, true>(args, range, scale_value)
+                                       : dequantize_vectors<kOut, kBits, false>(args, range, scale_value);
+    }
+  }
+  // The rest: what is left of a group after its whole 64-byte q vectors, fp16 output, and groups whose scale
+  // dequantize_vectors does not take.
   if constexpr (kOut == ScalarType::kBFloat16) {
     for (; i + 2 * kLanes <= range.end; i += 2 * kLanes) {
       const __m512i bits = float_to_bf16_x2(load_values(i, kLanes), load_values(i + kLanes, kLanes));
