@@ -158,6 +158,14 @@ def first_read_after_load_worker(rank: int, world: int, stage: int, directory: s
     assert buffer.gathers_in_flight == 0
     for name, value in saved.items():  # every rank's shard, not only this rank's, is the saved one
         assert torch.equal(loaded[name], value), name
+    # a save right after a load, before any read, writes the loaded state (it lands the gathers first)
+    engine.load_checkpoint(directory)
+    assert buffer.gathers_in_flight == len(buffer.buckets)
+    engine.save_checkpoint(os.path.join(directory, "again"))
+    _train(engine, rank, 3, 1)
+    engine.load_checkpoint(os.path.join(directory, "again"))
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), saved[name]), name
     engine.close()
     return True
 
