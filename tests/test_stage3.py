@@ -432,8 +432,8 @@ def test_state_dict_while_sharded_raises_naming_the_way_out_and_never_returns_na
 
 def test_spare_gather_storage_hands_pages_over_and_refuses_what_it_cannot():
     """Note [Spare gather storage]: a released unit's memory serves the next gather of its size, without a copy
-    and with every view seeing it; past the capacity the oldest spare is freed for the newest release, and a
-    release larger than the capacity is freed; move_storage refuses bad input."""
+    and with every view seeing it; past the capacity a release is freed unless freeing older, smaller spares
+    makes room for it; move_storage refuses bad input."""
     from zerocore._gather_spares import GatherSpares
     from zerocore._native import _C
 
@@ -447,19 +447,25 @@ def test_spare_gather_storage_hands_pages_over_and_refuses_what_it_cannot():
     other_address = other.data_ptr()
     spares.release(other)
     third = torch.zeros(1000)
-    third_address = third.data_ptr()
-    spares.release(third)  # past the capacity: the oldest spare (full's pages) is freed, third's kept
+    spares.release(third)  # past the capacity, no smaller spare to free: freed, not kept
     assert spares.held_bytes == 8000 and third.untyped_storage().nbytes() == 0
-    spares.fill(full, 4000)  # the newest spare of the size: third's pages
+    spares.fill(full, 4000)  # the newest spare of the size: other's pages
     assert full.untyped_storage().nbytes() == 4000 and spares.held_bytes == 4000
     full.copy_(torch.arange(1000, dtype=torch.float32) * 2)
     assert torch.equal(view, torch.arange(10, 20, dtype=torch.float32) * 2)  # views see the memory again
-    assert full.data_ptr() == third_address and address not in (full.data_ptr(), other_address)
+    assert full.data_ptr() == other_address  # the pages of a released buffer, not new ones
     spares.fill(third, 2000)  # no spare of that size: a fresh allocation
     assert third.untyped_storage().nbytes() == 2000 and spares.held_bytes == 4000
+    larger = torch.zeros(1500)
+    larger_address = larger.data_ptr()
+    spares.release(third)  # 2000 bytes: fits beside the 4000 held
+    spares.release(larger)  # 6000 bytes: smaller spares, oldest first, are freed until it fits (the 4000 one)
+    assert spares.held_bytes == 8000 and larger.untyped_storage().nbytes() == 0
+    spares.fill(larger, 6000)
+    assert larger.data_ptr() == larger_address and spares.held_bytes == 2000
     huge = torch.zeros(3000)
-    spares.release(huge)  # larger than the whole capacity: freed, the spares kept
-    assert huge.untyped_storage().nbytes() == 0 and spares.held_bytes == 4000
+    spares.release(huge)  # larger than the whole capacity: freed, the spare kept
+    assert huge.untyped_storage().nbytes() == 0 and spares.held_bytes == 2000
     with pytest.raises(ValueError, match="must be empty"):
         _C.move_storage(full, third)
     with pytest.raises(ValueError, match="share one storage"):
