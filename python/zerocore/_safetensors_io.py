@@ -230,13 +230,6 @@ class VerifiedFile:
         data_size = self.size - self.data_start
         wanted = sorted({b for offset, length in ranges if length
                          for b in range(offset // self.block, (offset + length - 1) // self.block + 1)})
-        per_chunk = max(1, _CHUNK // self.block)
-        chunks: list[tuple[int, int]] = []  # runs of consecutive blocks, at most per_chunk long
-        for b in wanted:
-            if chunks and chunks[-1][1] == b and b - chunks[-1][0] < per_chunk:
-                chunks[-1] = (chunks[-1][0], b + 1)
-            else:
-                chunks.append((b, b + 1))
         order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
         starts = [ranges[i][0] for i in order]
         pending: list[tuple[int, int, torch.Tensor, int, bool]] = []
@@ -249,6 +242,20 @@ class VerifiedFile:
                 if end <= offset + length:
                     return order[i]
             return None
+
+        # runs of consecutive blocks, at most per_chunk long, each held by one range or by none: a run ends
+        # where a range does, so only the blocks a boundary cuts through go through a buffer, not the whole
+        # chunk around them
+        per_chunk = max(1, _CHUNK // self.block)
+        chunks: list[tuple[int, int]] = []
+        held_by: int | None = None
+        for b in wanted:
+            holder = inside(b * self.block, min((b + 1) * self.block, data_size))
+            if chunks and chunks[-1][1] == b and b - chunks[-1][0] < per_chunk and holder == held_by:
+                chunks[-1] = (chunks[-1][0], b + 1)
+            else:
+                chunks.append((b, b + 1))
+            held_by = holder
 
         def land(first: int, last: int, buffer: torch.Tensor, request: int, direct: bool) -> None:
             self._io.wait(request)
