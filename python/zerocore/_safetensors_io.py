@@ -247,15 +247,13 @@ class VerifiedFile:
         # where a range does, so only the blocks a boundary cuts through go through a buffer, not the whole
         # chunk around them
         per_chunk = max(1, _CHUNK // self.block)
-        chunks: list[tuple[int, int]] = []
-        held_by: int | None = None
+        chunks: list[tuple[int, int, int | None]] = []  # (first block, end block, the range holding them)
         for b in wanted:
             holder = inside(b * self.block, min((b + 1) * self.block, data_size))
-            if chunks and chunks[-1][1] == b and b - chunks[-1][0] < per_chunk and holder == held_by:
-                chunks[-1] = (chunks[-1][0], b + 1)
+            if chunks and chunks[-1][1] == b and b - chunks[-1][0] < per_chunk and chunks[-1][2] == holder:
+                chunks[-1] = (chunks[-1][0], b + 1, holder)
             else:
-                chunks.append((b, b + 1))
-            held_by = holder
+                chunks.append((b, b + 1, holder))
 
         def land(first: int, last: int, buffer: torch.Tensor, request: int, direct: bool) -> None:
             self._io.wait(request)
@@ -278,11 +276,10 @@ class VerifiedFile:
                     out[order[i]][lo - offset : hi - offset].copy_(buffer[lo - start : hi - start])
                 i += 1
 
-        for first, last in chunks:
+        for first, last, holder in chunks:
             if len(pending) == _IN_FLIGHT:
                 land(*pending.pop(0))
             start, end = first * self.block, min(last * self.block, data_size)
-            holder = inside(start, end)
             buffer = None
             if holder is not None:
                 buffer = out[holder][start - ranges[holder][0] : end - ranges[holder][0]]
