@@ -17,7 +17,18 @@ void PendingCollective::wait() {
     result = at::Tensor();
     destination = at::Tensor();
   }
-  if (addends.defined()) {
+  if (local.defined()) {  // Note [Widening reduce-scatter]: the products rounded as a scaling pass would
+    sum.copy_(local);
+    if (prescale != 1.0) sum.mul_(prescale);
+    for (int64_t k = 0; addends.defined() && k < addends.size(0); ++k) {
+      widened.copy_(addends[k]);
+      if (prescale != 1.0) widened.mul_(prescale);
+      sum.add_(widened);
+    }
+    local = at::Tensor();
+    widened = at::Tensor();
+    addends = at::Tensor();
+  } else if (addends.defined()) {
     for (int64_t k = 0; k < addends.size(0); ++k) accumulator.add_(addends[k]);
     addends = at::Tensor();
     accumulator = at::Tensor();
@@ -95,6 +106,16 @@ std::unique_ptr<Strategy> StrategyRegistry<Strategy>::create(const std::string& 
 
 template class StrategyRegistry<ReduceScatterStrategy>;
 template class StrategyRegistry<AllGatherStrategy>;
+
+IssuedCollective ReduceScatterStrategy::issue_widening(c10d::ProcessGroup& group, const BucketCollective& bucket,
+                                                      at::ScalarType wide, double prescale) {
+  (void)group;
+  (void)bucket;
+  (void)wide;
+  (void)prescale;
+  ZC_CHECK(false, "reduce_scatter algorithm '", name(), "' sums inside the backend and cannot widen; check widens()");
+  return {};
+}
 
 // Constructed on first use, so registrations from any translation unit find them ready.
 StrategyRegistry<ReduceScatterStrategy>& reduce_scatter_strategies() {
@@ -208,7 +229,8 @@ class AllReduceReduceScatter final : public ReduceScatterStrategy {
 const RegisterStrategy<AllReduceReduceScatter> kRegisterAllReduceReduceScatter;
 
 // Point to point: every rank sends each peer that peer's shard and receives its own shard from every peer,
-// then wait() adds them into its shard in rank order: B (W-1)/W bytes sent (a ring's), 2 (W-1) calls, no
+// then wait() adds them into its shard in rank order (or widens, scales and adds them in fp32, Note [Widening
+// reduce-scatter]): B (W-1)/W bytes sent (a ring's), 2 (W-1) calls, no
 // reduction inside the backend. On Gloo this is the fastest (bench/collectives.py): its reduce_scatter is
 // slow and an all-reduce moves twice the bytes. The message tag counts this strategy's collectives, which
 // every rank issues in the same order.
@@ -216,11 +238,31 @@ class SendRecvReduceScatter final : public ReduceScatterStrategy {
  public:
   static constexpr const char* kName = "send_recv";
   std::string name() const override { return kName; }
+  bool widens() const override { return true; }
 
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
+    IssuedCollective out = exchange(group, b);
+    out.pending.accumulator = b.local_shard();
+    return out;
+  }
+
+  IssuedCollective issue_widening(c10d::ProcessGroup& group, const BucketCollective& b, at::ScalarType wide,
+                                  double prescale) override {
+    IssuedCollective out = exchange(group, b);
+    const at::TensorOptions options = b.bucket.options().dtype(wide);
+    out.pending.local = b.local_shard();
+    out.pending.sum = sums_.take({b.shard}, options);
+    out.pending.widened = widened_.take({b.shard}, options);
+    out.pending.prescale = prescale;
+    return out;
+  }
+
+ private:
+  // Sends every peer its shard and receives each peer's copy of this rank's shard into `addends`.
+  IssuedCollective exchange(c10d::ProcessGroup& group, const BucketCollective& b) {
     IssuedCollective out;
     const int tag = static_cast<int>(next_tag_++ % (1 << 30));
-    at::Tensor received = scratch_.take({b.world_size - 1, b.shard}, b.bucket.options());  // Note [Scratch reuse]
+    at::Tensor received = received_.take({b.world_size - 1, b.shard}, b.bucket.options());  // Note [Scratch reuse]
     std::vector<at::Tensor> messages, inbox;
     int64_t row = 0;
     for (int peer = 0; peer < b.world_size; ++peer) {
@@ -230,15 +272,15 @@ class SendRecvReduceScatter final : public ReduceScatterStrategy {
     out.pending.works = exchange_with_peers(group, b.rank, messages, inbox, tag);
     out.pending.buffer = b.bucket;
     out.pending.addends = received;
-    out.pending.accumulator = b.local_shard();
     out.algorithm_bytes = b.bytes * (b.world_size - 1) / b.world_size;
     out.backend_calls = 2 * (b.world_size - 1);
     return out;
   }
 
- private:
   int64_t next_tag_ = 0;
-  ScratchPool scratch_;
+  ScratchPool received_;
+  ScratchPool sums_;     // held by the caller until it has taken the result
+  ScratchPool widened_;
 };
 const RegisterStrategy<SendRecvReduceScatter> kRegisterSendRecvReduceScatter({"gloo"});
 

@@ -24,6 +24,13 @@ struct PendingCollective {
   at::Tensor destination;
   at::Tensor addends;      // when defined ([k, n]): wait() adds its k rows into `accumulator` ([n])
   at::Tensor accumulator;
+  // A widening reduce-scatter (Note [Widening reduce-scatter]): when `local` is defined, wait() sets `sum` to
+  // local * prescale plus each row of `addends` times prescale, every product and sum rounded in `sum`'s dtype,
+  // using `widened` as scratch. `sum` stays defined after wait(): it is the result.
+  at::Tensor local;
+  at::Tensor sum;
+  at::Tensor widened;
+  double prescale = 1.0;
   std::function<void()> finish;  // when set: wait() runs it last (a quantized collective's dequantization)
 
   void wait();
@@ -83,10 +90,27 @@ class CollectiveStrategy {
 
 // Logical reduce-scatter: afterwards this rank's shard holds the sum over ranks of that shard; the rest of
 // the bucket holds unspecified values.
+//
+// Note [Widening reduce-scatter]
+// ------------------------------
+// Mixed precision reduces 16-bit gradients in fp32 (DeepSpeed's default communication_data_type). An
+// algorithm whose backend only moves bytes and that adds the ranks' shards itself (send_recv) need not send
+// them in fp32: each rank sends its 16-bit values, and the receiver widens every shard, multiplies it by the
+// prescale and adds them in fp32, in rank order as before. Widening is exact, so the sum is bitwise the one
+// of widening and scaling before sending -- with half the bytes on the wire, a 16-bit reduction bucket
+// instead of an fp32 one, and no widening pass over the whole bucket. An algorithm that sums inside the
+// backend (the native reduce-scatter, an all-reduce) or quantizes cannot, and says so with widens().
 class ReduceScatterStrategy : public CollectiveStrategy {
  public:
   using Interface = ReduceScatterStrategy;
   static constexpr const char* kOp = "reduce_scatter";
+
+  // Whether issue_widening() is implemented.
+  virtual bool widens() const { return false; }
+  // Like issue(), but this rank's reduced shard lands in the returned PendingCollective's `sum`, a new tensor
+  // of `wide` dtype: the sum over ranks of each rank's shard times `prescale`, computed in `wide`.
+  virtual IssuedCollective issue_widening(c10d::ProcessGroup& group, const BucketCollective& bucket,
+                                          at::ScalarType wide, double prescale);
 };
 
 // Logical all-gather: afterwards every rank's shard of the bucket equals its owner's. The local shard must

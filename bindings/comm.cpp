@@ -34,18 +34,27 @@ void Comm::record(const std::string& op, int64_t tag, int64_t elements, int64_t 
 }
 
 PendingCollective Comm::issue_bucket(CollectiveStrategy& strategy, const char* op, const at::Tensor& bucket,
-                                     int64_t tag, const std::string& label) {
+                                     int64_t tag, const std::string& label, const std::optional<Widening>& widen) {
   check_bucket(bucket, op);
   const int64_t n = bucket.numel();
+  const BucketCollective geometry{bucket, rank_, world_size_, n, n / world_size_, n * bucket.element_size()};
   if (world_size_ == 1 || n == 0) {  // nothing to exchange; every rank skips alike (same geometry)
     record(label, tag, n, 0, 0, 0);
     PendingCollective nothing;
     nothing.buffer = bucket;
     nothing.tag = tag;
+    if (widen) {  // the sum over one rank: wait() widens and scales the local shard
+      nothing.local = geometry.local_shard();
+      nothing.sum = at::empty({geometry.shard}, bucket.options().dtype(widen->wide));
+      nothing.prescale = widen->prescale;
+    }
     return nothing;
   }
-  const BucketCollective geometry{bucket, rank_, world_size_, n, n / world_size_, n * bucket.element_size()};
-  IssuedCollective issued = strategy.issue(*group_, geometry);
+  // `widen` comes only from reduce_scatter_widened, whose strategy is the reduce-scatter one
+  IssuedCollective issued =
+      widen ? static_cast<ReduceScatterStrategy&>(strategy).issue_widening(*group_, geometry, widen->wide,
+                                                                           widen->prescale)
+            : strategy.issue(*group_, geometry);
   issued.pending.tag = tag;
   const int64_t ring_bytes = geometry.bytes * (world_size_ - 1) / world_size_;
   record(label, tag, n, issued.algorithm_bytes, issued.backend_calls,
@@ -55,6 +64,18 @@ PendingCollective Comm::issue_bucket(CollectiveStrategy& strategy, const char* o
 
 PendingCollective Comm::reduce_scatter(const at::Tensor& bucket, int64_t tag) {
   return issue_bucket(*reduce_scatter_, ReduceScatterStrategy::kOp, bucket, tag, ReduceScatterStrategy::kOp);
+}
+
+PendingCollective Comm::reduce_scatter_widened(const at::Tensor& bucket, at::ScalarType wide, double prescale,
+                                               int64_t tag) {
+  ZC_CHECK_ARG(reduce_scatter_->widens(), "reduce_scatter algorithm '", reduce_scatter_->name(),
+               "' sums inside the backend and cannot sum in a wider dtype than the bucket's");
+  ZC_CHECK_ARG(c10::isFloatingType(wide) && c10::isFloatingType(bucket.scalar_type()) &&
+                   c10::elementSize(wide) > bucket.element_size(),
+               "reduce_scatter_widened: ", wide, " is not a wider floating dtype than the bucket's ",
+               bucket.scalar_type());
+  return issue_bucket(*reduce_scatter_, ReduceScatterStrategy::kOp, bucket, tag, ReduceScatterStrategy::kOp,
+                      Widening{wide, prescale});
 }
 
 PendingCollective Comm::all_gather(const at::Tensor& bucket, int64_t tag, const std::string& label) {

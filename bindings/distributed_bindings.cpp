@@ -16,7 +16,12 @@ namespace zerocore::bindings {
 void bind_distributed(py::module_& m) {
   py::class_<PendingCollective>(m, "PendingCollective")
       .def("wait", &PendingCollective::wait, py::call_guard<py::gil_scoped_release>())
-      .def_readonly("tag", &PendingCollective::tag);
+      .def_readonly("tag", &PendingCollective::tag)
+      // a widening reduce-scatter's result once wait() returned (Note [Widening reduce-scatter]), else None
+      .def_property_readonly("sum", [](const PendingCollective& p) -> std::optional<at::Tensor> {
+        if (p.sum.defined() && !p.local.defined()) return p.sum;
+        return std::nullopt;
+      });
 
   py::class_<CollectiveStats>(m, "CollectiveStats")
       .def_readonly("calls", &CollectiveStats::calls)
@@ -47,6 +52,9 @@ void bind_distributed(py::module_& m) {
       .def_property_readonly("all_gather_algo", &Comm::all_gather_algo)
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("bucket"), py::arg("tag") = -1,
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("reduce_scatter_widens", &Comm::reduce_scatter_widens)
+      .def("reduce_scatter_widened", &Comm::reduce_scatter_widened, py::arg("bucket"), py::arg("wide"),
+           py::arg("prescale") = 1.0, py::arg("tag") = -1, py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &Comm::all_gather, py::arg("bucket"), py::arg("tag") = -1, py::arg("label") = "all_gather",
            py::call_guard<py::gil_scoped_release>())
       .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("max") = false, py::arg("tag") = -1,
@@ -58,6 +66,15 @@ void bind_distributed(py::module_& m) {
       .def("log", &Comm::log)
       .def("set_logging", &Comm::set_logging)
       .def("clear_log", &Comm::clear_log);
+
+  m.def(
+      "reduce_scatter_widens",
+      [](const std::string& algorithm, const std::string& backend) {
+        return reduce_scatter_strategies().create(algorithm, backend)->widens();
+      },
+      py::arg("algorithm"), py::arg("backend"),
+      "Whether the reduce-scatter `algorithm` ('auto' resolved for `backend`) sums at the receiver, so that "
+      "16-bit gradients travel in 16 bits and are summed in fp32 (Note [Widening reduce-scatter]).");
 
   m.def(
       "collective_algorithms",
@@ -91,6 +108,7 @@ void bind_distributed(py::module_& m) {
       .def("finalize", &GradReducer::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("in_backward", &GradReducer::in_backward)
       .def("unmarked_params", &GradReducer::unmarked_params)
+      .def_property_readonly("wire_dtype", &GradReducer::wire_dtype)
       .def_property_readonly("buffer_bytes", &GradReducer::buffer_bytes)
       .def_property_readonly("peak_buffer_bytes", &GradReducer::peak_buffer_bytes);
 

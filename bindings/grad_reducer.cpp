@@ -15,6 +15,7 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
       geometry_(std::move(geometry)),
       destinations_(std::move(shard_destinations)),
       reduce_dtype_(reduce_dtype),
+      wire_dtype_(reduce_dtype),
       prescale_(prescale),
       prescale_tensor_(at::native::wrapped_scalar_tensor(prescale)),
       overlap_(overlap),
@@ -55,8 +56,19 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                  "in_place[", b, "]: this rank's shard of it must be shard_destinations[", b, "]");
     in_place_[b] = region;
   }
-  buffer_options_ = destinations_.empty() ? at::TensorOptions().dtype(reduce_dtype)
-                                          : destinations_.front().options().dtype(reduce_dtype);
+  // 16-bit gradients reduced in fp32 travel in 16 bits where the algorithm can widen at the receiver.
+  if (!destinations_.empty() && world > 1 && reduce_dtype_ == at::kFloat && comm_->reduce_scatter_widens()) {
+    const at::ScalarType grads = destinations_.front().scalar_type();
+    bool uniform = grads == at::kBFloat16 || grads == at::kHalf;
+    for (const at::Tensor& d : destinations_) uniform = uniform && d.scalar_type() == grads;
+    for (const at::Tensor& region : in_place_) uniform = uniform && !region.defined();
+    if (uniform) {
+      wire_dtype_ = grads;
+      widening_ = true;
+    }
+  }
+  buffer_options_ = destinations_.empty() ? at::TensorOptions().dtype(wire_dtype_)
+                                          : destinations_.front().options().dtype(wire_dtype_);
   bucket_view_.resize(buckets);
   bucket_base_.resize(buckets);
   // Every bucket but the largest fits a buffer of the second-largest size: the pool then needs one buffer of
@@ -132,7 +144,7 @@ void GradReducer::mark_ready(int64_t param, const at::Tensor& grad) {
     if (grad.data_ptr() != slot.data_ptr()) {  // in place: already there, scaled at launch with the bucket
       // One pass where the dtypes agree (the product is computed in the reduce dtype either way, so the
       // values are those of a copy followed by the scaling); a widening copy is scaled at launch instead.
-      if (prescale_ != 1.0 && grad.scalar_type() == reduce_dtype_) {
+      if (prescale_ != 1.0 && grad.scalar_type() == reduce_dtype_ && !widening_) {
         // The prescale as a tensor: mul_out with a Scalar is a composite that multiplies into a fresh
         // tensor and copies that into `slot` (a gradient-sized allocation, its page faults and a second pass
         // for every gradient); with a 0-dim tensor the kernel writes into `slot` directly, computing the
@@ -165,14 +177,15 @@ void GradReducer::launch(int64_t bucket) {
       at::Tensor slot = view.narrow(0, offset, numel);
       if (slot_state_[param] == SlotState::kEmpty) {
         slot.zero_();
-      } else if (slot_state_[param] == SlotState::kCopied && prescale_ != 1.0) {
+      } else if (slot_state_[param] == SlotState::kCopied && prescale_ != 1.0 && !widening_) {
         slot.mul_(prescale_);
       }
       cursor = std::max(cursor, offset + numel);
     }
     if (view.numel() > cursor) view.narrow(0, cursor, view.numel() - cursor).zero_();
   }
-  in_flight_.push_back(comm_->reduce_scatter(view, bucket));
+  in_flight_.push_back(widening_ ? comm_->reduce_scatter_widened(view, reduce_dtype_, prescale_, bucket)
+                                 : comm_->reduce_scatter(view, bucket));
   if (!overlap_) complete_oldest();
 }
 
@@ -183,7 +196,7 @@ void GradReducer::complete_oldest() {
   const int64_t bucket = pending.tag;
   at::Tensor& view = bucket_view_[bucket];
   const int64_t shard = view.numel() / comm_->world_size();
-  const at::Tensor reduced = view.narrow(0, comm_->rank() * shard, shard);
+  const at::Tensor reduced = widening_ ? pending.sum : view.narrow(0, comm_->rank() * shard, shard);
   if (accumulate_) {
     destinations_[bucket].add_(reduced);
   } else if (destinations_[bucket].data_ptr() != reduced.data_ptr()) {
@@ -210,11 +223,11 @@ std::vector<int64_t> GradReducer::unmarked_params() const {
 }
 
 int64_t GradReducer::buffer_bytes() const {
-  return pool_elements_ * static_cast<int64_t>(c10::elementSize(reduce_dtype_));
+  return pool_elements_ * static_cast<int64_t>(c10::elementSize(wire_dtype_));
 }
 
 int64_t GradReducer::peak_buffer_bytes() const {
-  return peak_pool_elements_ * static_cast<int64_t>(c10::elementSize(reduce_dtype_));
+  return peak_pool_elements_ * static_cast<int64_t>(c10::elementSize(wire_dtype_));
 }
 
 }  // namespace zerocore::bindings

@@ -15,7 +15,9 @@
 // whatever the model size. A pool buffer is never zeroed as a whole: each gradient is written into its slot
 // once, scaled by the prescale in the same pass where the dtypes agree, and at launch only the padding and
 // the slots of parameters without a gradient are zeroed (a bucket costs one pass over its gradients, not a
-// zeroing, a copy and a scaling).
+// zeroing, a copy and a scaling). When the gradients are 16-bit, the reduce dtype fp32 and the algorithm sums
+// at the receiver (Note [Widening reduce-scatter]), buckets stay in the gradients' dtype: a gradient is copied
+// unscaled, and the receiver scales and sums in fp32, bitwise as if the bucket had been widened first.
 #pragma once
 
 #include <deque>
@@ -60,6 +62,8 @@ class GradReducer {
   bool in_backward() const { return tracker_.state() == ReadyTracker::State::kInBackward; }
   // The parameters not marked ready in this backward, in index order.
   std::vector<int64_t> unmarked_params() const;
+  // The dtype buckets travel in: the reduce dtype, or the gradients' when the reduction widens them.
+  at::ScalarType wire_dtype() const { return wire_dtype_; }
   int64_t buffer_bytes() const;       // bytes of the pool now
   int64_t peak_buffer_bytes() const;  // the most the pool ever held
   const ReadyTracker& tracker() const { return tracker_; }
@@ -74,6 +78,8 @@ class GradReducer {
   std::vector<at::Tensor> destinations_;
   std::vector<at::Tensor> in_place_;  // per bucket: a gradient buffer region reduced in place, or undefined
   at::ScalarType reduce_dtype_;
+  at::ScalarType wire_dtype_;
+  bool widening_ = false;  // wire_dtype_ is narrower than reduce_dtype_: Note [Widening reduce-scatter]
   double prescale_;
   at::Tensor prescale_tensor_;  // prescale_ as a wrapped 0-dim CPU tensor (a scalar operand for mul_out)
   bool overlap_;

@@ -238,3 +238,58 @@ def test_auto_is_the_backend_choice_and_unknown_names_list_the_registry(reports)
         "got 'magic'")
     assert per_rank[0]["errors"]["all_gather"] == (
         "all_gather algorithm must be 'auto', 'all_gather', 'broadcast', 'all_reduce' or 'quantized', got 'Broadcast'")
+
+
+# ---- the widening reduce-scatter (Note [Widening reduce-scatter]) ----------------------------------------------
+def _widening_worker(rank: int, world: int) -> dict[str, Any]:
+    """Every algorithm: widens() as documented; where it widens, 16-bit buckets summed in fp32 bitwise as if
+    widened and scaled before sending (with a prescale that is not a power of two), at half the bytes."""
+    group = dist.group.WORLD
+    out: dict[str, Any] = {"widens": {}, "refused": []}
+    gen = torch.Generator().manual_seed(1234)
+    for name in _C.collective_algorithms()["reduce_scatter"]:
+        if name in QUANTIZED["reduce_scatter"]:
+            continue
+        comm = _C.Comm(group, name, "auto")
+        out["widens"][name] = comm.reduce_scatter_widens
+        assert comm.reduce_scatter_widens == _C.reduce_scatter_widens(name, "gloo")
+        if not comm.reduce_scatter_widens:
+            with pytest.raises(ValueError, match="cannot sum in a wider dtype"):
+                comm.reduce_scatter_widened(torch.zeros(world, dtype=torch.bfloat16), torch.float32, 0.5)
+            out["refused"].append(name)
+            continue
+        for dtype in (torch.bfloat16, torch.float16):
+            for shard in (0, 1, 4099):
+                numel = shard * world
+                # random values with full mantissas, the same on every rank's generator draw order
+                every = [torch.randn(numel, generator=gen).mul(1 + r).to(dtype) for r in range(world)]
+                bucket = every[rank].clone()
+                prescale = 1.0 / world
+                pending = comm.reduce_scatter_widened(bucket, torch.float32, prescale, 7)
+                assert pending.sum is None  # not before wait()
+                pending.wait()
+                got = pending.sum
+                mine = slice(rank * shard, (rank + 1) * shard)
+                expected = every[rank][mine].float() * prescale  # own shard first, then the peers in rank order
+                for r in range(world):
+                    if r != rank:
+                        expected = expected + every[r][mine].float() * prescale
+                assert got.dtype == torch.float32 and got.shape == (shard,)
+                assert torch.equal(got, expected), (name, dtype, shard)
+                assert torch.equal(bucket, every[rank]), "the bucket keeps its values"
+        stats = comm.stats()["reduce_scatter"]
+        sent = sum(2 * shard * world * (world - 1) // world for shard in (0, 1, 4099)) * 2  # 16-bit bytes, 2 dtypes
+        out["bytes"] = (stats.algorithm_bytes, sent)
+    with pytest.raises(ValueError, match="wider floating dtype"):
+        _C.Comm(group, "send_recv", "auto").reduce_scatter_widened(torch.zeros(world), torch.float32, 1.0)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_widening_reduce_scatter_sums_16_bit_buckets_in_fp32_bitwise(world):
+    results = run_ranks(_widening_worker, world, timeout=RUN_TIMEOUT)
+    for result in results:
+        assert result["widens"] == {"reduce_scatter": False, "all_reduce": False, "send_recv": True}
+        assert result["refused"] == ["reduce_scatter", "all_reduce"]
+        got, want = result["bytes"]
+        assert got == want  # the bucket's 16-bit bytes, not fp32's

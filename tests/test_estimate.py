@@ -96,6 +96,9 @@ def compare_worker(rank: int, world: int, cases: list, nvme_root: str) -> list[s
             problems.append(f"{label}: estimate {got} != memory_report {want}")
         if estimate["device_bytes"] + estimate["host_bytes"] != estimate["total_bytes"]:
             problems.append(f"{label}: device + host != total in {estimate}")
+        if estimate["step"]["reduce_wire_dtype"] != str(engine.reducer.wire_dtype):
+            problems.append(f"{label}: gradients planned to travel in {estimate['step']['reduce_wire_dtype']}, "
+                            f"the reducer sends {engine.reducer.wire_dtype}")
         if _trains((name, stage, dtype, offload, variant)):
             _train(engine, name, dtype, rank, steps=2)
             problems += _check_step(label, estimate["step"], engine.memory_report()["bytes"], stage)
@@ -179,9 +182,17 @@ def test_meta_model_at_stage_2_and_the_step_plan():
     result = zerocore.estimate_memory(model, config, 2, device="cpu")
     assert all(p.device.type == "meta" for p in model.parameters())  # nothing was allocated
     step = result["step"]
-    assert step["reduce_bucket_buffers"] == 2 and step["reduce_bucket_buffer"] == 3072 * 4  # largest bucket, fp32
+    # the largest bucket, in bf16: Gloo's send_recv sums the bf16 gradients in fp32 at the receiver
+    assert step["reduce_bucket_buffers"] == 2 and step["reduce_bucket_buffer"] == 3072 * 2
+    assert step["reduce_wire_dtype"] == "torch.bfloat16"
     assert step["peak_bytes"] == result["total_bytes"] + step["reduce_buckets"]
     assert result["host_bytes"] == result["total_bytes"] and result["device_bytes"] == 0
+    # NCCL's reduce-scatter sums inside the backend: the buckets are widened to fp32 before it
+    on_gpu = zerocore.estimate_memory(model, config, 2, device="cuda")["step"]
+    assert on_gpu["reduce_bucket_buffer"] == 3072 * 4 and on_gpu["reduce_wire_dtype"] == "torch.float32"
+    # one rank reduces nothing: no bf16 round trip
+    alone = zerocore.estimate_memory(model, config, 1, device="cpu")["step"]
+    assert alone["reduce_wire_dtype"] == "torch.float32"
 
 
 def test_cli_prints_a_table_and_json(tmp_path):

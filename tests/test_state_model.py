@@ -322,3 +322,38 @@ def norm_worker(rank: int, world: int, stage: int) -> tuple[float, float]:
 def test_global_grad_norm_within_1e6_of_float64_at_16m_elements(stage):
     for ours, exact in run_ranks(norm_worker, 2, stage):
         assert abs(ours - exact) / exact < 1e-6, (ours, exact)
+
+
+def wire_worker(rank: int, world: int, stage: int, dtype: str, algorithm: str) -> dict:
+    config = _config(stage, reduce_bucket_size=300)
+    config[dtype] = {"enabled": True}
+    engine = zerocore.initialize(build("mlp"), config, comm_algorithms={"reduce_scatter": algorithm})
+    losses = []
+    for step in range(3):
+        x, y = _data(step, rank)
+        loss = loss_fn("mlp", engine(as_dtype(x, engine.compute_dtype)), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with zerocore.gathered(list(engine.module.parameters())):
+        params = [p.detach().float().reshape(-1).tolist() for p in engine.module.parameters()]
+    sent = engine.comm_report()["collectives"]["reduce_scatter"]
+    assert engine.comm_report()["gradient_wire_dtype"] == str(engine.reducer.wire_dtype).removeprefix("torch.")
+    return {"wire": str(engine.reducer.wire_dtype), "losses": losses, "params": params,
+            "pool": engine.memory_report()["bytes"]["reduce_buckets"], "calls": sent["calls"]}
+
+
+@pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (2, "bf16"), (3, "bf16"), (2, "fp16")])
+def test_16_bit_gradients_travel_in_16_bits_and_train_bitwise_as_an_fp32_wire(stage, dtype):
+    """Note [Widening reduce-scatter]: send_recv sends the 16-bit gradients and sums them in fp32 at the
+    receiver; at 2 ranks an fp32 all-reduce of the same prescaled values adds the same two numbers, so the
+    training must be bitwise the same, with reduction buckets of half the bytes."""
+    widened = run_ranks(wire_worker, 2, stage, dtype, "send_recv")
+    fp32_wire = run_ranks(wire_worker, 2, stage, dtype, "all_reduce")
+    sixteen = "torch.bfloat16" if dtype == "bf16" else "torch.float16"
+    for a, b in zip(widened, fp32_wire):
+        assert (a["wire"], b["wire"]) == (sixteen, "torch.float32")
+        assert a["calls"] == b["calls"] > 0
+        assert a["losses"] == b["losses"]
+        assert a["params"] == b["params"]
+        assert 0 < a["pool"] <= b["pool"] // 2 + 64

@@ -81,6 +81,21 @@ def comm_algorithms_for(explicit: Mapping[str, str] | None, config: ZeroConfig) 
     return reduce_scatter, algorithms.get("all_gather", "auto")
 
 
+def reduction_wire_dtype(config: ZeroConfig, device: torch.device, world: int,
+                         explicit: Mapping[str, str] | None = None) -> torch.dtype:
+    """The dtype gradient buckets travel in, as the GradReducer decides it (Note [Widening reduce-scatter]):
+    16-bit gradients reduced in fp32 stay 16-bit where the reduce-scatter algorithm sums at the receiver;
+    ``device`` stands for its default backend (Gloo on the CPU, NCCL otherwise)."""
+    compute, reduce = config.compute_dtype, config.reduce_dtype
+    if world < 2 or reduce != torch.float32 or compute not in (torch.bfloat16, torch.float16):
+        return reduce
+    if config.zero_optimization.zero_quantized_gradients:
+        return reduce
+    algorithm = comm_algorithms_for(explicit, config)[0]
+    backend = "gloo" if device.type == "cpu" else "nccl"
+    return compute if _C.reduce_scatter_widens(algorithm, backend) else reduce
+
+
 @dataclass
 class Comms:
     """The engine's collectives (Note [Collective algorithms]): ``main`` for everything but stage 3's

@@ -109,6 +109,9 @@ def comm_report(engine: Engine) -> dict[str, Any]:
         "backend": engine.comm.backend,
         "algorithms": {"reduce_scatter": engine.comm.reduce_scatter_algo, "all_gather": engine.comm.all_gather_algo,
                        "parameter_all_gather": engine.comms.weights.all_gather_algo},
+        # what gradient buckets travel in: the reduce dtype, or 16-bit gradients summed in fp32 at the receiver
+        # (Note [Widening reduce-scatter])
+        "gradient_wire_dtype": str(engine.reducer.wire_dtype).removeprefix("torch."),
         "collectives": stats,
         "psi_padded": _psi(engine)[1],
         "buckets": engine.buckets.report() if engine.stage3 is None else {

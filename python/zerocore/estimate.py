@@ -15,7 +15,9 @@ the tensors the engine would allocate, category by category, under the keys of `
 
 Those are the bytes held between steps. A step also allocates, and frees again, gradient bucket buffers (the
 reducer's pool, Note [Reducer memory]) and, in stage 3, gathered units; ``"step"`` plans them, itemized with
-what it assumes: the pool holds buffers of at most the largest bucket in the reduce dtype, two of them (one
+what it assumes: the pool holds buffers of at most the largest bucket in the dtype gradients travel in (the
+reduce dtype, or the 16-bit gradients' own where the default algorithm of the device's backend -- Gloo's on the
+CPU, NCCL's on a GPU -- widens at the receiver, Note [Widening reduce-scatter]), two of them (one
 filling while the previous one reduces; gradients arriving far out of layout order can open more), and stage 3's
 gathered units follow the runtime's gather and release rules and its C++ prefetch planner
 (``_C.plan_forward_prefetch`` / ``plan_backward_prefetch``) over the units run once each in registration order,
@@ -43,7 +45,7 @@ import torch
 from torch import nn
 
 from ._buckets import BucketSizes
-from ._construction import optimizer_state_for
+from ._construction import optimizer_state_for, reduction_wire_dtype
 from ._gather_spares import spare_capacity
 from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
 from ._native import _C
@@ -85,6 +87,7 @@ class _Plan:
     buffers: list[_Unit]
     frozen_bytes: int
     approximate: bool
+    world: int
 
     @property
     def width(self) -> int:
@@ -187,7 +190,7 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
     if count is not None:
         layout = FlatLayout([count], world, ALIGNMENT, NO_BUCKET_CAP if policy.params_sharded else
                             BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce)
-        return _Plan(config, policy, where, state, [_Unit(layout, count)], 0, True)
+        return _Plan(config, policy, where, state, [_Unit(layout, count)], 0, True, world)
     groups = collect_trainable(model, param_groups, config.optimizer)  # also checks param_groups, as initialize
     if policy.params_sharded:
         buffers = _stage3_buffers(model, units, world)
@@ -195,7 +198,7 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
         sizes = [p.numel() for g in groups for p in g["params"]]
         cap = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce
         buffers = [_Unit(FlatLayout(sizes, world, ALIGNMENT, cap), sum(sizes))]
-    return _Plan(config, policy, where, state, buffers, _frozen_bytes(model, config.compute_dtype), False)
+    return _Plan(config, policy, where, state, buffers, _frozen_bytes(model, config.compute_dtype), False, world)
 
 
 def _stage3_buffers(model: nn.Module, units: Any, world: int) -> list[_Unit]:
@@ -315,7 +318,8 @@ def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
     buckets = [bucket.padded_size for b in plan.buffers for bucket in b.layout.buckets]
     # Stage 1 reduces its full gradient buffer in place when it is already in the reduce dtype (build_reducer).
     in_place = not plan.policy.grads_sharded and plan.config.reduce_dtype == plan.config.compute_dtype
-    buffer = 0 if in_place else max(buckets) * _width(plan.config.reduce_dtype)
+    wire = reduction_wire_dtype(plan.config, plan.device, plan.world)
+    buffer = 0 if in_place else max(buckets) * _width(wire)
     count = 0 if in_place else min(_STEP_BUFFERS, len(buckets))
     gathered = _stage3_gathered_peak(plan) * plan.width if plan.policy.params_sharded else 0
     numel = [b.layout.total_size for b in plan.buffers]
@@ -327,6 +331,7 @@ def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
     # (Note [Spare gather storage])
     spares = spare_capacity(numel, plan.width) if plan.policy.params_sharded and plan.device.type == "cpu" else 0
     return {"reduce_bucket_buffer": buffer, "reduce_bucket_buffers": count, "reduce_buckets": count * buffer,
+            "reduce_wire_dtype": str(wire),
             "gathered_params_peak": gathered, "hpz_secondary_peak": secondary, "gather_spares_peak": spares,
             "peak_bytes": total + count * buffer + gathered + secondary + spares,
             "assumes": f"{count} reduce bucket buffer(s) of the largest bucket in flight"
