@@ -18,15 +18,31 @@ void PendingCollective::wait() {
     destination = at::Tensor();
   }
   if (local.defined()) {  // Note [Widening reduce-scatter]: the products rounded as a scaling pass would
-    sum.copy_(local);
-    if (prescale != 1.0) sum.mul_(prescale);
-    for (int64_t k = 0; addends.defined() && k < addends.size(0); ++k) {
-      widened.copy_(addends[k]);
-      if (prescale != 1.0) widened.mul_(prescale);
-      sum.add_(widened);
+    constexpr int64_t kChunk = int64_t{1} << 15;  // 128 KiB of fp32: the chunk's sum stays in L2
+    const int64_t n = local.numel();
+    const at::TensorOptions wide = local.options().dtype(at::kFloat);
+    at::Tensor sum = at::empty({std::min(n, kChunk)}, wide);
+    at::Tensor widened = addends.defined() ? at::empty({std::min(n, kChunk)}, wide) : at::Tensor();
+    for (int64_t start = 0; start < n; start += kChunk) {
+      const int64_t len = std::min(kChunk, n - start);
+      at::Tensor chunk = sum.narrow(0, 0, len);
+      chunk.copy_(local.narrow(0, start, len));
+      if (prescale != 1.0) chunk.mul_(prescale);
+      for (int64_t k = 0; addends.defined() && k < addends.size(0); ++k) {
+        at::Tensor peer = widened.narrow(0, 0, len);
+        peer.copy_(addends[k].narrow(0, start, len));
+        if (prescale != 1.0) peer.mul_(prescale);
+        chunk.add_(peer);
+      }
+      at::Tensor out = deposit.narrow(0, start, len);
+      if (deposit_adds) {
+        out.add_(chunk);
+      } else {
+        out.copy_(chunk);
+      }
     }
     local = at::Tensor();
-    widened = at::Tensor();
+    deposit = at::Tensor();
     addends = at::Tensor();
   } else if (addends.defined()) {
     for (int64_t k = 0; k < addends.size(0); ++k) accumulator.add_(addends[k]);
@@ -108,11 +124,10 @@ template class StrategyRegistry<ReduceScatterStrategy>;
 template class StrategyRegistry<AllGatherStrategy>;
 
 IssuedCollective ReduceScatterStrategy::issue_widening(c10d::ProcessGroup& group, const BucketCollective& bucket,
-                                                      at::ScalarType wide, double prescale) {
+                                                      const WidenedSum& into) {
   (void)group;
   (void)bucket;
-  (void)wide;
-  (void)prescale;
+  (void)into;
   ZC_CHECK(false, "reduce_scatter algorithm '", name(), "' sums inside the backend and cannot widen; check widens()");
   return {};
 }
@@ -246,14 +261,13 @@ class SendRecvReduceScatter final : public ReduceScatterStrategy {
     return out;
   }
 
-  IssuedCollective issue_widening(c10d::ProcessGroup& group, const BucketCollective& b, at::ScalarType wide,
-                                  double prescale) override {
+  IssuedCollective issue_widening(c10d::ProcessGroup& group, const BucketCollective& b,
+                                  const WidenedSum& into) override {
     IssuedCollective out = exchange(group, b);
-    const at::TensorOptions options = b.bucket.options().dtype(wide);
     out.pending.local = b.local_shard();
-    out.pending.sum = sums_.take({b.shard}, options);
-    out.pending.widened = widened_.take({b.shard}, options);
-    out.pending.prescale = prescale;
+    out.pending.deposit = into.destination;
+    out.pending.prescale = into.prescale;
+    out.pending.deposit_adds = into.accumulate;
     return out;
   }
 
@@ -279,8 +293,6 @@ class SendRecvReduceScatter final : public ReduceScatterStrategy {
 
   int64_t next_tag_ = 0;
   ScratchPool received_;
-  ScratchPool sums_;     // held by the caller until it has taken the result
-  ScratchPool widened_;
 };
 const RegisterStrategy<SendRecvReduceScatter> kRegisterSendRecvReduceScatter({"gloo"});
 

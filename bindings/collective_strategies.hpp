@@ -24,16 +24,25 @@ struct PendingCollective {
   at::Tensor destination;
   at::Tensor addends;      // when defined ([k, n]): wait() adds its k rows into `accumulator` ([n])
   at::Tensor accumulator;
-  // A widening reduce-scatter (Note [Widening reduce-scatter]): when `local` is defined, wait() sets `sum` to
-  // local * prescale plus each row of `addends` times prescale, every product and sum rounded in `sum`'s dtype,
-  // using `widened` as scratch. `sum` stays defined after wait(): it is the result.
+  // A widening reduce-scatter (Note [Widening reduce-scatter]): when `local` is defined, wait() computes in
+  // fp32 local * prescale plus each row of `addends` times prescale (every product and sum rounded in fp32)
+  // and copies that into `deposit` (adds it, when `deposit_adds`), in cache-sized chunks.
   at::Tensor local;
-  at::Tensor sum;
-  at::Tensor widened;
+  at::Tensor deposit;
   double prescale = 1.0;
+  bool deposit_adds = false;
   std::function<void()> finish;  // when set: wait() runs it last (a quantized collective's dequantization)
 
   void wait();
+};
+
+// Where a widening reduce-scatter leaves its result (Note [Widening reduce-scatter]): this rank's shard summed
+// over ranks in fp32, each rank's shard multiplied by `prescale` first, then copied into `destination` (any
+// floating dtype, the shard's size), or added to it when `accumulate`.
+struct WidenedSum {
+  at::Tensor destination;
+  double prescale = 1.0;
+  bool accumulate = false;
 };
 
 // The bucket of one logical collective and its geometry, as Comm hands it to a strategy. Comm has already
@@ -98,7 +107,9 @@ class CollectiveStrategy {
 // them in fp32: each rank sends its 16-bit values, and the receiver widens every shard, multiplies it by the
 // prescale and adds them in fp32, in rank order as before. Widening is exact, so the sum is bitwise the one
 // of widening and scaling before sending -- with half the bytes on the wire, a 16-bit reduction bucket
-// instead of an fp32 one, and no widening pass over the whole bucket. An algorithm that sums inside the
+// instead of an fp32 one, and no widening pass over the whole bucket. The fp32 sum never exists at the shard's
+// size: it is formed a cache-sized chunk at a time and deposited (copied or added) into the caller's
+// destination, so the only fp32 values are those the old path rounded at its deposit anyway. An algorithm that sums inside the
 // backend (the native reduce-scatter, an all-reduce) or quantizes cannot, and says so with widens().
 class ReduceScatterStrategy : public CollectiveStrategy {
  public:
@@ -107,10 +118,10 @@ class ReduceScatterStrategy : public CollectiveStrategy {
 
   // Whether issue_widening() is implemented.
   virtual bool widens() const { return false; }
-  // Like issue(), but this rank's reduced shard lands in the returned PendingCollective's `sum`, a new tensor
-  // of `wide` dtype: the sum over ranks of each rank's shard times `prescale`, computed in `wide`.
+  // Like issue(), but wait() leaves this rank's reduced shard in `into` as WidenedSum describes; the bucket
+  // keeps its values.
   virtual IssuedCollective issue_widening(c10d::ProcessGroup& group, const BucketCollective& bucket,
-                                          at::ScalarType wide, double prescale);
+                                          const WidenedSum& into);
 };
 
 // Logical all-gather: afterwards every rank's shard of the bucket equals its owner's. The local shard must

@@ -34,7 +34,7 @@ void Comm::record(const std::string& op, int64_t tag, int64_t elements, int64_t 
 }
 
 PendingCollective Comm::issue_bucket(CollectiveStrategy& strategy, const char* op, const at::Tensor& bucket,
-                                     int64_t tag, const std::string& label, const std::optional<Widening>& widen) {
+                                     int64_t tag, const std::string& label, const std::optional<WidenedSum>& widen) {
   check_bucket(bucket, op);
   const int64_t n = bucket.numel();
   const BucketCollective geometry{bucket, rank_, world_size_, n, n / world_size_, n * bucket.element_size()};
@@ -43,17 +43,17 @@ PendingCollective Comm::issue_bucket(CollectiveStrategy& strategy, const char* o
     PendingCollective nothing;
     nothing.buffer = bucket;
     nothing.tag = tag;
-    if (widen) {  // the sum over one rank: wait() widens and scales the local shard
+    if (widen) {  // the sum over one rank: wait() widens, scales and deposits the local shard
       nothing.local = geometry.local_shard();
-      nothing.sum = at::empty({geometry.shard}, bucket.options().dtype(widen->wide));
+      nothing.deposit = widen->destination;
       nothing.prescale = widen->prescale;
+      nothing.deposit_adds = widen->accumulate;
     }
     return nothing;
   }
   // `widen` comes only from reduce_scatter_widened, whose strategy is the reduce-scatter one
   IssuedCollective issued =
-      widen ? static_cast<ReduceScatterStrategy&>(strategy).issue_widening(*group_, geometry, widen->wide,
-                                                                           widen->prescale)
+      widen ? static_cast<ReduceScatterStrategy&>(strategy).issue_widening(*group_, geometry, *widen)
             : strategy.issue(*group_, geometry);
   issued.pending.tag = tag;
   const int64_t ring_bytes = geometry.bytes * (world_size_ - 1) / world_size_;
@@ -66,16 +66,17 @@ PendingCollective Comm::reduce_scatter(const at::Tensor& bucket, int64_t tag) {
   return issue_bucket(*reduce_scatter_, ReduceScatterStrategy::kOp, bucket, tag, ReduceScatterStrategy::kOp);
 }
 
-PendingCollective Comm::reduce_scatter_widened(const at::Tensor& bucket, at::ScalarType wide, double prescale,
-                                               int64_t tag) {
+PendingCollective Comm::reduce_scatter_widened(const at::Tensor& bucket, const WidenedSum& into, int64_t tag) {
   ZC_CHECK_ARG(reduce_scatter_->widens(), "reduce_scatter algorithm '", reduce_scatter_->name(),
                "' sums inside the backend and cannot sum in a wider dtype than the bucket's");
-  ZC_CHECK_ARG(c10::isFloatingType(wide) && c10::isFloatingType(bucket.scalar_type()) &&
-                   c10::elementSize(wide) > bucket.element_size(),
-               "reduce_scatter_widened: ", wide, " is not a wider floating dtype than the bucket's ",
-               bucket.scalar_type());
-  return issue_bucket(*reduce_scatter_, ReduceScatterStrategy::kOp, bucket, tag, ReduceScatterStrategy::kOp,
-                      Widening{wide, prescale});
+  ZC_CHECK_ARG(bucket.scalar_type() == at::kBFloat16 || bucket.scalar_type() == at::kHalf,
+               "reduce_scatter_widened sums 16-bit buckets in fp32; got a ", bucket.scalar_type(), " bucket");
+  const at::Tensor& d = into.destination;
+  ZC_CHECK_ARG(d.defined() && d.dim() == 1 && d.is_contiguous() && c10::isFloatingType(d.scalar_type()) &&
+                   d.numel() * world_size_ == bucket.numel() && d.device() == bucket.device(),
+               "reduce_scatter_widened: the destination must be a contiguous 1-D floating tensor of the shard's ",
+               bucket.numel() / world_size_, " elements on the bucket's device");
+  return issue_bucket(*reduce_scatter_, ReduceScatterStrategy::kOp, bucket, tag, ReduceScatterStrategy::kOp, into);
 }
 
 PendingCollective Comm::all_gather(const at::Tensor& bucket, int64_t tag, const std::string& label) {

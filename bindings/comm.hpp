@@ -101,11 +101,9 @@ class Comm {
   // Whether the reduce-scatter algorithm can sum in a wider dtype than the bucket travels in (Note [Widening
   // reduce-scatter] in collective_strategies.hpp).
   bool reduce_scatter_widens() const { return reduce_scatter_->widens(); }
-  // A reduce-scatter whose result is the returned PendingCollective's `sum` after wait(): this rank's shard
-  // summed over ranks, each rank's shard multiplied by `prescale`, computed in `wide`. The bucket keeps its
-  // values. Requires reduce_scatter_widens().
-  PendingCollective reduce_scatter_widened(const at::Tensor& bucket, at::ScalarType wide, double prescale,
-                                           int64_t tag);
+  // A reduce-scatter of a 16-bit bucket summed in fp32, whose result wait() leaves in `into` (WidenedSum);
+  // the bucket keeps its values. Requires reduce_scatter_widens().
+  PendingCollective reduce_scatter_widened(const at::Tensor& bucket, const WidenedSum& into, int64_t tag);
   // Fills every rank's shard of `bucket` from that rank; this rank's shard must already be in place.
   // `label` names the collective in stats and log (stage 3 tells forward, backward and tag gathers apart).
   PendingCollective all_gather(const at::Tensor& bucket, int64_t tag, const std::string& label = "all_gather");
@@ -124,12 +122,8 @@ class Comm {
  private:
   // Checks `bucket`, runs `strategy` on it (unless there is nothing to exchange) and records it under `label`.
   // `widen`, when set, asks the reduce-scatter strategy for a widening one (reduce_scatter_widened).
-  struct Widening {
-    at::ScalarType wide;
-    double prescale;
-  };
   PendingCollective issue_bucket(CollectiveStrategy& strategy, const char* op, const at::Tensor& bucket, int64_t tag,
-                                 const std::string& label, const std::optional<Widening>& widen = std::nullopt);
+                                 const std::string& label, const std::optional<WidenedSum>& widen = std::nullopt);
   // The stats and log of every collective Comm issues.
   void record(const std::string& op, int64_t tag, int64_t elements, int64_t algorithm_bytes, int64_t backend_calls,
               int64_t unquantized_bytes);

@@ -16,12 +16,7 @@ namespace zerocore::bindings {
 void bind_distributed(py::module_& m) {
   py::class_<PendingCollective>(m, "PendingCollective")
       .def("wait", &PendingCollective::wait, py::call_guard<py::gil_scoped_release>())
-      .def_readonly("tag", &PendingCollective::tag)
-      // a widening reduce-scatter's result once wait() returned (Note [Widening reduce-scatter]), else None
-      .def_property_readonly("sum", [](const PendingCollective& p) -> std::optional<at::Tensor> {
-        if (p.sum.defined() && !p.local.defined()) return p.sum;
-        return std::nullopt;
-      });
+      .def_readonly("tag", &PendingCollective::tag);
 
   py::class_<CollectiveStats>(m, "CollectiveStats")
       .def_readonly("calls", &CollectiveStats::calls)
@@ -53,8 +48,12 @@ void bind_distributed(py::module_& m) {
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("bucket"), py::arg("tag") = -1,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("reduce_scatter_widens", &Comm::reduce_scatter_widens)
-      .def("reduce_scatter_widened", &Comm::reduce_scatter_widened, py::arg("bucket"), py::arg("wide"),
-           py::arg("prescale") = 1.0, py::arg("tag") = -1, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reduce_scatter_widened",
+          [](Comm& comm, const at::Tensor& bucket, const at::Tensor& destination, double prescale, bool accumulate,
+             int64_t tag) { return comm.reduce_scatter_widened(bucket, WidenedSum{destination, prescale, accumulate}, tag); },
+          py::arg("bucket"), py::arg("destination"), py::arg("prescale") = 1.0, py::arg("accumulate") = false,
+          py::arg("tag") = -1, py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &Comm::all_gather, py::arg("bucket"), py::arg("tag") = -1, py::arg("label") = "all_gather",
            py::call_guard<py::gil_scoped_release>())
       .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("max") = false, py::arg("tag") = -1,

@@ -41,6 +41,16 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                      geometry_.param_offset[i] + geometry_.param_numel[i] <= geometry_.bucket_padded_size[b],
                  "parameter ", i, " does not fit inside bucket ", b);
   }
+  // 16-bit gradients reduced in fp32 travel in 16 bits where the algorithm can widen at the receiver.
+  if (!destinations_.empty() && world > 1 && reduce_dtype_ == at::kFloat && comm_->reduce_scatter_widens()) {
+    const at::ScalarType grads = destinations_.front().scalar_type();
+    bool uniform = grads == at::kBFloat16 || grads == at::kHalf;
+    for (const at::Tensor& d : destinations_) uniform = uniform && d.scalar_type() == grads;
+    if (uniform) {
+      wire_dtype_ = grads;
+      widening_ = true;
+    }
+  }
   ZC_CHECK_ARG(in_place.empty() || in_place.size() == buckets, "in_place must be empty or hold one entry per bucket (",
                buckets, "), got ", in_place.size());
   in_place_.resize(buckets);
@@ -48,24 +58,13 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
     if (!in_place[b]) continue;
     const at::Tensor& region = *in_place[b];
     ZC_CHECK_ARG(region.dim() == 1 && region.is_contiguous() && region.numel() == geometry_.bucket_padded_size[b] &&
-                     region.scalar_type() == reduce_dtype,
-                 "in_place[", b, "] must be a contiguous 1-D ", reduce_dtype, " tensor of ",
-                 geometry_.bucket_padded_size[b], " elements");
+                     region.scalar_type() == wire_dtype_,
+                 "in_place[", b, "] must be a contiguous 1-D ", wire_dtype_, " tensor of ",
+                 geometry_.bucket_padded_size[b], " elements (the dtype gradients travel in)");
     const int64_t shard = geometry_.bucket_padded_size[b] / world;
     ZC_CHECK_ARG(destinations_[b].data_ptr() == region.narrow(0, comm_->rank() * shard, shard).data_ptr(),
                  "in_place[", b, "]: this rank's shard of it must be shard_destinations[", b, "]");
     in_place_[b] = region;
-  }
-  // 16-bit gradients reduced in fp32 travel in 16 bits where the algorithm can widen at the receiver.
-  if (!destinations_.empty() && world > 1 && reduce_dtype_ == at::kFloat && comm_->reduce_scatter_widens()) {
-    const at::ScalarType grads = destinations_.front().scalar_type();
-    bool uniform = grads == at::kBFloat16 || grads == at::kHalf;
-    for (const at::Tensor& d : destinations_) uniform = uniform && d.scalar_type() == grads;
-    for (const at::Tensor& region : in_place_) uniform = uniform && !region.defined();
-    if (uniform) {
-      wire_dtype_ = grads;
-      widening_ = true;
-    }
   }
   buffer_options_ = destinations_.empty() ? at::TensorOptions().dtype(wire_dtype_)
                                           : destinations_.front().options().dtype(wire_dtype_);
@@ -165,7 +164,7 @@ void GradReducer::mark_ready(int64_t param, const at::Tensor& grad) {
 void GradReducer::launch(int64_t bucket) {
   at::Tensor& view = ensure_buffer(bucket);
   if (in_place_[bucket].defined()) {
-    if (prescale_ != 1.0) view.mul_(prescale_);
+    if (prescale_ != 1.0 && !widening_) view.mul_(prescale_);  // widening: the receiver scales
   } else {
     // A pool buffer: its padding and the slots of parameters without a gradient reduce as zeros, copied
     // gradients are scaled now.
@@ -184,7 +183,9 @@ void GradReducer::launch(int64_t bucket) {
     }
     if (view.numel() > cursor) view.narrow(0, cursor, view.numel() - cursor).zero_();
   }
-  in_flight_.push_back(widening_ ? comm_->reduce_scatter_widened(view, reduce_dtype_, prescale_, bucket)
+  // widening: wait() deposits the fp32 sums straight into the destination (Note [Widening reduce-scatter])
+  in_flight_.push_back(widening_ ? comm_->reduce_scatter_widened(
+                                       view, WidenedSum{destinations_[bucket], prescale_, accumulate_}, bucket)
                                  : comm_->reduce_scatter(view, bucket));
   if (!overlap_) complete_oldest();
 }
@@ -196,8 +197,9 @@ void GradReducer::complete_oldest() {
   const int64_t bucket = pending.tag;
   at::Tensor& view = bucket_view_[bucket];
   const int64_t shard = view.numel() / comm_->world_size();
-  const at::Tensor reduced = widening_ ? pending.sum : view.narrow(0, comm_->rank() * shard, shard);
-  if (accumulate_) {
+  const at::Tensor reduced = view.narrow(0, comm_->rank() * shard, shard);
+  if (widening_) {  // wait() deposited it
+  } else if (accumulate_) {
     destinations_[bucket].add_(reduced);
   } else if (destinations_[bucket].data_ptr() != reduced.data_ptr()) {
     destinations_[bucket].copy_(reduced);

@@ -44,8 +44,8 @@ class GradReducer {
   // prescale multiplies each bucket before the reduction (1 / world_size averages as DDP does). Without
   // overlap (DeepSpeed's overlap_comm=false) each bucket's reduction is waited for as soon as it is launched.
   // in_place[b], when defined, is bucket b's whole region of a gradient buffer that already holds the
-  // gradients (stage 1, reduce dtype = gradient dtype): the bucket is reduced right there, with no copy in
-  // or out, and a parameter that got no gradient keeps what it accumulated there.
+  // gradients (stage 1, gradients in the dtype they travel in: wire_dtype()): the bucket is reduced right
+  // there, with no copy in or out, and a parameter that got no gradient keeps what it accumulated there.
   GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry, std::vector<at::Tensor> shard_destinations,
               at::ScalarType reduce_dtype, double prescale, bool overlap = true,
               std::vector<std::optional<at::Tensor>> in_place = {});

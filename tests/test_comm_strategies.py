@@ -241,6 +241,9 @@ def test_auto_is_the_backend_choice_and_unknown_names_list_the_registry(reports)
 
 
 # ---- the widening reduce-scatter (Note [Widening reduce-scatter]) ----------------------------------------------
+SHARDS_WIDENED = (0, 1, 4099, 70001)  # 70001: more than one of wait()'s 32768-element chunks, and a ragged last one
+
+
 def _widening_worker(rank: int, world: int) -> dict[str, Any]:
     """Every algorithm: widens() as documented; where it widens, 16-bit buckets summed in fp32 bitwise as if
     widened and scaled before sending (with a prescale that is not a power of two), at half the bytes."""
@@ -255,33 +258,42 @@ def _widening_worker(rank: int, world: int) -> dict[str, Any]:
         assert comm.reduce_scatter_widens == _C.reduce_scatter_widens(name, "gloo")
         if not comm.reduce_scatter_widens:
             with pytest.raises(ValueError, match="cannot sum in a wider dtype"):
-                comm.reduce_scatter_widened(torch.zeros(world, dtype=torch.bfloat16), torch.float32, 0.5)
+                comm.reduce_scatter_widened(torch.zeros(world, dtype=torch.bfloat16), torch.zeros(1), 0.5)
             out["refused"].append(name)
             continue
         for dtype in (torch.bfloat16, torch.float16):
-            for shard in (0, 1, 4099):
+            for shard in SHARDS_WIDENED:
                 numel = shard * world
                 # random values with full mantissas, the same on every rank's generator draw order
                 every = [torch.randn(numel, generator=gen).mul(1 + r).to(dtype) for r in range(world)]
                 bucket = every[rank].clone()
                 prescale = 1.0 / world
-                pending = comm.reduce_scatter_widened(bucket, torch.float32, prescale, 7)
-                assert pending.sum is None  # not before wait()
-                pending.wait()
-                got = pending.sum
                 mine = slice(rank * shard, (rank + 1) * shard)
                 expected = every[rank][mine].float() * prescale  # own shard first, then the peers in rank order
                 for r in range(world):
                     if r != rank:
                         expected = expected + every[r][mine].float() * prescale
-                assert got.dtype == torch.float32 and got.shape == (shard,)
-                assert torch.equal(got, expected), (name, dtype, shard)
+                # deposited into fp32 (the sum itself), copied into the bucket's dtype, added to what is there
+                fp32 = torch.full((shard,), float("nan"))
+                comm.reduce_scatter_widened(bucket, fp32, prescale, False, 7).wait()
+                assert torch.equal(fp32, expected), (name, dtype, shard)
+                rounded = torch.full((shard,), float("nan"), dtype=dtype)
+                comm.reduce_scatter_widened(bucket, rounded, prescale, False, 8).wait()
+                assert torch.equal(rounded, expected.to(dtype))
+                held = torch.randn(shard, generator=gen).to(dtype)
+                added = held.clone()
+                comm.reduce_scatter_widened(bucket, added, prescale, True, 9).wait()
+                assert torch.equal(added, held.add(expected).to(dtype))  # bf16 += fp32: summed in fp32, rounded once
                 assert torch.equal(bucket, every[rank]), "the bucket keeps its values"
         stats = comm.stats()["reduce_scatter"]
-        sent = sum(2 * shard * world * (world - 1) // world for shard in (0, 1, 4099)) * 2  # 16-bit bytes, 2 dtypes
+        # 16-bit bytes: 2 dtypes x 3 deposits
+        sent = sum(2 * shard * world * (world - 1) // world for shard in SHARDS_WIDENED) * 2 * 3
         out["bytes"] = (stats.algorithm_bytes, sent)
-    with pytest.raises(ValueError, match="wider floating dtype"):
-        _C.Comm(group, "send_recv", "auto").reduce_scatter_widened(torch.zeros(world), torch.float32, 1.0)
+    send_recv = _C.Comm(group, "send_recv", "auto")
+    with pytest.raises(ValueError, match="sums 16-bit buckets in fp32"):
+        send_recv.reduce_scatter_widened(torch.zeros(world), torch.zeros(1), 1.0)
+    with pytest.raises(ValueError, match="the destination must be"):
+        send_recv.reduce_scatter_widened(torch.zeros(2 * world, dtype=torch.bfloat16), torch.zeros(3), 1.0)
     return out
 
 

@@ -81,19 +81,24 @@ def comm_algorithms_for(explicit: Mapping[str, str] | None, config: ZeroConfig) 
     return reduce_scatter, algorithms.get("all_gather", "auto")
 
 
-def reduction_wire_dtype(config: ZeroConfig, device: torch.device, world: int,
-                         explicit: Mapping[str, str] | None = None) -> torch.dtype:
+def wire_dtype(config: ZeroConfig, world: int, algorithm_widens: bool) -> torch.dtype:
     """The dtype gradient buckets travel in, as the GradReducer decides it (Note [Widening reduce-scatter]):
-    16-bit gradients reduced in fp32 stay 16-bit where the reduce-scatter algorithm sums at the receiver;
-    ``device`` stands for its default backend (Gloo on the CPU, NCCL otherwise)."""
+    16-bit gradients reduced in fp32 stay 16-bit where the reduce-scatter algorithm sums at the receiver."""
     compute, reduce = config.compute_dtype, config.reduce_dtype
-    if world < 2 or reduce != torch.float32 or compute not in (torch.bfloat16, torch.float16):
-        return reduce
+    if world > 1 and reduce == torch.float32 and compute in (torch.bfloat16, torch.float16) and algorithm_widens:
+        return compute
+    return reduce
+
+
+def reduction_wire_dtype(config: ZeroConfig, device: torch.device, world: int) -> torch.dtype:
+    """wire_dtype under the engine's default algorithms, ``device`` standing for its default backend (Gloo on
+    the CPU, NCCL otherwise): what the estimate plans with."""
     if config.zero_optimization.zero_quantized_gradients:
-        return reduce
-    algorithm = comm_algorithms_for(explicit, config)[0]
+        algorithm = "hierarchical"
+    else:
+        algorithm = comm_algorithms_for(None, config)[0]
     backend = "gloo" if device.type == "cpu" else "nccl"
-    return compute if _C.reduce_scatter_widens(algorithm, backend) else reduce
+    return wire_dtype(config, world, _C.reduce_scatter_widens(algorithm, backend))
 
 
 @dataclass
@@ -202,11 +207,12 @@ def build_reducer(engine: Engine) -> tuple[Any, list[tuple[Any, int]]]:
     param_numel: list[int] = []
     slots: list[tuple[Any, int]] = []
     in_place: list[torch.Tensor | None] = []
+    wire = wire_dtype(engine.config, engine.world_size, engine.comm.reduce_scatter_widens)
     for buffer in engine.buffers:
         first_bucket = len(bucket_sizes)
-        # Stage 1 holds every gradient in its buffer: reduce each bucket right there when the dtypes agree.
-        whole = buffer.grad_buffer if buffer.grad_buffer is not None and \
-            buffer.grad_buffer.dtype == engine.config.reduce_dtype else None
+        # Stage 1 holds every gradient in its buffer: reduce each bucket right there when its dtype is the one
+        # gradients travel in.
+        whole = buffer.grad_buffer if buffer.grad_buffer is not None and buffer.grad_buffer.dtype == wire else None
         for k, bucket in enumerate(buffer.buckets):
             bucket_sizes.append(bucket.padded_size)
             destinations.append(buffer.grad_slice(k))

@@ -316,9 +316,9 @@ def _max_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
     """The transient bytes of a training step, with what they assume (Note [Memory estimate])."""
     buckets = [bucket.padded_size for b in plan.buffers for bucket in b.layout.buckets]
-    # Stage 1 reduces its full gradient buffer in place when it is already in the reduce dtype (build_reducer).
-    in_place = not plan.policy.grads_sharded and plan.config.reduce_dtype == plan.config.compute_dtype
+    # Stage 1 reduces its full gradient buffer in place when it is in the dtype gradients travel in (build_reducer).
     wire = reduction_wire_dtype(plan.config, plan.device, plan.world)
+    in_place = not plan.policy.grads_sharded and wire == plan.config.compute_dtype
     buffer = 0 if in_place else max(buckets) * _width(wire)
     count = 0 if in_place else min(_STEP_BUFFERS, len(buckets))
     gathered = _stage3_gathered_peak(plan) * plan.width if plan.policy.params_sharded else 0
