@@ -89,12 +89,9 @@ class GradientRouting:
     def on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         buffer, local = self.param_slots[index]
         if buffer.grad_buffer is not None:
-            # .grad accumulates in place in the gradient buffer across micro-steps; when autograd made a fresh
-            # tensor (the user set .grad to None), its values move into the buffer first.
-            view = buffer.grad_view(local)
-            if param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
-                param.grad = view
+            # .grad accumulates in place in the gradient buffer across micro-steps; the first gradient after
+            # zero_grad (or one the user set) arrives as a fresh tensor and moves into the buffer first.
+            param.grad = buffer.take_grad(local, param.grad)
         if self.reducing:
             self._reduce(index, param)
             if self.policy.grads_sharded:
@@ -133,7 +130,7 @@ class GradientRouting:
         for index in self.reducer.unmarked_params():
             buffer, local = self.param_slots[index]
             param = buffer.params[local]
-            grad = buffer.grad_view(local) if buffer.grad_buffer is not None else param.grad
+            grad = buffer.grad_or_zeros(local) if buffer.grad_buffer is not None else param.grad
             if grad is not None:
                 self.reducer.mark_ready(index, grad)
                 if self.policy.grads_sharded:

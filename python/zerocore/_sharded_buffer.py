@@ -13,7 +13,8 @@ the stage policy (Note [Stage policy]) changes is only where things live:
   placeholders]); otherwise the shard is the rank's region of ``full`` itself.
 * gradients (compute dtype): with ``grads_sharded`` (stages 2-3) only this rank's reduced shard is kept
   (``grad_shard``) and ``.grad`` is freed once copied into a reduction bucket; otherwise (stage 1)
-  ``grad_buffer`` holds every gradient, ``.grad`` is a view of it and accumulates in place.
+  ``grad_buffer`` holds every gradient, ``.grad`` is a view of it and accumulates in place (Note [Gradient
+  slots start stale]).
 * optimizer state: every bucket's shard is registered with the OptimizerState (Note [Optimizer state
   ownership]), with the param group of every element (``runs``) and global coordinates (``pieces``).
 
@@ -100,6 +101,7 @@ class ShardedBuffer:
         self.views = [self.full[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
         grads_sharded = self.policy.grads_sharded
         self.grad_buffer = None if grads_sharded else torch.zeros_like(self.full)
+        self._grad_stale = [False] * len(self.params)  # Note [Gradient slots start stale]
         self.grad_shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device) if grads_sharded else None
         shapes = [tuple(p.shape) for p in self.params]
         for b in range(len(self.buckets)):
@@ -406,15 +408,41 @@ class ShardedBuffer:
 
     # ---- gradients ------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        """Note [Gradient slots start stale]
+        ----------------------------------
+        Stage 1 does not zero its gradient buffer between steps, as DDP with ``gradient_as_bucket_view`` does
+        not: ``.grad`` goes back to None (torch's ``set_to_none``) and each slot is marked stale. A parameter's
+        first gradient after that arrives as a fresh tensor and is copied over its slot (``take_grad``), later
+        ones accumulate into the view in place; a slot still stale when a reducing backward ends is zeroed then
+        (``grad_or_zeros``). That saves a write pass over the whole buffer per step and the read of those zeros
+        by the first accumulation."""
         if self.grad_buffer is not None:
-            self.grad_buffer.zero_()
-            for index, param in enumerate(self.params):
-                param.grad = self.grad_view(index)
+            self._grad_stale = [True] * len(self.params)
+            for param in self.params:
+                param.grad = None
         else:
             assert self.grad_shard is not None
             self.grad_shard.zero_()
             for param in self.params:
                 param.grad = None
+
+    def take_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """Stage 1: parameter ``index``'s ``.grad`` as its slot of ``grad_buffer``; a fresh tensor (the first
+        gradient since ``zero_grad``, or one the user set) is copied over the slot first."""
+        view = self.grad_view(index)
+        if grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        self._grad_stale[index] = False
+        return view
+
+    def grad_or_zeros(self, index: int) -> torch.Tensor:
+        """Stage 1: parameter ``index``'s accumulated gradient, zeroed first when nothing reached it since
+        ``zero_grad`` (Note [Gradient slots start stale])."""
+        view = self.grad_view(index)
+        if self._grad_stale[index]:
+            view.zero_()
+            self._grad_stale[index] = False
+        return view
 
     def memory(self) -> dict[str, int]:
         """Bytes held at rest (a stage-3 gather is counted by the runtime as gathered bytes)."""
