@@ -69,8 +69,9 @@ PendingCollective Comm::reduce_scatter(const at::Tensor& bucket, int64_t tag) {
 PendingCollective Comm::reduce_scatter_widened(const at::Tensor& bucket, const WidenedSum& into, int64_t tag) {
   ZC_CHECK_ARG(reduce_scatter_->widens(), "reduce_scatter algorithm '", reduce_scatter_->name(),
                "' sums inside the backend and cannot sum in a wider dtype than the bucket's");
-  ZC_CHECK_ARG(bucket.scalar_type() == at::kBFloat16 || bucket.scalar_type() == at::kHalf,
-               "reduce_scatter_widened sums 16-bit buckets in fp32; got a ", bucket.scalar_type(), " bucket");
+  ZC_CHECK_ARG(bucket.scalar_type() == at::kBFloat16 || bucket.scalar_type() == at::kHalf ||
+                   bucket.scalar_type() == at::kFloat,
+               "reduce_scatter_widened sums 16-bit or fp32 buckets in fp32; got a ", bucket.scalar_type(), " bucket");
   const at::Tensor& d = into.destination;
   ZC_CHECK_ARG(d.defined() && d.dim() == 1 && d.is_contiguous() && c10::isFloatingType(d.scalar_type()) &&
                    d.numel() * world_size_ == bucket.numel() && d.device() == bucket.device(),

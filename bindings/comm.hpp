@@ -101,7 +101,8 @@ class Comm {
   // Whether the reduce-scatter algorithm can sum in a wider dtype than the bucket travels in (Note [Widening
   // reduce-scatter] in collective_strategies.hpp).
   bool reduce_scatter_widens() const { return reduce_scatter_->widens(); }
-  // A reduce-scatter of a 16-bit bucket summed in fp32, whose result wait() leaves in `into` (WidenedSum);
+  // A reduce-scatter of a 16-bit or fp32 bucket summed in fp32 at the receiver, whose result wait() leaves in
+  // `into` (WidenedSum);
   // the bucket keeps its values. Requires reduce_scatter_widens().
   PendingCollective reduce_scatter_widened(const at::Tensor& bucket, const WidenedSum& into, int64_t tag);
   // Fills every rank's shard of `bucket` from that rank; this rank's shard must already be in place.

@@ -41,10 +41,11 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                      geometry_.param_offset[i] + geometry_.param_numel[i] <= geometry_.bucket_padded_size[b],
                  "parameter ", i, " does not fit inside bucket ", b);
   }
-  // 16-bit gradients reduced in fp32 travel in 16 bits where the algorithm can widen at the receiver.
+  // Where the algorithm sums at the receiver, it also scales and deposits there (one pass fewer over every
+  // bucket), and 16-bit gradients reduced in fp32 travel in 16 bits (Note [Widening reduce-scatter]).
   if (!destinations_.empty() && world > 1 && reduce_dtype_ == at::kFloat && comm_->reduce_scatter_widens()) {
     const at::ScalarType grads = destinations_.front().scalar_type();
-    bool uniform = grads == at::kBFloat16 || grads == at::kHalf;
+    bool uniform = grads == at::kBFloat16 || grads == at::kHalf || grads == at::kFloat;
     for (const at::Tensor& d : destinations_) uniform = uniform && d.scalar_type() == grads;
     if (uniform) {
       wire_dtype_ = grads;

@@ -15,9 +15,10 @@
 // whatever the model size. A pool buffer is never zeroed as a whole: each gradient is written into its slot
 // once, scaled by the prescale in the same pass where the dtypes agree, and at launch only the padding and
 // the slots of parameters without a gradient are zeroed (a bucket costs one pass over its gradients, not a
-// zeroing, a copy and a scaling). When the gradients are 16-bit, the reduce dtype fp32 and the algorithm sums
-// at the receiver (Note [Widening reduce-scatter]), buckets stay in the gradients' dtype: a gradient is copied
-// unscaled, and the receiver scales and sums in fp32, bitwise as if the bucket had been widened first.
+// zeroing, a copy and a scaling). When the reduce dtype is fp32 and the algorithm sums at the receiver (Note
+// [Widening reduce-scatter]), buckets stay in the gradients' dtype (16-bit or fp32): a gradient is copied
+// unscaled, and the receiver scales, sums in fp32 and deposits into the shard, bitwise as if the bucket had
+// been widened and scaled first.
 #pragma once
 
 #include <deque>
@@ -79,7 +80,9 @@ class GradReducer {
   std::vector<at::Tensor> in_place_;  // per bucket: a gradient buffer region reduced in place, or undefined
   at::ScalarType reduce_dtype_;
   at::ScalarType wire_dtype_;
-  bool widening_ = false;  // wire_dtype_ is narrower than reduce_dtype_: Note [Widening reduce-scatter]
+  // The receiver scales, sums in fp32 and deposits (Note [Widening reduce-scatter]); gradients travel in
+  // wire_dtype_, their own dtype.
+  bool widening_ = false;
   double prescale_;
   at::Tensor prescale_tensor_;  // prescale_ as a wrapped 0-dim CPU tensor (a scalar operand for mul_out)
   bool overlap_;

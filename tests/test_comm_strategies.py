@@ -241,6 +241,7 @@ def test_auto_is_the_backend_choice_and_unknown_names_list_the_registry(reports)
 
 
 # ---- the widening reduce-scatter (Note [Widening reduce-scatter]) ----------------------------------------------
+WIDENED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: scaled and deposited at the receiver
 SHARDS_WIDENED = (0, 1, 4099, 70001)  # 70001: more than one of wait()'s 32768-element chunks, and a ragged last one
 
 
@@ -261,7 +262,7 @@ def _widening_worker(rank: int, world: int) -> dict[str, Any]:
                 comm.reduce_scatter_widened(torch.zeros(world, dtype=torch.bfloat16), torch.zeros(1), 0.5)
             out["refused"].append(name)
             continue
-        for dtype in (torch.bfloat16, torch.float16):
+        for dtype in WIDENED_DTYPES:
             for shard in SHARDS_WIDENED:
                 numel = shard * world
                 # random values with full mantissas, the same on every rank's generator draw order
@@ -286,12 +287,13 @@ def _widening_worker(rank: int, world: int) -> dict[str, Any]:
                 assert torch.equal(added, held.add(expected).to(dtype))  # bf16 += fp32: summed in fp32, rounded once
                 assert torch.equal(bucket, every[rank]), "the bucket keeps its values"
         stats = comm.stats()["reduce_scatter"]
-        # 16-bit bytes: 2 dtypes x 3 deposits
-        sent = sum(2 * shard * world * (world - 1) // world for shard in SHARDS_WIDENED) * 2 * 3
+        # each bucket in its own dtype's bytes, 3 deposits each
+        sent = sum(d.itemsize * shard * world * (world - 1) // world
+                   for d in WIDENED_DTYPES for shard in SHARDS_WIDENED) * 3
         out["bytes"] = (stats.algorithm_bytes, sent)
     send_recv = _C.Comm(group, "send_recv", "auto")
-    with pytest.raises(ValueError, match="sums 16-bit buckets in fp32"):
-        send_recv.reduce_scatter_widened(torch.zeros(world), torch.zeros(1), 1.0)
+    with pytest.raises(ValueError, match="sums 16-bit or fp32 buckets in fp32"):
+        send_recv.reduce_scatter_widened(torch.zeros(world, dtype=torch.float64), torch.zeros(1), 1.0)
     with pytest.raises(ValueError, match="the destination must be"):
         send_recv.reduce_scatter_widened(torch.zeros(2 * world, dtype=torch.bfloat16), torch.zeros(3), 1.0)
     return out
