@@ -123,11 +123,8 @@ std::unique_ptr<Strategy> StrategyRegistry<Strategy>::create(const std::string& 
 template class StrategyRegistry<ReduceScatterStrategy>;
 template class StrategyRegistry<AllGatherStrategy>;
 
-IssuedCollective ReduceScatterStrategy::issue_widening(c10d::ProcessGroup& group, const BucketCollective& bucket,
-                                                      const WidenedSum& into) {
-  (void)group;
-  (void)bucket;
-  (void)into;
+IssuedCollective ReduceScatterStrategy::issue_widening(c10d::ProcessGroup&, const BucketCollective&,
+                                                      const WidenedSum&) {
   ZC_CHECK(false, "reduce_scatter algorithm '", name(), "' sums inside the backend and cannot widen; check widens()");
   return {};
 }
@@ -245,8 +242,7 @@ const RegisterStrategy<AllReduceReduceScatter> kRegisterAllReduceReduceScatter;
 
 // Point to point: every rank sends each peer that peer's shard and receives its own shard from every peer,
 // then wait() adds them into its shard in rank order (or widens, scales and adds them in fp32, Note [Widening
-// reduce-scatter]): B (W-1)/W bytes sent (a ring's), 2 (W-1) calls, no
-// reduction inside the backend. On Gloo this is the fastest (bench/collectives.py): its reduce_scatter is
+// reduce-scatter]): B (W-1)/W bytes sent (a ring's), 2 (W-1) calls, no reduction inside the backend. On Gloo this is the fastest (bench/collectives.py): its reduce_scatter is
 // slow and an all-reduce moves twice the bytes. The message tag counts this strategy's collectives, which
 // every rank issues in the same order.
 class SendRecvReduceScatter final : public ReduceScatterStrategy {

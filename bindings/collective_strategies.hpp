@@ -111,8 +111,9 @@ class CollectiveStrategy {
 // size: it is formed a cache-sized chunk at a time and deposited (copied or added) into the caller's
 // destination, so the only fp32 values are those the old path rounded at its deposit anyway. fp32 buckets
 // take the same path: the scaling moves from a pass over the bucket before sending to the receiver's chunks,
-// and the deposit from a second pass over the shard into the same chunks (same products, same order). An algorithm that sums inside the
-// backend (the native reduce-scatter, an all-reduce) or quantizes cannot, and says so with widens().
+// and the deposit from a second pass over the shard into the same chunks (same products, same order). An
+// algorithm that sums inside the backend (the native reduce-scatter, an all-reduce) or quantizes cannot, and
+// says so with widens().
 class ReduceScatterStrategy : public CollectiveStrategy {
  public:
   using Interface = ReduceScatterStrategy;

@@ -102,8 +102,7 @@ class Comm {
   // reduce-scatter] in collective_strategies.hpp).
   bool reduce_scatter_widens() const { return reduce_scatter_->widens(); }
   // A reduce-scatter of a 16-bit or fp32 bucket summed in fp32 at the receiver, whose result wait() leaves in
-  // `into` (WidenedSum);
-  // the bucket keeps its values. Requires reduce_scatter_widens().
+  // `into` (WidenedSum); the bucket keeps its values. Requires reduce_scatter_widens().
   PendingCollective reduce_scatter_widened(const at::Tensor& bucket, const WidenedSum& into, int64_t tag);
   // Fills every rank's shard of `bucket` from that rank; this rank's shard must already be in place.
   // `label` names the collective in stats and log (stage 3 tells forward, backward and tag gathers apart).

@@ -75,6 +75,10 @@ void bind_distributed(py::module_& m) {
       "Whether the reduce-scatter `algorithm` ('auto' resolved for `backend`) sums at the receiver, so that "
       "16-bit gradients travel in 16 bits and are summed in fp32 (Note [Widening reduce-scatter]).");
 
+  m.def("reduction_wire_dtype", &reduction_wire_dtype, py::arg("reduce_dtype"), py::arg("grad_dtype"),
+        py::arg("world_size"), py::arg("algorithm_widens"),
+        "The dtype gradient buckets travel in, as the GradReducer decides it (Note [Widening reduce-scatter]).");
+
   m.def(
       "collective_algorithms",
       [] {

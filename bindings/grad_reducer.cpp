@@ -8,6 +8,12 @@
 
 namespace zerocore::bindings {
 
+at::ScalarType reduction_wire_dtype(at::ScalarType reduce_dtype, at::ScalarType grad_dtype, int world_size,
+                                    bool algorithm_widens) {
+  const bool summable = grad_dtype == at::kBFloat16 || grad_dtype == at::kHalf || grad_dtype == at::kFloat;
+  return world_size > 1 && reduce_dtype == at::kFloat && algorithm_widens && summable ? grad_dtype : reduce_dtype;
+}
+
 GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                          std::vector<at::Tensor> shard_destinations, at::ScalarType reduce_dtype, double prescale,
                          bool overlap, std::vector<std::optional<at::Tensor>> in_place)
@@ -45,12 +51,10 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
   // bucket), and 16-bit gradients reduced in fp32 travel in 16 bits (Note [Widening reduce-scatter]).
   if (!destinations_.empty() && world > 1 && reduce_dtype_ == at::kFloat && comm_->reduce_scatter_widens()) {
     const at::ScalarType grads = destinations_.front().scalar_type();
-    bool uniform = grads == at::kBFloat16 || grads == at::kHalf || grads == at::kFloat;
+    bool uniform = true;
     for (const at::Tensor& d : destinations_) uniform = uniform && d.scalar_type() == grads;
-    if (uniform) {
-      wire_dtype_ = grads;
-      widening_ = true;
-    }
+    if (uniform) wire_dtype_ = reduction_wire_dtype(reduce_dtype_, grads, world, true);
+    widening_ = uniform && wire_dtype_ == grads;
   }
   ZC_CHECK_ARG(in_place.empty() || in_place.size() == buckets, "in_place must be empty or hold one entry per bucket (",
                buckets, "), got ", in_place.size());
@@ -198,12 +202,13 @@ void GradReducer::complete_oldest() {
   const int64_t bucket = pending.tag;
   at::Tensor& view = bucket_view_[bucket];
   const int64_t shard = view.numel() / comm_->world_size();
-  const at::Tensor reduced = view.narrow(0, comm_->rank() * shard, shard);
-  if (widening_) {  // wait() deposited it
-  } else if (accumulate_) {
-    destinations_[bucket].add_(reduced);
-  } else if (destinations_[bucket].data_ptr() != reduced.data_ptr()) {
-    destinations_[bucket].copy_(reduced);
+  if (!widening_) {  // a widening reduce-scatter's wait() has deposited the shard already
+    const at::Tensor reduced = view.narrow(0, comm_->rank() * shard, shard);
+    if (accumulate_) {
+      destinations_[bucket].add_(reduced);
+    } else if (destinations_[bucket].data_ptr() != reduced.data_ptr()) {
+      destinations_[bucket].copy_(reduced);
+    }
   }
   view = at::Tensor();
   if (bucket_base_[bucket].defined()) free_buffers_.push_back(std::move(bucket_base_[bucket]));

@@ -31,6 +31,12 @@
 
 namespace zerocore::bindings {
 
+// The dtype gradient buckets travel in (Note [Widening reduce-scatter]): the gradients' own when the reduction
+// is fp32, there is someone to exchange with, and the algorithm sums at the receiver (which then also scales and
+// deposits); otherwise the reduce dtype. The GradReducer decides with it, and the memory estimate plans with it.
+at::ScalarType reduction_wire_dtype(at::ScalarType reduce_dtype, at::ScalarType grad_dtype, int world_size,
+                                    bool algorithm_widens);
+
 struct ReducerGeometry {
   std::vector<int64_t> bucket_padded_size;  // per bucket: elements, padded (divisible by world size)
   std::vector<int64_t> param_bucket;        // per parameter: its bucket

@@ -82,12 +82,9 @@ def comm_algorithms_for(explicit: Mapping[str, str] | None, config: ZeroConfig) 
 
 
 def wire_dtype(config: ZeroConfig, world: int, algorithm_widens: bool) -> torch.dtype:
-    """The dtype gradient buckets travel in, as the GradReducer decides it (Note [Widening reduce-scatter]):
+    """The dtype gradient buckets travel in, by the GradReducer's own rule (Note [Widening reduce-scatter]):
     16-bit gradients reduced in fp32 stay 16-bit where the reduce-scatter algorithm sums at the receiver."""
-    compute, reduce = config.compute_dtype, config.reduce_dtype
-    if world > 1 and reduce == torch.float32 and compute in (torch.bfloat16, torch.float16) and algorithm_widens:
-        return compute
-    return reduce
+    return _C.reduction_wire_dtype(config.reduce_dtype, config.compute_dtype, world, algorithm_widens)
 
 
 def reduction_wire_dtype(config: ZeroConfig, device: torch.device, world: int) -> torch.dtype:

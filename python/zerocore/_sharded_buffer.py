@@ -418,13 +418,11 @@ class ShardedBuffer:
         by the first accumulation."""
         if self.grad_buffer is not None:
             self._grad_stale = [True] * len(self.params)
-            for param in self.params:
-                param.grad = None
         else:
             assert self.grad_shard is not None
             self.grad_shard.zero_()
-            for param in self.params:
-                param.grad = None
+        for param in self.params:
+            param.grad = None
 
     def take_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         """Stage 1: parameter ``index``'s ``.grad`` as its slot of ``grad_buffer``; a fresh tensor (the first
