@@ -61,7 +61,7 @@ def test_defaults():
     assert (z.stage, z.reduce_bucket_size, z.allgather_bucket_size) == (1, None, None)  # the engine chooses
     assert (z.overlap_comm, z.contiguous_gradients, z.reduce_scatter) == (True, True, True)
     assert (z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters,
-            z.stage3_param_persistence_threshold) == (50_000_000, 1_000_000_000, 100_000)
+            z.stage3_param_persistence_threshold) == (None, 1_000_000_000, 100_000)  # None: one unit ahead
     assert (c.gradient_accumulation_steps, c.gradient_clipping, c.bf16, c.steps_per_print) == (1, 0.0, False, 10)
     assert c.communication_data_type is c.train_batch_size is c.train_micro_batch_size_per_gpu is None
     assert c.compute_dtype == c.reduce_dtype == torch.float32

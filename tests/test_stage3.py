@@ -209,6 +209,58 @@ def test_stage3_memory_and_comm_volume():
                                                                 - (steps - 1) * result["last"])
 
 
+class Chain(nn.Module):
+    """Embedding, six blocks in a row, head: a unit per block, prefetched in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(6))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def prefetch_worker(rank: int, world: int, zero: dict) -> dict:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Chain(), config(**zero))
+    engine.reset_comm_stats()
+    for step in range(3):
+        engine.backward(loss_of(engine, *data(step, rank)))
+        engine.step()
+    runtime = engine.stage3
+    return {"peak": runtime.last_step_peak_elements, "psi": sum(u.numel for u in runtime.units),
+            "root": next(u.numel for u in runtime.units if u.persistent),
+            "block": max(u.numel for u in runtime.units if not u.persistent),
+            "buckets": engine.comm_report()["buckets"], "collectives": engine.comm_report()["collectives"],
+            "params": {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}}
+
+
+def test_unset_prefetch_gathers_one_unit_ahead_and_a_set_budget_is_honoured():
+    unset = run_ranks(prefetch_worker, 2, {})[0]
+    whole = run_ranks(prefetch_worker, 2, {"stage3_prefetch_bucket_size": 10**9})[0]
+    assert unset["buckets"]["prefetch_source"].startswith("default") and unset["buckets"]["prefetch_elements"] == 1
+    assert whole["buckets"]["prefetch_source"] == "config: zero_optimization.stage3_prefetch_bucket_size"
+    # DeepSpeed's 5e7 (or any budget above the model) gathers the whole model ahead; unset, the root stays
+    # gathered and a block is ahead of the one computing, and the forward's last block stays for the backward
+    assert whole["peak"] == whole["psi"]
+    assert unset["peak"] <= unset["root"] + 3 * unset["block"] < unset["psi"], unset
+    # the same gathers, only issued later, and the same training; the last step starts the next forward's
+    # gathers under the budget (Note [Gathers started in the step]): all six blocks against the first one
+    elements = {which: {kind: r["collectives"][kind]["logical_elements"] for kind in
+                        ("all_gather_forward", "all_gather_backward", "reduce_scatter")} for which, r in
+                (("unset", unset), ("whole", whole))}
+    assert elements["whole"]["all_gather_forward"] - elements["unset"]["all_gather_forward"] == 5 * unset["block"]
+    for kind in ("all_gather_backward", "reduce_scatter"):
+        assert elements["unset"][kind] == elements["whole"][kind]
+    for name, value in unset["params"].items():
+        assert value == whole["params"][name], name
+
+
 def order_change_worker(rank: int, world: int) -> int:
     torch.manual_seed(0)
     model = Zoo()

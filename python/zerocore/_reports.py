@@ -115,7 +115,8 @@ def comm_report(engine: Engine) -> dict[str, Any]:
         "collectives": stats,
         "psi_padded": _psi(engine)[1],
         "buckets": engine.buckets.report() if engine.stage3 is None else {
-            "reduce_bucket_elements": None, "reduce_bucket_source": "stage 3: one bucket per unit"},
+            "reduce_bucket_elements": None, "reduce_bucket_source": "stage 3: one bucket per unit",
+            "prefetch_elements": engine.stage3.prefetch_elements, "prefetch_source": engine.stage3.prefetch_source},
         "host_syncs": engine.host_syncs,
         "host_syncs_per_step": engine.host_syncs / steps if steps else None,
         "ddp_all_reduce_elements_per_step": _psi(engine)[0],

@@ -68,6 +68,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ._buckets import stage3_prefetch_budget
 from ._divergence import DivergenceCheck
 from ._gather_spares import GatherSpares, spare_capacity
 from ._native import _C
@@ -100,7 +101,7 @@ class Stage3Runtime:
         self.hpz_slot = None if topology is None else (topology.node_size, topology.local_rank)
         zo = engine.config.zero_optimization
         self.max_live = zo.stage3_max_live_parameters
-        self.prefetch_elements = zo.stage3_prefetch_bucket_size
+        self.prefetch_elements, self.prefetch_source = stage3_prefetch_budget(zo)
         self.units = [Unit(s, engine.new_buffer(f"unit {s.name or '<root>'}", s.params, s.param_names,
                                                 [group_of[id(p)] for p in s.params], NO_BUCKET_CAP))
                       for s in specs if s.params]

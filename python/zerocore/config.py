@@ -34,6 +34,8 @@ __all__ = ["OptimizerConfig", "FP16Config", "OffloadOptimizerConfig", "OffloadPa
            "ZeroOptimizationConfig", "AioConfig", "SchedulerConfig", "ZeroConfig", "hidden_size_of"]
 
 OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW"}
+# sizes that may be left unset: the engine then chooses one for the model (python/zerocore/_buckets.py)
+_UNSET_MEANS_CHOSEN = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -140,7 +142,10 @@ class ZeroOptimizationConfig:
             always does this, so only True is accepted.
         reduce_scatter: reduce-scatter gradients; False reduces them with all-reduce (each rank then keeps
             its shard), the ``"all_reduce"`` algorithm of Note [Collective algorithms].
-        stage3_prefetch_bucket_size: stage 3: parameter elements fetched ahead of use (>= 0; 0 = no prefetch).
+        stage3_prefetch_bucket_size: stage 3: parameter elements fetched ahead of use in forward (>= 0; 0 = no
+            prefetch; a unit larger than what is left of the budget is still fetched). None (unset): one unit
+            ahead, as FSDP prefetches and as DeepSpeed's 5e7 default does on models whose blocks exceed 5e7
+            elements (hidden size >= 2048); ``comm_report()["buckets"]`` says which budget was used and why.
         stage3_max_live_parameters: stage 3: gathered parameter elements kept per GPU (>= 1).
         stage3_param_persistence_threshold: stage 3: parameters with fewer elements stay unpartitioned (>= 0).
         sub_group_size: elements per optimizer sub-group, the tile the optimizer step (and its offload) works
@@ -173,7 +178,7 @@ class ZeroOptimizationConfig:
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
-    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: int | None = None
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_param_persistence_threshold: int = 100_000
     sub_group_size: int = 1_000_000_000
@@ -197,7 +202,7 @@ class ZeroOptimizationConfig:
         minimums = {"reduce_bucket_size": 1, "allgather_bucket_size": 1, "stage3_prefetch_bucket_size": 0,
                     "stage3_max_live_parameters": 1, "stage3_param_persistence_threshold": 0}
         for name, minimum in minimums.items():
-            if getattr(self, name) is not None or name not in ("reduce_bucket_size", "allgather_bucket_size"):
+            if getattr(self, name) is not None or name not in _UNSET_MEANS_CHOSEN:
                 # Element counts reach the C++ core as int64: a larger one must fail here, by name.
                 object.__setattr__(self, name, as_int(getattr(self, name), p + name, minimum, INT64_MAX))
         for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter"):

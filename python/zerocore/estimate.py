@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._buckets import BucketSizes
+from ._buckets import BucketSizes, stage3_prefetch_budget
 from ._construction import optimizer_state_for, reduction_wire_dtype
 from ._gather_spares import spare_capacity
 from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
@@ -344,6 +344,7 @@ def _stage3_gathered_peak(plan: _Plan) -> int:
     Stage3Runtime's gather / release rules and the C++ prefetch planner, over the units run once each in
     registration order (a unit's forward encloses its nested units'; backward runs it in reverse)."""
     zo = plan.config.zero_optimization
+    prefetch_budget = stage3_prefetch_budget(zo)[0]
     numel = [b.layout.total_size for b in plan.buffers]
     persistent = [b.root or n < zo.stage3_param_persistence_threshold for b, n in zip(plan.buffers, numel)]
     order = list(range(len(numel)))  # the recorded forward order
@@ -371,7 +372,7 @@ def _stage3_gathered_peak(plan: _Plan) -> int:
         if sharded[slot]:
             gather(slot)
         for ahead in _C.plan_forward_prefetch(order, slot + 1, numel, sharded, live, zo.stage3_max_live_parameters,
-                                              zo.stage3_prefetch_bucket_size):
+                                              prefetch_budget):
             gather(ahead)
         for child in children.get(slot, []):
             forward(child)
