@@ -49,12 +49,25 @@ def _ops(world: int, rank: int, n: int) -> tuple[list[tuple[str, str, Any]], Any
         ("torch.all_reduce", "-", lambda: dist.all_reduce(buf)),
         ("torch.broadcast", "-", lambda: dist.broadcast(buf, src=0)),
     ]
+    def comm_or_refusal(reduce_scatter: str, all_gather: str) -> Any:
+        # ZeRO++'s algorithms need options (node groups) this plain group cannot give: every rank refuses
+        # alike, and the refusal becomes the row's error instead of failing the run
+        try:
+            return _C.Comm(group, reduce_scatter, all_gather), None
+        except ValueError as exc:
+            return None, exc
+
+    def run(comm: Any, refusal: Exception | None, op: str) -> None:
+        if refusal is not None:
+            raise refusal
+        getattr(comm, op)(buf).wait()
+
     for algo in _C.collective_algorithms()["reduce_scatter"]:
-        comm = _C.Comm(group, algo, "auto")
-        ops.append(("zerocore.Comm.reduce_scatter", algo, lambda c=comm: c.reduce_scatter(buf).wait()))
+        comm, refusal = comm_or_refusal(algo, "auto")
+        ops.append(("zerocore.Comm.reduce_scatter", algo, lambda c=comm, r=refusal: run(c, r, "reduce_scatter")))
     for algo in _C.collective_algorithms()["all_gather"]:
-        comm = _C.Comm(group, "auto", algo)
-        ops.append(("zerocore.Comm.all_gather", algo, lambda c=comm: c.all_gather(buf).wait()))
+        comm, refusal = comm_or_refusal("auto", algo)
+        ops.append(("zerocore.Comm.all_gather", algo, lambda c=comm, r=refusal: run(c, r, "all_gather")))
     auto = _C.Comm(group, "auto", "auto")
     ops_auto = {"reduce_scatter": auto.reduce_scatter_algo, "all_gather": auto.all_gather_algo}
 

@@ -53,8 +53,13 @@ def state_machine_worker(rank: int, world: int, stage: int) -> list[str]:
     seen.append(engine.state)
     _expect(errors, lambda: engine.backward(loss_fn("mlp", engine(x), y)), "twice without step")
     _expect(errors, lambda: engine.no_sync().__enter__(), "awaiting step()")  # no_sync while awaiting step
+    # optimizer.step() is engine.step()'s to call: directly (as torch loops and Accelerate do) it updates nothing
+    _expect(errors, engine.optimizer.step, "called directly", "nothing was updated", "engine.step()")
+    assert engine.optimizer_state.step_count == engine.global_steps == 0
     engine.step()
     seen.append(engine.state)
+    _expect(errors, engine.optimizer.step, "called directly")  # IDLE: its gradients were applied and cleared
+    assert engine.optimizer_state.step_count == engine.global_steps == 1
     # no_sync: step() inside the block, and step() after a window whose backwards all ran inside it
     with engine.no_sync():
         seen.append(engine.state)
@@ -86,7 +91,7 @@ def state_machine_worker(rank: int, world: int, stage: int) -> list[str]:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_illegal_transitions_raise_naming_the_state_and_the_fix(stage):
     for errors in run_ranks(state_machine_worker, 2, stage):
-        assert len(errors) == 11, errors
+        assert len(errors) == 13, errors
 
 
 def pieces_worker(rank: int, world: int, stage: int, bf16: bool) -> list[tuple]:

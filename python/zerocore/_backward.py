@@ -84,7 +84,20 @@ class GradientRouting:
         self.reducing = reducing
         self.finalized = not reducing and self.stage3 is None
         if reducing:
-            self.reducer.begin_backward(self.policy.grads_sharded)
+            self.reducer.begin_backward(self._reductions_add())
+
+    def _reductions_add(self) -> bool:
+        """Whether this reducing backward adds to the gradient shards rather than overwriting them: one answer
+        for the one reducer, so buffers that disagree (none do: zero_grad covers them all) are settled to zeros
+        and added to."""
+        buffers = list({id(buffer): buffer for buffer, _ in self.param_slots}.values())
+        adds = [buffer.begin_reducing_backward() for buffer in buffers]
+        if all(adds) or not any(adds):
+            return bool(adds) and adds[0]
+        for buffer, buffer_adds in zip(buffers, adds):
+            if not buffer_adds and buffer.grad_shard is not None:
+                buffer.grad_shard.zero_()
+        return True
 
     def on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         buffer, local = self.param_slots[index]

@@ -103,6 +103,7 @@ class ShardedBuffer:
         self.grad_buffer = None if grads_sharded else torch.zeros_like(self.full)
         self._grad_stale = [False] * len(self.params)  # Note [Gradient slots start stale]
         self.grad_shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device) if grads_sharded else None
+        self._grad_shard_stale = False  # Note [Gradient slots start stale]
         shapes = [tuple(p.shape) for p in self.params]
         for b in range(len(self.buckets)):
             # one bucket's fp32 values at a time (an NVMe state file takes them at once; in memory they
@@ -415,14 +416,38 @@ class ShardedBuffer:
         first gradient after that arrives as a fresh tensor and is copied over its slot (``take_grad``), later
         ones accumulate into the view in place; a slot still stale when a reducing backward ends is zeroed then
         (``grad_or_zeros``). That saves a write pass over the whole buffer per step and the read of those zeros
-        by the first accumulation."""
+        by the first accumulation.
+
+        Stages 2-3 do the same with the gradient shard: after ``zero_grad`` it is stale, and the next reducing
+        backward overwrites it instead of adding to zeros (``begin_reducing_backward``). That backward deposits
+        every element: its end launches every bucket, a parameter without a gradient reducing as zeros, and a
+        backward that raises part-way still completes them and then zeroes the gradients again. A reader
+        outside a backward (the step) calls ``settle_grads`` first, which zeroes a shard still stale (a step with
+        no backward since ``zero_grad``), so what it sees is what a zeroed shard would have given."""
         if self.grad_buffer is not None:
             self._grad_stale = [True] * len(self.params)
         else:
-            assert self.grad_shard is not None
-            self.grad_shard.zero_()
+            self._grad_shard_stale = True
         for param in self.params:
             param.grad = None
+
+    def begin_reducing_backward(self) -> bool:
+        """A backward that reduces gradients starts. Returns whether its reductions add to the gradient shard;
+        False for a shard stale since ``zero_grad``, which they overwrite whole (Note [Gradient slots start
+        stale]). Stage 1 reduces in its gradient buffer: never adds."""
+        if self.grad_shard is None:
+            return False
+        adds = not self._grad_shard_stale
+        self._grad_shard_stale = False
+        return adds
+
+    def settle_grads(self) -> None:
+        """Before the gradient shard's values are read outside a backward: a shard stale since ``zero_grad``
+        holds an old step's sums, so it becomes the zeros it stands for."""
+        if self._grad_shard_stale:
+            assert self.grad_shard is not None
+            self.grad_shard.zero_()
+            self._grad_shard_stale = False
 
     def take_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         """Stage 1: parameter ``index``'s ``.grad`` as its slot of ``grad_buffer``; a fresh tensor (the first

@@ -40,6 +40,8 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
     grad_scale = 1.0 / engine.loss_scaler.scale if fp16 else 1.0
     written = engine.absorb_param_writes()
+    for buffer in engine.buffers:
+        buffer.settle_grads()  # a step with no backward since zero_grad reads zeros (Note [Gradient slots start stale])
     sum_of_squares = engine.optimizer_state.grad_sum_of_squares()
     store = engine.optimizer_state.store
     unusable = store.check_whole() if store is not None else None  # NVMe: checked before anything changes

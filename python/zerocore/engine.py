@@ -171,6 +171,7 @@ class Engine:
         self.lifecycle = Lifecycle()
         self._gradients = GradientRouting(self.lifecycle, policy, self.stage3, self.reducer, param_slots)
 
+        self._update_due = False  # engine.step() is calling optimizer.step()
         self.broadcast_buffers = True  # as DDP's default; set False to keep buffers rank-local
         self._comm_reset_at_step = 0
         self.micro_steps = 0
@@ -316,7 +317,11 @@ class Engine:
         life.to(EngineState.IDLE)
         if boundary:
             skipped = self.skipped_steps
-            self.optimizer.step()
+            self._update_due = True
+            try:
+                self.optimizer.step()
+            finally:
+                self._update_due = False
             if self.lr_scheduler is not None and self.skipped_steps == skipped:
                 self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip
             self.zero_grad()
@@ -327,7 +332,11 @@ class Engine:
 
         One all-reduce of the gradients' sum of squares gives the global norm and, being inf or NaN when
         any gradient is, the fp16 overflow verdict (with stage 3's deferred divergence verdict beside it):
-        one collective and one host sync per step."""
+        one collective and one host sync per step. Only ``engine.step()`` calls it (elsewhere the gradients
+        may be unreduced, or applied already)."""
+        if not self._update_due:
+            raise RuntimeError("engine.optimizer.step() was called directly (nothing was updated): the update runs "
+                               "inside engine.step(); call engine.backward(loss), then engine.step()")
         boundary_update(self, self._record_grad_norm)
 
     def _record_grad_norm(self, norm: float) -> None:
