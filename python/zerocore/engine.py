@@ -47,6 +47,7 @@ from ._model_checks import (check_group_hyperparameters, check_same_model_on_all
                             collect_trainable, model_device)
 from ._native import _C
 from ._policy import StagePolicy
+from ._reports import comm_report, memory_report
 from ._sharded_buffer import ShardedBuffer
 from ._stage3 import Stage3Runtime
 from ._step import agree_on_state_files, boundary_update
@@ -352,13 +353,9 @@ class Engine:
 
     # ---- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
-        from ._reports import memory_report
-
         return memory_report(self)
 
     def comm_report(self) -> dict[str, Any]:
-        from ._reports import comm_report
-
         return comm_report(self)
 
     def reset_comm_stats(self) -> None:
