@@ -309,6 +309,53 @@ def test_gathered_modifier_rank_writes_back_to_every_shard():
     assert all(run_ranks(gathered_worker, 2))
 
 
+def decoding_worker(rank: int, world: int) -> list[int]:
+    """Greedy decoding inside ``zerocore.gathered(model.parameters())``, rank r generating 2 + 2r tokens, as
+    ``generate()`` does when sequences end at different lengths on different ranks (DeepSpeed needs
+    ``synced_gpus`` there): with every unit held whole, no forward issues a collective, so nothing waits."""
+    torch.manual_seed(0)
+    model = Zoo()
+    plain = copy.deepcopy(model)
+    engine = zerocore.initialize(model, config())
+    for step in range(2):  # trained first: the values decoded from are those of the shards after a step
+        engine.backward(loss_of(engine, *data(step, rank)))
+        engine.step()
+    plain.load_state_dict(engine.full_state_dict(rank0_only=False))
+    engine.eval()
+    calls = []
+    with torch.no_grad(), zerocore.gathered(model.parameters()):
+        before = engine.comm_report()["collectives"]
+        tokens = data(9, rank)[0][:1]
+        for _ in range(2 + 2 * rank):
+            logits = model(tokens)[:, -1]
+            torch.testing.assert_close(logits, plain(tokens)[:, -1], rtol=0, atol=0)
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+        calls.append(sum(c["calls"] for c in engine.comm_report()["collectives"].values()) -
+                     sum(c["calls"] for c in before.values()))
+    engine.train()
+    # a write on modifier_rank survives a forward inside the block (the forward does not release the unit)
+    weight = model.blocks[1].linear.weight
+    with zerocore.gathered([weight], modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                weight.fill_(0.25)
+        model(tokens)
+    assert torch.all(engine.full_state_dict(rank0_only=False)["blocks.1.linear.weight"] == 0.25)
+    # an update inside the block would leave its whole copy stale: refused on every rank, nothing changed
+    engine.backward(loss_of(engine, *data(3, rank)))
+    with zerocore.gathered(model.parameters()):
+        with pytest.raises(RuntimeError, match=r"step\(\) inside a zerocore.gathered\(\) block"):
+            engine.step()
+    assert engine.global_steps == 2
+    engine.step()  # and training goes on in lockstep
+    calls.append(tokens.shape[1])
+    return calls
+
+
+def test_decoding_inside_gathered_issues_no_collective_so_ranks_may_stop_at_different_lengths():
+    assert run_ranks(decoding_worker, 2) == [[0, 7], [0, 9]]
+
+
 class Outer(nn.Module):
     def __init__(self) -> None:
         super().__init__()

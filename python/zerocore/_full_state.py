@@ -58,7 +58,7 @@ def full_state_dict(engine: Engine, dtype: torch.dtype | None, rank0_only: bool)
 def gather_for_user(engine: Engine, params: list[nn.Parameter]) -> None:
     for buffer in _buffers_of(engine, params):
         if engine.stage3 is not None:
-            engine.stage3.ensure_gathered(engine.stage3.unit_of_buffer(buffer), "all_gather_user")
+            engine.stage3.hold(engine.stage3.unit_of_buffer(buffer))
         buffer.keep_own_values()
 
 
@@ -89,8 +89,8 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
                     buffer.discard_param_writes(engine.comm)
     for buffer in buffers:
         buffer.forget_own_values()
-        if stage3 is not None and not stage3.unit_of_buffer(buffer).persistent:
-            stage3.release(stage3.unit_of_buffer(buffer))
+        if stage3 is not None:
+            stage3.unhold(stage3.unit_of_buffer(buffer))
 
 
 def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_filename: str) -> str:

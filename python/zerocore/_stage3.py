@@ -155,6 +155,7 @@ class Stage3Runtime:
         remove_external_access(self.engine.module)
         for unit in self.units:
             unit.pinned = False
+            unit.user_holds = 0  # closed inside a gathered() block: the parameters become plain tensors
             self.ensure_gathered(unit, "all_gather_close")
             whole = [param.detach().clone() for param in unit.params]
             self.release(unit)
@@ -335,9 +336,35 @@ class Stage3Runtime:
 
     @outside_transforms
     def release(self, unit: Unit) -> None:
-        if unit.state is not UnitState.SHARDED:
+        """Frees the unit's gathered values, unless a ``zerocore.gathered()`` block holds it (Note [Units
+        held by gathered()])."""
+        if unit.state is not UnitState.SHARDED and not unit.user_holds:
             unit.release()
             self.live_elements -= unit.numel
+
+    # Note [Units held by gathered()]
+    # -------------------------------
+    # Inside ``zerocore.gathered(params)`` the units of ``params`` stay whole whatever runs: the hooks of a
+    # forward or backward inside the block find them gathered and do not release them. So a decoding loop
+    # inside the block issues no collective (ranks may stop at different lengths, where DeepSpeed needs
+    # ``synced_gpus``), and values written on ``modifier_rank`` inside it are still there when the block
+    # ends. What would make a held copy stale is refused while any unit is held, before anything changes:
+    # the update of ``step()`` and ``load_checkpoint()``.
+    def hold(self, unit: Unit) -> None:
+        self.ensure_gathered(unit, "all_gather_user")
+        unit.user_holds += 1
+
+    def unhold(self, unit: Unit) -> None:
+        unit.user_holds -= 1
+        if not unit.persistent:
+            self.release(unit)
+
+    def refuse_while_held(self, what: str) -> None:
+        held = [unit.name for unit in self.units if unit.user_holds]
+        if held:
+            raise RuntimeError(
+                f"{what} inside a zerocore.gathered() block would leave the whole parameters it holds stale "
+                f"(modules {held}); nothing was changed. Leave the block first.")
 
     # ---- prefetch -------------------------------------------------------------------------------------
     def _follow_order(self, unit: Unit) -> None:

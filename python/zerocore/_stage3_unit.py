@@ -37,6 +37,7 @@ class Unit:
         self.persistent = False
         self.pinned = False  # used outside its own forward: gathered until the backward ends (Note [External parameters])
         self.in_backward = False
+        self.user_holds = 0  # zerocore.gathered() blocks holding it whole: no hook releases it meanwhile
         self._tag_check: Any = None
         # hpZ: this rank's slice of the unit's values from its last forward gather, which its backward gathers
         # within the partition (Stage3Runtime.hpz_slot says which slice)

@@ -314,6 +314,8 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:  # a scheduler may have set anything since initialize: refuse before anything moves
             check_group_hyperparameters(self.optimizer.param_groups, where="optimizer.param_groups")
+            if self.stage3 is not None:
+                self.stage3.refuse_while_held("step()")
         self.micro_steps += 1
         life.to(EngineState.IDLE)
         if boundary:
@@ -446,6 +448,8 @@ class Engine:
         from .checkpoint import load_checkpoint
 
         self.lifecycle.require("load_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
+        if self.stage3 is not None:
+            self.stage3.refuse_while_held("load_checkpoint()")
         self.land_param_gathers()
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
