@@ -15,9 +15,11 @@ from torch import nn
 
 from .config import ZeroConfig
 
+from ._model_checks import model_device
 from ._native import _C
 from ._nvme_params import check_param_offload, param_file_for
 from ._optimizer_state import NvmePlacement, OptimizerState
+from ._policy import StagePolicy
 from ._topology import Topology, build_topology
 from ._transforms import outside_transforms
 
@@ -52,6 +54,22 @@ def check_launch_environment(environ: Mapping[str, str]) -> None:
             "yourself before zerocore.initialize()")
     if rank is not None and world is not None and not 0 <= rank < world:
         raise ValueError(f"environment variable RANK={rank} must be in [0, WORLD_SIZE={world})")
+
+
+def training_device(model: nn.Module, policy: StagePolicy,
+                    device: torch.device | str | None) -> tuple[torch.device, bool]:
+    """Where the engine trains, and whether the model is on the meta device (stage 3 materializes it on
+    ``device``, by default the current CUDA device if any, else the CPU)."""
+    where = model_device(model)
+    if where.type != "meta":
+        return where, False
+    if not policy.params_sharded:
+        raise ValueError("a model on the meta device can only be materialized by ZeRO stage 3 "
+                         f"(zero_optimization.stage=3), got stage {policy.stage}")
+    if device is not None:
+        return torch.device(device), True
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu")), True
 
 
 def default_process_group(device: torch.device) -> dist.ProcessGroup:

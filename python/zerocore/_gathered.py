@@ -37,6 +37,14 @@ def engine_for(param: nn.Parameter) -> Engine | None:
     return _engine_for(param)
 
 
+def refuse_managed(model: nn.Module) -> None:
+    """A model another live engine manages cannot be given to a second one."""
+    for name, param in model.named_parameters():
+        if _engine_for(param) is not None:
+            raise ValueError(f"parameter {name!r} is already managed by another zerocore engine; call "
+                             "close() on that engine first (it hands the parameters back whole)")
+
+
 def _engine_for(param: nn.Parameter) -> Engine | None:
     entry = _engine_of.get(id(param))
     if entry is None or entry[0]() is not param:

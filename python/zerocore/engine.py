@@ -36,15 +36,15 @@ from ._backward import GradientRouting, exchange_backward_outcome, exchanges_out
 from ._buckets import BucketSizes
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
                             cast_untracked_tensors, default_process_group, optimizer_state_for,
-                            param_file_for_config, sync_buffers, whole_model_buffer)
+                            param_file_for_config, sync_buffers, training_device, whole_model_buffer)
 from ._divergence import RanksDivergedError
 from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
-from ._gathered import engine_for, unregister
+from ._gathered import refuse_managed, unregister
 from ._gathered import register as register_managed
 from ._lifecycle import EngineState, Lifecycle
 from ._loss_scaler import LossScaler
 from ._model_checks import (check_group_hyperparameters, check_same_model_on_all_ranks, check_trainable_dtypes,
-                            collect_trainable, model_device)
+                            collect_trainable)
 from ._native import _C
 from ._policy import StagePolicy
 from ._reports import comm_report, memory_report
@@ -124,15 +124,8 @@ class Engine:
         self.policy = policy = StagePolicy.for_stage(config.zero_optimization.stage)
         self.stage = policy.stage
         self.module = model
-        self.device = model_device(model)
-        meta = self.device.type == "meta"
         check_trainable_dtypes(model)  # before anything touches the model
-        if meta:
-            if not policy.params_sharded:
-                raise ValueError("a model on the meta device can only be materialized by ZeRO stage 3 "
-                                 f"(zero_optimization.stage=3), got stage {policy.stage}")
-            self.device = torch.device(device) if device is not None else (
-                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.device, meta = training_device(model, policy, device)
         self.process_group = process_group if process_group is not None else default_process_group(self.device)
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
@@ -141,10 +134,7 @@ class Engine:
         self.comm = self.comms.main
         self.buckets = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype)
 
-        for name, param in model.named_parameters():
-            if engine_for(param) is not None:
-                raise ValueError(f"parameter {name!r} is already managed by another zerocore engine; call "
-                                 "close() on that engine first (it hands the parameters back whole)")
+        refuse_managed(model)
         check_same_model_on_all_ranks(model, self.comm, self.rank, self.device)
         if not meta:
             broadcast_module_state(self.comm, model)
