@@ -82,6 +82,42 @@ def test_load_state_dict_and_in_place_writes_after_initialize_are_kept(stage, dt
     assert all(run_ranks(writes_worker, 2, stage, dtype))
 
 
+def _train_on(engine: zerocore.Engine, rank: int, seed: int) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed + rank))
+    engine.backward(engine(x.to(engine.compute_dtype)).float().square().mean())
+    engine.step()
+
+
+def recovery_worker(rank: int, world: int, stage: int, fail: bool) -> dict[str, list]:
+    """A step refused on every rank (here: a write on rank 0 only), caught, the model's state written back
+    on every rank as the error says, training on: the refused window's gradients must not reach the next
+    update (compared with a run that never had that window)."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(stage, "fp32", lr=1e-2))
+    _train_on(engine, rank, 0)
+    state = engine.full_state_dict(rank0_only=False)
+    if fail:
+        if stage == 3:  # the root unit stays gathered from a forward until the step: writable there
+            engine(torch.zeros(1, 8))
+        if rank == 0:
+            with torch.no_grad():
+                model.fc1.weight.mul_(1.0)  # a write on rank 0 only
+        with pytest.raises(RuntimeError, match="on 1 of 2 ranks only") as caught:
+            _train_on(engine, rank, 100)
+        assert "gradients were dropped" in "\n".join(caught.value.__notes__)
+    with zerocore.gathered(model.parameters(), modifier_rank=0):
+        model.load_state_dict(state)
+    _train_on(engine, rank, 200)
+    return {name: value.tolist() for name, value in engine.full_state_dict(rank0_only=False).items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_refused_step_drops_its_window_gradients(stage):
+    failed, clean = run_ranks(recovery_worker, 2, stage, True), run_ranks(recovery_worker, 2, stage, False)
+    assert failed == clean  # bitwise, on every rank
+
+
 def one_rank_worker(rank: int, world: int, stage: int) -> str:
     torch.manual_seed(0)
     model = Net()

@@ -313,6 +313,10 @@ class Engine:
             self._update_due = True
             try:
                 self.optimizer.step()
+            except BaseException as error:  # never added to the next window's gradients
+                self.zero_grad()
+                error.add_note("zerocore: this accumulation window's gradients were dropped")
+                raise
             finally:
                 self._update_due = False
             if self.lr_scheduler is not None and self.skipped_steps == skipped:
