@@ -64,7 +64,8 @@ Each system runs alone in a fresh set of ``--world`` spawned rank processes (1 i
 each), one system at a time; with ``--rounds R`` the sequence runs R times per dtype, alternating its order.
 A step is forward + backward + optimizer step (+ zero_grad); its time is the slowest rank's, and the table
 shows the median over the ``--steps`` steps after ``--warmup`` (pooled over rounds), its ratio to DDP, the
-per-rank RSS right after the model was built (interpreter + torch + the model), and the per-rank peak RSS
+same ratio per round (each round's median against DDP's of that round: rounds minutes apart move together on
+a shared VM, so the paired ratios spread less than the pooled one moves between runs), the per-rank RSS right after the model was built (interpreter + torch + the model), and the per-rank peak RSS
 (ru_maxrss) at the end of training (max over ranks and rounds).
 """
 
@@ -173,6 +174,9 @@ def _run_dtype(dtype: str, systems: list[str], args: argparse.Namespace, cfg: di
     ddp = next((r for r in results if r["system"] == "ddp"), None)
     for r in results:
         r["ratio_to_ddp"] = r["median_step_ms"] / ddp["median_step_ms"] if ddp else None
+        # paired: each round's median against DDP's in the same round (rounds minutes apart drift together)
+        r["paired_ratios_to_ddp"] = ([mine / theirs for mine, theirs in
+                                      zip(r["per_round_median_ms"], ddp["per_round_median_ms"])] if ddp else [])
     return {"dtype": dtype, "precision": PRECISION[dtype], "results": results, "failures": failures}
 
 
@@ -181,15 +185,19 @@ def _print_table(table: dict[str, Any], steps: int) -> None:
     rows = []
     for r in table["results"]:
         ratio = f"{r['ratio_to_ddp']:.2f}" if r["ratio_to_ddp"] else "n/a"
+        paired = r["paired_ratios_to_ddp"]
+        per_round = (f"{median(paired):.2f} ({'/'.join(f'{x:.2f}' for x in paired)})" if len(paired) > 1
+                     else ratio)
         algos = r.get("comm", {}).get("algorithms")
-        rows.append([r["system"], r["label"], f"{r['median_step_ms']:.1f}", ratio,
+        rows.append([r["system"], r["label"], f"{r['median_step_ms']:.1f}", ratio, per_round,
                      "/".join(f"{v:.0f}" for v in r["rss_build_mib"]),
                      "/".join(f"{v:.0f}" for v in r["peak_rss_mib"]),
                      "/".join(f"{p - b:.0f}" for p, b in zip(r["peak_rss_mib"], r["rss_build_mib"])),
                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}",
                      f"rs={algos['reduce_scatter']} ag={algos['all_gather']}" if algos else "-"])
     print(format_table(["system", "what (torch peers and DeepSpeed: torch AdamW fused=True)", "median step ms",
-                        f"x DDP {table['dtype']}", "RSS after build MiB", "peak RSS MiB", "peak - build MiB",
+                        f"x DDP {table['dtype']}", "x DDP per round: median (each)", "RSS after build MiB",
+                        "peak RSS MiB", "peak - build MiB",
                         "mean loss first -> last", "zerocore algorithms"], rows, left=2))
     for r in table["results"]:
         if "comm" in r:
