@@ -348,6 +348,22 @@ def decoding_worker(rank: int, world: int) -> list[int]:
             engine.step()
     assert engine.global_steps == 2
     engine.step()  # and training goes on in lockstep
+    # a gather that raises part-way into a block (on every rank alike) lets go of the units held so far
+    real = engine.stage3.ensure_gathered
+
+    def unreadable(unit, label):
+        if unit.name == "blocks.1":
+            raise OSError("unreadable parameter shard")
+        real(unit, label)
+
+    engine.stage3.ensure_gathered = unreadable
+    with pytest.raises(OSError, match="unreadable"):
+        with zerocore.gathered(model.parameters()):
+            pass
+    engine.stage3.ensure_gathered = real
+    assert not any(unit.user_holds for unit in engine.stage3.units)
+    engine.backward(loss_of(engine, *data(4, rank)))
+    engine.step()  # not refused
     calls.append(tokens.shape[1])
     return calls
 

@@ -56,10 +56,21 @@ def full_state_dict(engine: Engine, dtype: torch.dtype | None, rank0_only: bool)
 
 
 def gather_for_user(engine: Engine, params: list[nn.Parameter]) -> None:
-    for buffer in _buffers_of(engine, params):
-        if engine.stage3 is not None:
-            engine.stage3.hold(engine.stage3.unit_of_buffer(buffer))
-        buffer.keep_own_values()
+    """Entering ``zerocore.gathered``: a gather that raises part-way (an unreadable NVMe parameter shard)
+    lets go of the units held so far, so no later step is refused for a block that never began."""
+    stage3, held = engine.stage3, []
+    try:
+        for buffer in _buffers_of(engine, params):
+            if stage3 is not None:
+                stage3.hold(stage3.unit_of_buffer(buffer))
+            held.append(buffer)
+            buffer.keep_own_values()
+    except BaseException:
+        for buffer in held:
+            buffer.forget_own_values()
+            if stage3 is not None:
+                stage3.unhold(stage3.unit_of_buffer(buffer))
+        raise
 
 
 def _buffers_of(engine: Engine, params: list[nn.Parameter]) -> list[ShardedBuffer]:
