@@ -355,7 +355,7 @@ class Stage3Runtime:
         unit.user_holds += 1
 
     def unhold(self, unit: Unit) -> None:
-        unit.user_holds -= 1
+        unit.user_holds = max(0, unit.user_holds - 1)  # 0 already when close() ran inside the block
         if not unit.persistent:
             self.release(unit)
 
