@@ -65,8 +65,9 @@ each), one system at a time; with ``--rounds R`` the sequence runs R times per d
 A step is forward + backward + optimizer step (+ zero_grad); its time is the slowest rank's, and the table
 shows the median over the ``--steps`` steps after ``--warmup`` (pooled over rounds), its ratio to DDP, the
 same ratio per round (each round's median against DDP's of that round: rounds minutes apart move together on
-a shared VM, so the paired ratios spread less than the pooled one moves between runs), the per-rank RSS right after the model was built (interpreter + torch + the model), and the per-rank peak RSS
-(ru_maxrss) at the end of training (max over ranks and rounds).
+a shared VM, so the paired ratios spread less than the pooled one moves between runs), the per-rank RSS
+right after the model was built (interpreter + torch + the model), and the per-rank peak RSS (ru_maxrss) at
+the end of training (max over ranks and rounds).
 """
 
 from __future__ import annotations

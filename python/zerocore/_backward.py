@@ -40,6 +40,7 @@ class GradientRouting:
         self.stage3 = stage3
         self.reducer = reducer
         self.param_slots = param_slots  # (buffer, index in buffer) by the reducer's global parameter index
+        self._buffers = list({id(buffer): buffer for buffer, _ in param_slots}.values())
         self.reducing = False
         self.finalized = True
         self._grad_accumulators: list[Any] = []
@@ -90,11 +91,10 @@ class GradientRouting:
         """Whether this reducing backward adds to the gradient shards rather than overwriting them: one answer
         for the one reducer, so buffers that disagree (none do: zero_grad covers them all) are settled to zeros
         and added to."""
-        buffers = list({id(buffer): buffer for buffer, _ in self.param_slots}.values())
-        adds = [buffer.begin_reducing_backward() for buffer in buffers]
+        adds = [buffer.begin_reducing_backward() for buffer in self._buffers]
         if all(adds) or not any(adds):
             return bool(adds) and adds[0]
-        for buffer, buffer_adds in zip(buffers, adds):
+        for buffer, buffer_adds in zip(self._buffers, adds):
             if not buffer_adds and buffer.grad_shard is not None:
                 buffer.grad_shard.zero_()
         return True
