@@ -150,6 +150,28 @@ def test_no_sync_works_in_every_stage(stage):
     run_ranks(no_sync_worker, 2, stage)
 
 
+def grad_visibility_worker(rank: int, world: int, stage: int) -> list[bool]:
+    torch.manual_seed(0)
+    model = build("mlp")
+    engine = zerocore.initialize(model, _config(stage, bucket=200, gradient_accumulation_steps=2))
+    x, y = batch("mlp", torch.Generator().manual_seed(rank))
+    engine.backward(loss_fn("mlp", engine(x), y))  # not the boundary: stage 1 accumulates locally, like no_sync
+    local = [p.grad is not None for p in model.parameters()]
+    engine.step()
+    engine.backward(loss_fn("mlp", engine(x), y))  # the boundary: reduce-scattered, each rank holds its shard
+    reduced = [p.grad is None for p in model.parameters()]
+    # a user's clip over .grad finds nothing, on every rank alike, instead of each rank's own mix of values
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    engine.step()
+    return [all(local) == (stage == 1), all(reduced), norm == 0.0]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_grad_is_none_once_reduced_and_local_before(stage):
+    for flags in run_ranks(grad_visibility_worker, 2, stage):
+        assert all(flags), flags
+
+
 class RankDependentBranch(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -43,6 +43,9 @@ class GradientRouting:
         self._buffers = list({id(buffer): buffer for buffer, _ in param_slots}.values())
         self.reducing = False
         self.finalized = True
+        # which parameters got a gradient on this rank since the window began (Note [Parameters without gradients])
+        self.got_grad = bytearray(len(param_slots))
+        self._pinned_flags: torch.Tensor | None = None
         self._grad_accumulators: list[Any] = []
         self._register_hooks()
 
@@ -99,7 +102,29 @@ class GradientRouting:
                 buffer.grad_shard.zero_()
         return True
 
+    def start_window(self) -> None:
+        """An accumulation window begins (zero_grad): no parameter has a gradient yet."""
+        self.got_grad = bytearray(len(self.param_slots))
+
+    def got_grad_on(self, device: torch.device) -> torch.Tensor:
+        """``got_grad`` as float64 on ``device``, without a host sync (through a pinned buffer to a GPU: a copy
+        from pageable memory would wait for the device)."""
+        flags = torch.frombuffer(self.got_grad, dtype=torch.uint8) if self.got_grad else torch.zeros(0, dtype=torch.uint8)
+        if device.type == "cpu":
+            return flags.double()
+        if self._pinned_flags is None:
+            self._pinned_flags = torch.empty(flags.numel(), dtype=torch.uint8, pin_memory=True)
+        self._pinned_flags.copy_(flags)  # the previous step's copy from it was waited for by that step's verdicts
+        return self._pinned_flags.to(device, non_blocking=True).double()
+
+    def names_without_grad(self, got_grad_anywhere: list[float]) -> frozenset[str]:
+        """The parameters whose entry of ``got_grad`` summed over the ranks is zero: no rank's backward in
+        this window gave them a gradient."""
+        return frozenset(buffer.names[local] for (buffer, local), count in zip(self.param_slots, got_grad_anywhere)
+                         if count == 0)
+
     def on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        self.got_grad[index] = 1
         buffer, local = self.param_slots[index]
         if buffer.grad_buffer is not None:
             # .grad accumulates in place in the gradient buffer across micro-steps; the first gradient after
@@ -107,8 +132,10 @@ class GradientRouting:
             param.grad = buffer.take_grad(local, param.grad)
         if self.reducing:
             self._reduce(index, param)
-            if self.policy.grads_sharded:
-                param.grad = None  # its values now live in the reduction bucket (Note [Sharded buffer])
+            # Its values now live in the reduction bucket (Note [Sharded buffer]); in stage 1 the buffer stays,
+            # but once reduce-scattered a rank holds the average of its own shard only: a .grad left pointing
+            # there would mix reduced and local values (a clip_grad_norm_ over it would differ per rank).
+            param.grad = None
         if self.stage3 is not None:
             self.stage3.grad_ready(buffer)
 
@@ -146,8 +173,7 @@ class GradientRouting:
             grad = buffer.grad_or_zeros(local) if buffer.grad_buffer is not None else param.grad
             if grad is not None:
                 self.reducer.mark_ready(index, grad)
-                if self.policy.grads_sharded:
-                    param.grad = None
+                param.grad = None
 
 
 def exchanges_outcome(policy: StagePolicy, no_sync: bool) -> bool:

@@ -28,49 +28,11 @@ from typing import Any
 import torch
 
 from . import ops
+from ._shard_geometry import ShardPiece, ShardRun, shard_segments
 
 _NORM_BLOCK = 16384  # elements reduced in fp32 before the float64 sum (see grad_sum_of_squares)
 _NORM_CHUNK = 32 * _NORM_BLOCK  # 16-bit gradients: elements widened to fp32 at a time (2 MiB)
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-
-@dataclass(frozen=True)
-class ShardRun:
-    """Elements ``[start, end)`` of a shard whose parameters share param group ``group``."""
-
-    start: int
-    end: int
-    group: int
-
-
-@dataclass(frozen=True)
-class ShardPiece:
-    """Elements ``[shard_offset, shard_offset + length)`` of a shard hold elements
-    ``[tensor_offset, tensor_offset + length)`` of the flattened parameter ``name`` (global shape ``shape``)."""
-
-    name: str
-    shape: tuple[int, ...]
-    tensor_offset: int
-    shard_offset: int
-    length: int
-
-
-def shard_geometry(layout: Any, rank: int, bucket: int, names: Sequence[str], shapes: Sequence[tuple[int, ...]],
-                   groups: Sequence[int]) -> tuple[list[ShardRun], list[ShardPiece]]:
-    """The runs and pieces of ``rank``'s shard of ``bucket`` of a ``FlatLayout`` whose tensor ``i`` is the
-    parameter ``names[i]`` of param group ``groups[i]``. Offsets are relative to that bucket's shard."""
-    base = layout.buckets[bucket].shard_offset
-    runs: list[ShardRun] = []
-    pieces: list[ShardPiece] = []
-    for piece in layout.pieces(rank, bucket):
-        start, end, group = piece.shard_offset - base, piece.shard_offset - base + piece.length, groups[piece.tensor]
-        pieces.append(ShardPiece(names[piece.tensor], tuple(shapes[piece.tensor]), piece.tensor_offset, start,
-                                 piece.length))
-        if runs and runs[-1].group == group:
-            runs[-1] = ShardRun(runs[-1].start, end, group)  # padding between pieces is zero and stays zero
-        else:
-            runs.append(ShardRun(start, end, group))
-    return runs, pieces
 
 
 class Shard:
@@ -142,6 +104,8 @@ class OptimizerState:
         self.init_failure: OSError | None = None  # why the NVMe state file could not be made
         self.shards: list[Shard] = []
         self.step_count = 0
+        self.idle_steps: dict[str, int] = {}  # per parameter name: applied steps it got no gradient for
+        self._plan_key: Any = None  # what the cached slices were made for (see _slices)
         self._built = False
 
     def add_shard(self, label: str, params: torch.Tensor, grads: torch.Tensor, runs: Sequence[ShardRun],
@@ -251,15 +215,27 @@ class OptimizerState:
         self._point_views()
         self._cache_slices()
 
-    def _cache_slices(self) -> None:
-        """The views ``step()`` hands to C++, per param group and per shard, made once (an offloaded parameter
-        shard gets its address space meanwhile: a view of storage resized to nothing cannot be made)."""
+    def _cache_slices(self, plan: Any = None) -> None:
+        """The views ``step()`` hands to C++, per (param group, step lag) and per shard, made once per ``plan``
+        (``_plan``: None while every parameter takes every step). An offloaded parameter shard gets its address
+        space meanwhile: a view of storage resized to nothing cannot be made."""
         with contextlib.ExitStack() as stack:
             for shard in self.shards:
                 if shard.param_home is not None:
                     stack.enter_context(shard.param_home.addressable())
-            self._slices_by_group = self._group_slices(self._resident_parts(self.shards))
-            self._slices_by_shard = [self._group_slices(self._resident_parts([shard])) for shard in self.shards]
+            self._slices_by_group = self._group_slices(self._resident_parts(self.shards), plan)
+            self._slices_by_shard = [self._group_slices(self._resident_parts([shard]), plan) for shard in self.shards]
+        self._plan_key = plan
+
+    def _plan(self, without_grad: frozenset[str]) -> Any:
+        """Which parameters this step leaves alone and how many steps each other one lags behind
+        ``step_count`` (Note [Parameters without gradients]); None when none lags or is left alone."""
+        for name in without_grad:
+            self.idle_steps[name] = self.idle_steps.get(name, 0) + 1
+        if not self.idle_steps:
+            return None
+        lags = frozenset((name, lag) for name, lag in self.idle_steps.items() if name not in without_grad)
+        return without_grad, lags
 
     def _build_nvme(self) -> None:
         self.master = self.exp_avg = self.exp_avg_sq = torch.empty(0)
@@ -328,13 +304,15 @@ class OptimizerState:
         return total
 
     def step(self, param_groups: Sequence[dict[str, Any]], grad_scale: float,
-             after_shard: Callable[[int], None] | None = None) -> None:
+             after_shard: Callable[[int], None] | None = None, without_grad: frozenset[str] = frozenset()) -> None:
         """One Adam/AdamW update of every shard, ``grad_scale`` multiplying the gradients (loss-scale
         unscaling and clipping): one C++ call per param group; or, with ``after_shard``, shard by shard
         (one call per param group within it), calling ``after_shard(i)`` once shard ``i`` is updated, so the
         caller can start sending it while the next shard computes. On NVMe, sub-group by sub-group through
-        the three-deep I/O pipeline (Note [NVMe optimizer state])."""
+        the three-deep I/O pipeline (Note [NVMe optimizer state]). The parameters named in ``without_grad`` got
+no gradient on any rank and are left alone (Note [Parameters without gradients])."""
         self.step_count += 1
+        plan = self._plan(without_grad)
         if any(shard.param_home is not None for shard in self.shards):  # one offloaded shard in memory at a time
             before_shard = self._load_params
             after_shard = self._then_unload_params(after_shard)
@@ -353,13 +331,15 @@ class OptimizerState:
                 if shard.separate_master and params.dtype != torch.float32:
                     out = params if on_host else torch.empty(params.shape, dtype=params.dtype)
                 calls = self._group_slices([(shard, group.start, group.end, master, grads,
-                                             views["exp_avg"], views["exp_avg_sq"], out)])
+                                             views["exp_avg"], views["exp_avg_sq"], out)], plan)
                 self._update(calls, param_groups, grad_scale)
                 if not on_host:
                     params.copy_(out if out is not None else master)
 
             self.store.step(update, after_shard, before_shard)
             return
+        if plan != self._plan_key:
+            self._cache_slices(plan)
         if after_shard is None and not self._staged:
             self._update(self._slices_by_group, param_groups, grad_scale)
             return
@@ -391,13 +371,13 @@ class OptimizerState:
                 after_shard(index)
         return unload
 
-    def _update(self, calls: list[tuple[int, tuple[list[torch.Tensor], ...]]],
+    def _update(self, calls: list[tuple[int, int, tuple[list[torch.Tensor], ...]]],
                 param_groups: Sequence[dict[str, Any]], grad_scale: float) -> None:
-        for group, (masters, grads, exp_avgs, exp_avg_sqs, outs) in calls:
+        for group, lag, (masters, grads, exp_avgs, exp_avg_sqs, outs) in calls:
             hyper = param_groups[group]
             beta1, beta2 = hyper["betas"]
             ops.multi_tensor_adam_step(
-                masters, grads, exp_avgs, exp_avg_sqs, step=self.step_count, lr=hyper["lr"], beta1=beta1,
+                masters, grads, exp_avgs, exp_avg_sqs, step=self.step_count - lag, lr=hyper["lr"], beta1=beta1,
                 beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=hyper["adamw_mode"],
                 grad_scale=grad_scale, bias_correction=hyper["bias_correction"], param_outs=outs)
 
@@ -420,24 +400,24 @@ class OptimizerState:
         return parts
 
     @staticmethod
-    def _group_slices(parts: Sequence[tuple[Any, ...]]) -> list[tuple[int, tuple[list[torch.Tensor], ...]]]:
-        """Per param group, the views handed to C++: masters, grads, moments, and 16-bit outputs (None in
-        fp32). ``parts`` are (shard, lo, hi, master, grads, exp_avg, exp_avg_sq, out) whose tensors hold the
-        shard's elements ``[lo, hi)``."""
-        per_group: dict[int, list[tuple[torch.Tensor | None, ...]]] = {}
+    def _group_slices(parts: Sequence[tuple[Any, ...]], plan: Any = None) -> list[tuple[int, int, tuple[list[torch.Tensor], ...]]]:
+        """Per (param group, step lag), the views handed to C++: masters, grads, moments, and 16-bit outputs
+        (None in fp32). ``parts`` are (shard, lo, hi, master, grads, exp_avg, exp_avg_sq, out) whose tensors hold
+        the shard's elements ``[lo, hi)``; ``plan`` is ``_plan``'s."""
+        per_call: dict[tuple[int, int], list[tuple[torch.Tensor | None, ...]]] = {}
         for shard, lo, hi, master, grads, exp_avg, exp_avg_sq, out in parts:
-            for run in shard.runs:
-                start, end = max(run.start, lo) - lo, min(run.end, hi) - lo
+            for seg_start, seg_end, group, lag in shard_segments(shard, plan):
+                start, end = max(seg_start, lo) - lo, min(seg_end, hi) - lo
                 if start >= end:
                     continue
-                per_group.setdefault(run.group, []).append((
+                per_call.setdefault((group, lag), []).append((
                     master[start:end], grads[start:end], exp_avg[start:end], exp_avg_sq[start:end],
                     None if out is None else out[start:end]))
         result = []
-        for group, slices in sorted(per_group.items()):
+        for (group, lag), slices in sorted(per_call.items()):
             masters, grads, exp_avgs, exp_avg_sqs, outs = (list(column) for column in zip(*slices))
-            result.append((group, (masters, grads, exp_avgs, exp_avg_sqs,
-                                   None if all(o is None for o in outs) else outs)))
+            result.append((group, lag, (masters, grads, exp_avgs, exp_avg_sqs,
+                                        None if all(o is None for o in outs) else outs)))
         return result
 
     def pieces(self) -> Iterator[tuple[Shard, ShardPiece]]:

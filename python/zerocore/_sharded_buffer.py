@@ -14,7 +14,8 @@ the stage policy (Note [Stage policy]) changes is only where things live:
 * gradients (compute dtype): with ``grads_sharded`` (stages 2-3) only this rank's reduced shard is kept
   (``grad_shard``) and ``.grad`` is freed once copied into a reduction bucket; otherwise (stage 1)
   ``grad_buffer`` holds every gradient, ``.grad`` is a view of it and accumulates in place (Note [Gradient
-  slots start stale]).
+  slots start stale]) until the reducing backward hands it to the reduction (then ``.grad`` is None: once
+  reduce-scattered, a rank holds the average of its own shard only).
 * optimizer state: every bucket's shard is registered with the OptimizerState (Note [Optimizer state
   ownership]), with the param group of every element (``runs``) and global coordinates (``pieces``).
 
@@ -35,7 +36,8 @@ import torch
 from torch import nn
 
 from ._gather_spares import GatherSpares
-from ._optimizer_state import OptimizerState, Shard, shard_geometry
+from ._optimizer_state import OptimizerState, Shard
+from ._shard_geometry import shard_geometry
 from ._policy import StagePolicy
 from ._sharded_param import mark_in_flight, mark_landed, mark_sharded, mark_whole
 from .layout import Bucket, FlatLayout

@@ -34,8 +34,8 @@ _log = logging.getLogger("zerocore")
 
 def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> None:
     """Engine.apply_update's body: one all-reduce of the gradients' sum of squares, the written-parameter
-    flag, the NVMe state's readability and stage 3's divergence verdict, then the update (or the fp16 overflow
-    skip). ``record_norm`` takes the step's global gradient norm (inf when the update was skipped)."""
+    flag, the NVMe state's readability, stage 3's divergence verdict and which parameters got a gradient, then
+    the update (or the fp16 overflow skip). ``record_norm`` takes the step's global gradient norm (inf when the update was skipped)."""
     fp16 = engine.config.fp16.enabled
     # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
     grad_scale = 1.0 / engine.loss_scaler.scale if fp16 else 1.0
@@ -52,9 +52,13 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     verdicts[2] = float(unusable is not None)
     if engine.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
         verdicts = torch.cat([verdicts, engine.stage3.divergence.verdict().reshape(1).double()])
+    # which parameters got a gradient on any rank (Note [Parameters without gradients]), last
+    flags_at = verdicts.numel()
+    verdicts = torch.cat([verdicts, engine.gradients.got_grad_on(verdicts.device)])
     engine.comm.all_reduce(verdicts, False).wait()
     values = verdicts.tolist()
     engine.host_syncs += 1
+    without_grad = engine.gradients.names_without_grad(values[flags_at:])
     if engine.stage3 is not None:
         engine.stage3.divergence.end_step(values[3] > 0, engine.stage3.step)
     if values[2] > 0:
@@ -84,7 +88,7 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
         clip = engine.config.gradient_clipping
         if clip > 0:
             grad_scale *= min(1.0, clip / (norm + 1e-6))
-        update_and_gather(engine, grad_scale)
+        update_and_gather(engine, grad_scale, without_grad)
         if store is not None or engine.param_file is not None:
             check_offload_io(engine, store)
     if engine.stage3 is not None:
@@ -126,7 +130,7 @@ def check_offload_io(engine: Engine, store: Any) -> None:
                       f"{here or 'its I/O succeeded'}")
 
 
-def update_and_gather(engine: Engine, grad_scale: float) -> None:
+def update_and_gather(engine: Engine, grad_scale: float, without_grad: frozenset[str] = frozenset()) -> None:
     """The Adam update of every shard; in stages 1-2 each bucket's all-gather starts as soon as its shard
     is updated (so it travels while the next shard computes) and is still in flight on return: the next
     forward overlaps it, each parameter waiting for its bucket's gather on its first read (Note [Gathers land
@@ -135,7 +139,7 @@ def update_and_gather(engine: Engine, grad_scale: float) -> None:
     other unit when it is next used."""
     if engine.policy.params_sharded:
         engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale,
-                                    after_shard=engine.stage3.gathers_in_step())
+                                    after_shard=engine.stage3.gathers_in_step(), without_grad=without_grad)
         return
     (buffer,) = engine.buffers  # stages 1-2: the whole model is one buffer, its shard i is bucket i
     cap = engine.buckets.allgather_in_flight
@@ -143,7 +147,8 @@ def update_and_gather(engine: Engine, grad_scale: float) -> None:
     def gather(bucket: int) -> None:
         buffer.gather_in_background(engine.comm, bucket, "all_gather", cap)
 
-    engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale, after_shard=gather)
+    engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale, after_shard=gather,
+                                without_grad=without_grad)
 
 
 def log_progress(engine: Engine) -> None:

@@ -134,7 +134,9 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
             "model_file": {"file": "model.safetensors", "checksums": model_checksums},
             "ranks": everyone,
             "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-                         "micro_steps": engine.micro_steps},
+                         "micro_steps": engine.micro_steps,
+                         # per parameter: the applied steps it got no gradient for (its own step count lags)
+                         "idle_steps": dict(sorted(engine.optimizer_state.idle_steps.items()))},
             "loss_scaler": engine.loss_scaler.state_dict(),
             "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                              for g in engine.optimizer.param_groups],
@@ -200,7 +202,8 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
     engine.reload_params_from_shards()
     counters = index["counters"]
     engine.restore_counters(counters["global_steps"] if load_optimizer_states else 0,
-                            counters["skipped_steps"], counters["micro_steps"])
+                            counters["skipped_steps"], counters["micro_steps"],
+                            counters.get("idle_steps", {}) if load_optimizer_states else {})
     if load_optimizer_states:
         engine.loss_scaler.load_state_dict(index["loss_scaler"])
         for group, saved in zip(engine.optimizer.param_groups, index["param_groups"]):
@@ -381,6 +384,12 @@ def _check_model(engine: Engine, index: Mapping[str, Any]) -> None:
         if ours[name] != theirs[name]:
             raise ValueError(f"parameter {name!r} has shape {list(theirs[name])} in the checkpoint but "
                              f"{list(ours[name])} in this model")
+    counters = index["counters"]
+    idle = counters.get("idle_steps", {})
+    if not isinstance(idle, dict) or any(
+            name not in ours or not isinstance(n, int) or not 0 < n <= counters["global_steps"] for name, n in idle.items()):
+        raise ValueError(f"the index's counters.idle_steps ({idle!r}) must map trainable parameter names to step "
+                         f"counts in [1, {counters['global_steps']}]: the index is damaged")
 
 
 def _check_untracked(ours: dict[str, torch.Tensor], index: Mapping[str, Any], model_file: Any, path: str) -> None:

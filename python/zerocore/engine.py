@@ -160,7 +160,7 @@ class Engine:
         self.loss_scaler = LossScaler(config.fp16)
         self.reducer, param_slots = build_reducer(self)
         self.lifecycle = Lifecycle()
-        self._gradients = GradientRouting(self.lifecycle, policy, self.stage3, self.reducer, param_slots)
+        self.gradients = GradientRouting(self.lifecycle, policy, self.stage3, self.reducer, param_slots)
 
         self._update_due = False  # engine.step() is calling optimizer.step()
         self.broadcast_buffers = True  # as DDP's default; set False to keep buffers rank-local
@@ -227,7 +227,7 @@ class Engine:
             raise ValueError("backward() needs a loss tensor that requires grad")
         self.land_param_gathers()  # parameters the forward did not read
         no_sync = life.state is EngineState.NO_SYNC
-        gradients = self._gradients
+        gradients = self.gradients
         gradients.begin(not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary()))
         if self.stage3 is not None:
             self.stage3.begin_backward()
@@ -262,7 +262,7 @@ class Engine:
         """A backward raised part-way (here, or on another rank: Note [Backward outcome]): the reductions it
         started complete (every rank that raised at the same point issued the same ones, in the same order),
         and the accumulation window starts over."""
-        gradients = self._gradients
+        gradients = self.gradients
         gradients.land_started_reductions()
         if failed_here and exchanges_outcome(self.policy, no_sync):
             exchange_backward_outcome(self, failed_here=True)  # the peers' backward waits for this
@@ -346,6 +346,7 @@ class Engine:
     def zero_grad(self) -> None:
         for buffer in self.buffers:
             buffer.zero_grad()
+        self.gradients.start_window()
 
     # ---- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
@@ -376,13 +377,13 @@ class Engine:
             return
         self.lifecycle.require("close()", *_USABLE)
         self.land_param_gathers()
-        self._gradients.remove_hooks()
+        self.gradients.remove_hooks()
         if self.stage3 is not None:
             self.stage3.close()
         for buffer in self.buffers:  # stage 1's .grad are views of the engine's gradient buffer
             for param in buffer.params:
                 param.grad = None
-        unregister(self, [owner.params[local] for owner, local in self._gradients.param_slots])
+        unregister(self, [owner.params[local] for owner, local in self.gradients.param_slots])
         self.optimizer_state.close()  # an NVMe state file is removed
         if self.param_file is not None:
             self.param_file.close()  # every unit is whole in memory again
@@ -470,8 +471,10 @@ class Engine:
             buffer.absorb_param_writes()
         return written
 
-    def restore_counters(self, global_steps: int, skipped_steps: int, micro_steps: int) -> None:
+    def restore_counters(self, global_steps: int, skipped_steps: int, micro_steps: int,
+                         idle_steps: dict[str, int]) -> None:
         self.optimizer_state.step_count = global_steps
+        self.optimizer_state.idle_steps = dict(idle_steps)
         self.skipped_steps = skipped_steps
         self.micro_steps = micro_steps
 
