@@ -549,7 +549,9 @@ def overflow_worker(rank: int, world: int) -> list[tuple[int, float]]:
             loss = loss * float("inf")  # one rank overflows: every rank skips the step
         engine.backward(loss)
         engine.step()
-        seen.append((engine.lr_scheduler.last_epoch, engine.optimizer.param_groups[0]["lr"], engine.skipped_steps))
+        assert engine.get_lr() == [engine.optimizer.param_groups[0]["lr"]]
+        seen.append((engine.lr_scheduler.last_epoch, engine.get_lr()[0], engine.skipped_steps,
+                     engine.was_step_applied()))
     engine.close()
     return seen
 
@@ -557,7 +559,30 @@ def overflow_worker(rank: int, world: int) -> list[tuple[int, float]]:
 def test_fp16_overflow_skipped_step_does_not_advance_the_scheduler():
     for seen in run_ranks(overflow_worker, 2):
         # DeepSpeed steps its scheduler only after an applied step: the skipped step 2 leaves it where it was.
-        assert seen == [(1, 0.0, 0), (2, 2.5e-4, 0), (2, 2.5e-4, 1), (3, 5e-4, 1), (4, 7.5e-4, 1)]
+        assert seen == [(1, 0.0, 0, True), (2, 2.5e-4, 0, True), (2, 2.5e-4, 1, False), (3, 5e-4, 1, True),
+                        (4, 7.5e-4, 1, True)]
+
+
+def accessors_worker(rank: int, world: int, config: dict) -> list:
+    engine = zerocore.initialize(build("mlp"), config)
+    applied = []
+    for step in range(4):
+        x, y = batch("mlp", torch.Generator().manual_seed(step + 10 * rank))
+        engine.backward(loss_fn("mlp", engine(x), y))
+        engine.step()
+        applied.append(engine.was_step_applied())
+    return [applied, engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+            engine.gradient_accumulation_steps(), engine.get_mom()]
+
+
+@pytest.mark.parametrize("given", [{"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
+                                   {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}])
+def test_deepspeed_engine_accessors(given):
+    config = {"optimizer": {"params": {"lr": 1e-3, "betas": [0.8, 0.9]}}, "zero_optimization": {"stage": 2}, **given}
+    for result in run_ranks(accessors_worker, 2, config):
+        # not applied inside the accumulation window, applied at its boundary; the batch sizes as DeepSpeed
+        # derives them (12 = 3 per rank x 2 accumulation steps x 2 ranks)
+        assert result == [[False, True, False, True], 12, 3, 2, [(0.8, 0.9)]]
 
 
 def test_hugging_face_model_config_when_transformers_is_installed():

@@ -37,6 +37,7 @@ from ._buckets import BucketSizes
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
                             cast_untracked_tensors, default_process_group, optimizer_state_for,
                             param_file_for_config, sync_buffers, training_device, whole_model_buffer)
+from ._deepspeed_api import DeepSpeedAccessors
 from ._divergence import RanksDivergedError
 from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
 from ._gathered import refuse_managed, unregister
@@ -105,7 +106,7 @@ def initialize(
                   units=units, init_fn=init_fn, device=device, strict_spmd=strict_spmd)
 
 
-class Engine:
+class Engine(DeepSpeedAccessors):
     """ZeRO stage 1, 2 or 3 training engine. Build it with :func:`initialize`."""
 
     def __init__(
@@ -167,6 +168,7 @@ class Engine:
         self._comm_reset_at_step = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.step_applied = False  # whether the last step() updated the parameters (was_step_applied())
         self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
         self._last_grad_norm: float | None = None
         self.zero_grad()
@@ -308,6 +310,7 @@ class Engine:
                 self.stage3.refuse_while_held("step()")
         self.micro_steps += 1
         life.to(EngineState.IDLE)
+        self.step_applied = False
         if boundary:
             skipped = self.skipped_steps
             self._update_due = True
@@ -319,7 +322,8 @@ class Engine:
                 raise
             finally:
                 self._update_due = False
-            if self.lr_scheduler is not None and self.skipped_steps == skipped:
+            self.step_applied = self.skipped_steps == skipped
+            if self.lr_scheduler is not None and self.step_applied:
                 self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip
             self.zero_grad()
             life.local_grads = False

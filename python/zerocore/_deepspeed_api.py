@@ -1,0 +1,48 @@
+"""The ``DeepSpeedEngine`` accessors training scripts call (``get_lr()``, ``was_step_applied()``, the batch
+sizes), so a loop written for DeepSpeed runs on a zerocore engine unchanged. Each answers from the engine's
+own state; none communicates."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import ZeroConfig
+    from .optimizer import ZeroOptimizer
+
+
+class DeepSpeedAccessors:
+    """Mixed into :class:`zerocore.Engine`."""
+
+    config: ZeroConfig
+    optimizer: ZeroOptimizer
+    world_size: int
+    step_applied: bool
+
+    def get_lr(self) -> list[float]:
+        """Each param group's learning rate now (what the next update uses)."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's Adam ``betas``."""
+        return [group["betas"] for group in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the parameters: False inside an accumulation window and after an
+        fp16 overflow skipped the update, as DeepSpeed answers."""
+        return self.step_applied
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """The config's per-rank micro-batch size (None when the config gives no batch size)."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int | None:
+        """The global batch size: the config's, or micro-batch x accumulation steps x ranks when only the
+        micro-batch size is given (None when the config gives neither)."""
+        if self.config.train_batch_size is not None:
+            return self.config.train_batch_size
+        micro = self.config.train_micro_batch_size_per_gpu
+        return None if micro is None else micro * self.config.gradient_accumulation_steps * self.world_size
