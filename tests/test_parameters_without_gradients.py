@@ -172,3 +172,34 @@ def test_segments_cover_exactly_the_updated_pieces_with_their_group_and_lag(case
             assert inside == overlapping and len(inside) == 1, (piece, segments)
             assert inside[0][2:] == (run.group, lag_of.get(piece.name, 0)), (piece, segments)
     assert shard_segments(shard, None) == [(r.start, r.end, r.group, 0) for r in shard.runs]
+
+
+def bf16_worker(rank: int, world: int, stage: int, zero: dict) -> list[bool]:
+    torch.manual_seed(0)
+    model = Switching()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, **zero}}
+    engine = zerocore.initialize(model, config)
+    for step in range(5):
+        _apply([model], step)
+        if step == 3:
+            late_when_frozen = engine.full_state_dict(rank0_only=False)["late.weight"]
+        x, y = _batch(step, 0, rank)
+        engine.backward(nn.functional.mse_loss(engine(x.bfloat16()).float(), y))
+        engine.step()
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    kept = [torch.equal(state[n], start[n].bfloat16()) for n in ("never.weight", "never.bias", "spare")]
+    return [*kept, torch.equal(state["late.weight"], late_when_frozen),
+            not torch.equal(state["middle.weight"], start["middle.weight"].bfloat16())]
+
+
+@pytest.mark.parametrize("stage,where", [(1, "memory"), (3, "memory"), (3, "nvme")])
+def test_bf16_parameters_without_a_gradient_keep_their_values_wherever_they_live(stage, where, tmp_path):
+    # on NVMe the step reads each parameter shard only when it writes not every element of it
+    zero = {} if where == "memory" else {
+        "offload_optimizer": {"device": "nvme", "nvme_path": os.fspath(tmp_path)}, "sub_group_size": 20,
+        "offload_param": {"device": "nvme", "nvme_path": os.fspath(tmp_path), "max_in_cpu": 10}}
+    for flags in run_ranks(bf16_worker, 2, stage, zero, timeout=300):
+        assert all(flags), flags

@@ -105,7 +105,8 @@ class OptimizerState:
         self.shards: list[Shard] = []
         self.step_count = 0
         self.idle_steps: dict[str, int] = {}  # per parameter name: applied steps it got no gradient for
-        self._plan_key: Any = None  # what the cached slices were made for (see _slices)
+        self._plan_key: Any = None  # what the cached slices were made for (see _cache_slices)
+        self._writes_every_param = True
         self._built = False
 
     def add_shard(self, label: str, params: torch.Tensor, grads: torch.Tensor, runs: Sequence[ShardRun],
@@ -313,6 +314,9 @@ class OptimizerState:
 no gradient on any rank and are left alone (Note [Parameters without gradients])."""
         self.step_count += 1
         plan = self._plan(without_grad)
+        # whether the kernel writes every 16-bit parameter element from its master; elements it leaves alone
+        # must hold their values in whatever it writes back (Note [Parameters without gradients])
+        self._writes_every_param = plan is None
         if any(shard.param_home is not None for shard in self.shards):  # one offloaded shard in memory at a time
             before_shard = self._load_params
             after_shard = self._then_unload_params(after_shard)
@@ -329,7 +333,8 @@ no gradient on any rank and are left alone (Note [Parameters without gradients])
                     grads = grads.to(self.placement)
                 out = None
                 if shard.separate_master and params.dtype != torch.float32:
-                    out = params if on_host else torch.empty(params.shape, dtype=params.dtype)
+                    out = params if on_host else (torch.empty(params.shape, dtype=params.dtype) if plan is None
+                                                  else params.to(self.placement))
                 calls = self._group_slices([(shard, group.start, group.end, master, grads,
                                              views["exp_avg"], views["exp_avg_sq"], out)], plan)
                 self._update(calls, param_groups, grad_scale)
@@ -350,6 +355,8 @@ no gradient on any rank and are left alone (Note [Parameters without gradients])
             staging = self._staged.get(index)
             if staging is not None:  # offloaded from a GPU: the gradients come over, the parameters go back
                 staging[0].copy_(shard.grads)
+                if staging[1] is not None and plan is not None:  # what the kernel leaves alone goes back as it was
+                    staging[1].copy_(shard.params)
             self._update(calls, param_groups, grad_scale)
             if staging is not None:
                 shard.params.copy_(staging[1] if staging[1] is not None else shard.master, non_blocking=True)
@@ -359,7 +366,7 @@ no gradient on any rank and are left alone (Note [Parameters without gradients])
     def _load_params(self, index: int) -> None:
         shard = self.shards[index]
         if shard.param_home is not None:  # 16-bit parameters are all written from the master: nothing to read
-            overwritten = shard.separate_master and shard.params.dtype != torch.float32
+            overwritten = shard.separate_master and shard.params.dtype != torch.float32 and self._writes_every_param
             shard.param_home.load_shard(read=not overwritten, in_step=True)
 
     def _then_unload_params(self, after_shard: Callable[[int], None] | None) -> Callable[[int], None]:
