@@ -386,7 +386,7 @@ def test_a_rank_killed_at_a_random_moment_of_saving_leaves_latest_loadable(seed,
     assert result["steps"] == int(latest.removeprefix("global_step"))
 
 
-@pytest.mark.parametrize("where", ["header", "data", "index"])
+@pytest.mark.parametrize("where", ["header", "data", "index", "piece_offset"])
 def test_a_flipped_byte_is_refused_naming_the_file_and_bytes(where, tmp_path):
     """A file of the right size whose content changed after saving (one flipped bit in its header, its
     data, or a checksum in the index) is refused before the engine changes, naming the file and range."""
@@ -404,11 +404,15 @@ def test_a_flipped_byte_is_refused_naming_the_file_and_bytes(where, tmp_path):
         data[-3] ^= 0x10
         path.write_bytes(bytes(data))
         message = r"rank0.safetensors does not match its checksum in index.json in bytes \[\d+, \d+\)"
-    else:
+    elif where == "index":  # a checksum in the index: the index's own checksum no longer matches
         first = checksums["crc32c"][0]
         checksums["crc32c"] = ("1" if first != "1" else "2") + checksums["crc32c"][1:]
         (directory / "index.json").write_text(json.dumps(index))
-        message = r"rank0.safetensors does not match its checksum in index.json in bytes \[\d+, \d+\)"
+        message = r"index.json does not match its checksum"
+    else:  # where a piece lies in its shard: the files' checksums cannot see it, the index's does
+        index["ranks"][0]["shards"][0]["pieces"][0][2] += 1
+        (directory / "index.json").write_text(json.dumps(index))
+        message = r"index.json does not match its checksum"
     for result in run_ranks(refused_worker, 1, str(tmp_path), message):
         assert result
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,7 +41,24 @@ def read_index(path: str) -> dict[str, Any]:
         raise ValueError(f"{file} is not valid JSON ({error}): the checkpoint is damaged") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ValueError(f"{file} is not a {FORMAT} index (format {index.get('format') if isinstance(index, dict) else None!r})")
+    saved = index.pop(_INDEX_CHECKSUM, None)  # absent from indexes written before it was added
+    if saved is not None and saved != _index_checksum(index):
+        raise ValueError(f"{file} does not match its checksum ({_INDEX_CHECKSUM}): the index was damaged or edited")
     return index
+
+
+_INDEX_CHECKSUM = "index_crc32"
+
+
+def _index_checksum(index: Mapping[str, Any]) -> str:
+    """CRC-32 of the index's canonical JSON (sorted keys): a flipped digit in a piece's offset or a counter
+    would otherwise load wrong values silently, as the files' own checksums cannot see it."""
+    return f"{zlib.crc32(json.dumps(index, sort_keys=True, separators=(',', ':')).encode()):08x}"
+
+
+def index_bytes(index: Mapping[str, Any]) -> bytes:
+    """``index`` as the text of index.json, its checksum included."""
+    return json.dumps({**index, _INDEX_CHECKSUM: _index_checksum(index)}, indent=1).encode()
 
 
 def resolve_tag(directory: str, tag: str | None) -> str:

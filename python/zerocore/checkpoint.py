@@ -10,8 +10,10 @@ A checkpoint is a directory ``save_dir/<tag>`` (``tag`` defaults to ``global_ste
 * ``index.json`` (rank 0, written last inside the directory): zerocore's version, world size, stage, the
   trainable parameters' names and shapes, for every rank and shard the *pieces* (which elements of which
   parameter each shard range holds), step counters, the loss scaler's and the lr scheduler's state, the
-  param groups' hyper-parameters, ``client_state``, and for every file its size and a CRC-32C per 8 MiB
-  block (Note [Block checksums] in _safetensors_io.py).
+  param groups' hyper-parameters and the names of their parameters, the per-parameter idle step counts
+  (Note [Parameters without gradients]), ``client_state``, for every file its size and a CRC-32C per 8 MiB
+  block (Note [Block checksums] in _safetensors_io.py), and a CRC-32 of the index itself (a flipped digit in a
+  piece's offset would otherwise load wrong values that every file checksum still passes).
 
 Nothing is pickled, so loading an untrusted checkpoint cannot run code. The compute-dtype parameters are
 not stored: they are the master's rounding (the fused Adam writes them so), recomputed at load.
@@ -19,7 +21,9 @@ not stored: they are the master's rounding (the fused Adam writes them so), reco
 Atomic: every rank writes into ``save_dir/.<tag>.tmp``, files are fsynced, rank 0 writes the index,
 renames the directory to ``<tag>`` and only then replaces ``latest`` (written to a temporary file, fsynced
 and renamed), so a process killed at any moment leaves the previous checkpoint loadable and named by
-``latest``.
+``latest``. A save that fails on one rank (a full disk, a path that cannot be made) does not leave the others
+waiting in the next collective: after each step that can fail, every rank learns whether any failed, and all
+raise alike, the temporary directory removed (``_agreed``).
 
 Reshard at load: a rank loading at any world size and stage walks its own shards' pieces and copies each
 from the saved pieces that cover the same parameter elements, reading only those byte ranges (safetensors
@@ -35,6 +39,7 @@ _checkpoint_format.py reads and writes the directory itself, and _checkpoint_cli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -44,12 +49,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from . import _safetensors_io as stio
 from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_hf, python -m zerocore.checkpoint)
-from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, open_file,
-                                 piece_sources, read_index, resolve_tag, write_durably)
+from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
+                                 open_file, piece_sources, read_index, resolve_tag, write_durably)
 from ._model_checks import all_gather_json
 
 if TYPE_CHECKING:
@@ -61,7 +65,6 @@ _STATES = ("master", "exp_avg", "exp_avg_sq")
 def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None,
                     client_state: Mapping[str, Any] | None = None) -> str:
     """See :meth:`Engine.save_checkpoint`."""
-    group = engine.process_group
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     check_tag(tag)
     client = dict(client_state or {})
@@ -73,11 +76,11 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     engine.absorb_param_writes()
     save_dir = os.fspath(save_dir)
     tmp = os.path.join(save_dir, f".{tag}.tmp")
-    if engine.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier(group=group)
+    with _agreed(engine, "create the checkpoint directory", tmp):
+        if engine.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
 
     state = engine.optimizer_state
     entries: list[tuple[str, list[int], torch.dtype]] = []
@@ -105,61 +108,107 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
         index, key = name.split(".")
         if current.get("index") != index:  # one shard's state at a time (read back from NVMe if it lives there)
             current.clear()
-            with state.resident(state.shards[int(index)]) as values:
+            shard = state.shards[int(index)]
+            with state.resident(shard) as values:
                 current.update(values, index=index)
+                if shard.param_home is not None:  # an fp32 master on NVMe is the parameter shard: it leaves RAM
+                    current["master"] = values["master"].detach().float().cpu().clone()
         return current[key].detach().float().cpu()
 
     rank_file = f"rank{engine.rank}.safetensors"
-    checksums = stio.write(os.path.join(tmp, rank_file), entries, tensor)
+    try:
+        checksums = stio.write(os.path.join(tmp, rank_file), entries, tensor)
+        mine = {"file": rank_file, "checksums": checksums, "shards": ranks_pieces,
+                "python_rng": _json_rng(random.getstate())}
+    except OSError as error:  # every rank learns it from the exchange below, instead of waiting for this one
+        mine = {"error": f"{type(error).__name__}: {error}"}
+        failure: OSError | None = error
+    else:
+        failure = None
     current.clear()
-    mine = {"file": rank_file, "checksums": checksums, "shards": ranks_pieces,
-            "python_rng": _json_rng(random.getstate())}
     everyone = all_gather_json(engine.comm, mine, engine.device)
+    failed = [(rank, entry["error"]) for rank, entry in enumerate(everyone) if "error" in entry]
+    if failed:
+        if engine.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        raise OSError(f"save_checkpoint: rank {failed[0][0]} could not write its file ({failed[0][1]}); nothing "
+                      f"was saved, {os.path.join(save_dir, 'latest')} still names the previous checkpoint")
     # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
     # parameters are replicated), rank 0 writes it
     untracked = _untracked_state(engine)
     shapes = _trainable_shapes(engine)
     persistent = _persistent_names(engine)
-    if engine.rank == 0:
-        model_checksums = stio.write_tensors(os.path.join(tmp, "model.safetensors"), untracked)
-        index = {
-            "format": FORMAT,
-            "zerocore_version": _version(),
-            "world_size": engine.world_size,
-            "stage": engine.stage,
-            "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
-            "params": {name: list(shape) for name, shape in shapes.items()},
-            "untracked": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
-                              "persistent": k in persistent} for k, v in untracked.items()},
-            "model_file": {"file": "model.safetensors", "checksums": model_checksums},
-            "ranks": everyone,
-            "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-                         "micro_steps": engine.micro_steps,
-                         # per parameter: the applied steps it got no gradient for (its own step count lags)
-                         "idle_steps": dict(sorted(engine.optimizer_state.idle_steps.items()))},
-            "loss_scaler": engine.loss_scaler.state_dict(),
-            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-                             for g in engine.optimizer.param_groups],
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "client_state": client,
-        }
-        write_durably(os.path.join(tmp, "index.json"), json.dumps(index, indent=1).encode())
-    dist.barrier(group=group)  # every rank's file is written and closed before the rename
-    fsync_file(os.path.join(tmp, rank_file))
-    dist.barrier(group=group)
+    with _agreed(engine, "write the model file and the index", tmp):
+        if engine.rank == 0:
+            _write_index(engine, tmp, untracked, shapes, persistent, everyone, client)
+        fsync_file(os.path.join(tmp, rank_file))  # every rank's file is durable before the rename
     final = os.path.join(save_dir, tag)
-    if engine.rank == 0:
-        fsync_dir(tmp)
-        old = os.path.join(save_dir, f".{tag}.old")
-        if os.path.exists(final):  # re-saving a tag: the old copy goes only once the new one is complete
+    with _agreed(engine, "move the checkpoint into place", tmp):
+        if engine.rank == 0:
+            fsync_dir(tmp)
+            old = os.path.join(save_dir, f".{tag}.old")
+            if os.path.exists(final):  # re-saving a tag: the old copy goes only once the new one is complete
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(tmp, final)
+            fsync_dir(save_dir)
+            write_durably(os.path.join(save_dir, "latest"), tag.encode())
             shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(save_dir)
-        write_durably(os.path.join(save_dir, "latest"), tag.encode())
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier(group=group)
     return final
+
+
+@contextlib.contextmanager
+def _agreed(engine: Engine, what: str, tmp: str) -> Iterator[None]:
+    """Runs the block on every rank, then every rank learns whether it raised an OSError anywhere and all
+    raise alike (the partial checkpoint under ``tmp`` removed), so none is left waiting in a collective for a
+    rank that failed (Note [Checkpoint format])."""
+    failure: OSError | None = None
+    try:
+        yield
+    except OSError as error:
+        failure = error
+    verdicts = all_gather_json(engine.comm, None if failure is None else f"{type(failure).__name__}: {failure}",
+                               engine.device)
+    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
+    if not failed:
+        return
+    if engine.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failure is not None:
+        raise failure
+    raise OSError(f"save_checkpoint: rank {failed[0][0]} could not {what} ({failed[0][1]}); the checkpoint was not "
+                  f"saved and 'latest' still names the previous one")
+
+
+def _write_index(engine: Engine, tmp: str, untracked: dict[str, torch.Tensor], shapes: Mapping[str, Any],
+                 persistent: set[str], everyone: list[Any], client: dict[str, Any]) -> None:
+    """Rank 0: the model file (buffers, frozen parameters) and the JSON index naming every rank's file."""
+    model_checksums = stio.write_tensors(os.path.join(tmp, "model.safetensors"), untracked)
+    index = {
+        "format": FORMAT,
+        "zerocore_version": _version(),
+        "world_size": engine.world_size,
+        "stage": engine.stage,
+        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+        "params": {name: list(shape) for name, shape in shapes.items()},
+        "untracked": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
+                          "persistent": k in persistent} for k, v in untracked.items()},
+        "model_file": {"file": "model.safetensors", "checksums": model_checksums},
+        "ranks": everyone,
+        "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+                     "micro_steps": engine.micro_steps,
+                     # per parameter: the applied steps it got no gradient for (its own step count lags)
+                     "idle_steps": dict(sorted(engine.optimizer_state.idle_steps.items()))},
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                         for g in engine.optimizer.param_groups],
+        "param_group_names": _group_names(engine),  # which parameters each group holds, checked at load
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "client_state": client,
+    }
+    write_durably(os.path.join(tmp, "index.json"), index_bytes(index))
 
 
 def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str | None = None,
@@ -244,6 +293,8 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
     path = os.path.join(load_dir, tag)
     index = read_index(path)
     _check_model(engine, index)
+    if load_optimizer_states:
+        _check_param_groups(engine, index)
     staged = _Staged(path, index)
     sources = piece_sources(index)
     states = _STATES if load_optimizer_states else _STATES[:1]
@@ -390,6 +441,31 @@ def _check_model(engine: Engine, index: Mapping[str, Any]) -> None:
             name not in ours or not isinstance(n, int) or not 0 < n <= counters["global_steps"] for name, n in idle.items()):
         raise ValueError(f"the index's counters.idle_steps ({idle!r}) must map trainable parameter names to step "
                          f"counts in [1, {counters['global_steps']}]: the index is damaged")
+
+
+def _group_names(engine: Engine) -> list[list[str]]:
+    """The names of each param group's parameters (a tied parameter under its first name)."""
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    return [sorted(names[id(p)] for p in group["params"]) for group in engine.optimizer.param_groups]
+
+
+def _check_param_groups(engine: Engine, index: Mapping[str, Any]) -> None:
+    """The saved groups' hyperparameters go to the groups holding the same parameters: refused when the
+    groups differ (as torch's and DeepSpeed's optimizers refuse a state dict of other groups)."""
+    saved = index["param_groups"]
+    ours = _group_names(engine)
+    if not isinstance(saved, list) or len(saved) != len(ours):
+        raise ValueError(f"the checkpoint has {len(saved) if isinstance(saved, list) else saved!r} param groups, this "
+                         f"engine {len(ours)}: build the engine with the same param_groups, or load with "
+                         "load_optimizer_states=False")
+    theirs = index.get("param_group_names")  # absent from checkpoints written before it was saved
+    if theirs is None:
+        return
+    for i, (mine, saved_names) in enumerate(zip(ours, theirs)):
+        if sorted(saved_names) != mine:
+            moved = sorted(set(mine) ^ set(saved_names))
+            raise ValueError(f"param group {i} holds other parameters than in the checkpoint (e.g. {moved[:3]}): "
+                             "build the engine with the same param_groups, or load with load_optimizer_states=False")
 
 
 def _check_untracked(ours: dict[str, torch.Tensor], index: Mapping[str, Any], model_file: Any, path: str) -> None:

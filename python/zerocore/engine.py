@@ -433,10 +433,13 @@ class Engine(DeepSpeedAccessors):
         from .checkpoint import save_checkpoint
 
         self.lifecycle.require("save_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
-        if self.micro_steps % self.config.gradient_accumulation_steps:
-            raise RuntimeError("save_checkpoint() inside an accumulation window would lose its gradients; save "
-                               "after the step() that ends the window")
+        self._refuse_inside_window("save_checkpoint()", "would lose its gradients")
         return save_checkpoint(self, save_dir, tag, client_state)
+
+    def _refuse_inside_window(self, action: str, why: str) -> None:
+        if self.micro_steps % self.config.gradient_accumulation_steps or self.lifecycle.local_grads:
+            raise RuntimeError(f"{action} inside an accumulation window (or with no_sync() gradients pending) {why}; "
+                               "call it after the step() that ends the window")
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
                         load_optimizer_states: bool = True,
@@ -447,6 +450,8 @@ class Engine(DeepSpeedAccessors):
         from .checkpoint import load_checkpoint
 
         self.lifecycle.require("load_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
+        self._refuse_inside_window("load_checkpoint()", "would apply the window's gradients, computed from the "
+                                   "weights before the load, to the loaded ones")
         if self.stage3 is not None:
             self.stage3.refuse_while_held("load_checkpoint()")
         self.land_param_gathers()

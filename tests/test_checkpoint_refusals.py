@@ -1,0 +1,166 @@
+"""Saves and loads that must fail on every rank alike or be refused before anything changes: a save that fails
+on one rank, a load inside an accumulation window, a load into other param groups; and the save of stage 3's
+fp32 parameter shards on NVMe (Note [Checkpoint format] in python/zerocore/checkpoint.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import zerocore
+import zerocore._safetensors_io as stio
+from _dist import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _config(stage: int, gas: int = 1, **zero) -> dict:
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "gradient_accumulation_steps": gas,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, **zero}}
+
+
+def _micro_step(engine: zerocore.Engine, step: int, rank: int) -> float:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    loss = nn.functional.mse_loss(engine(torch.randn(4, 8, generator=g)), torch.randn(4, 2, generator=g))
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+# ---- a save that fails on one rank --------------------------------------------------------------------------
+def failing_save_worker(rank: int, world: int, directory: str, how: str) -> list[str]:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(2))
+    _micro_step(engine, 0, rank)
+    engine.save_checkpoint(directory, tag="good")
+    _micro_step(engine, 1, rank)
+    target = directory
+    if how == "disk full on rank 1" and rank == 1:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        stio.write = full
+    elif how == "save_dir is a file":
+        target = os.path.join(directory, "good", "index.json")  # rank 0 cannot make a directory there
+    with pytest.raises(OSError) as raised:
+        engine.save_checkpoint(target, tag="bad")
+    _micro_step(engine, 2, rank)  # every rank left the save at the same point: the collectives still line up
+    with open(os.path.join(directory, "latest")) as f:
+        latest = f.read()
+    return [str(raised.value), latest, str(sorted(os.listdir(directory)))]
+
+
+@pytest.mark.parametrize("how", ["disk full on rank 1", "save_dir is a file"])
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_training_goes_on(how, tmp_path):
+    results = run_ranks(failing_save_worker, 2, os.fspath(tmp_path), how, timeout=120, pg_timeout=30)
+    failing = 1 if how == "disk full on rank 1" else 0
+    for rank, (message, latest, listing) in enumerate(results):
+        if rank != failing:
+            assert f"rank {failing} could not" in message and "previous" in message, message
+        assert latest == "good"
+        assert ".bad.tmp" not in listing, listing  # the partial save is removed
+
+
+# ---- a load inside an accumulation window -------------------------------------------------------------------
+def window_load_worker(rank: int, world: int, directory: str) -> list[str]:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(1, gas=2))
+    _micro_step(engine, 0, rank)
+    _micro_step(engine, 1, rank)
+    engine.save_checkpoint(directory)
+    messages = []
+    _micro_step(engine, 2, rank)  # half a window: its gradients came from the weights before a load
+    with pytest.raises(RuntimeError, match="inside an accumulation window") as raised:
+        engine.load_checkpoint(directory)
+    messages.append(str(raised.value))
+    _micro_step(engine, 3, rank)
+    with engine.no_sync():
+        g = torch.Generator().manual_seed(7)
+        engine.backward(engine(torch.randn(4, 8, generator=g)).square().mean())
+    with pytest.raises(RuntimeError, match="no_sync"):
+        engine.load_checkpoint(directory)
+    with pytest.raises(RuntimeError, match="no_sync"):
+        engine.save_checkpoint(directory)  # those gradients would not be in the checkpoint
+    _micro_step(engine, 4, rank)
+    _micro_step(engine, 5, rank)
+    engine.load_checkpoint(directory)  # between windows: loads
+    return messages
+
+
+def test_a_load_inside_an_accumulation_window_is_refused(tmp_path):
+    run_ranks(window_load_worker, 2, os.fspath(tmp_path))
+
+
+# ---- param groups --------------------------------------------------------------------------------------------
+def _groups(model: Net, layout: str) -> list[dict]:
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    if layout == "one":
+        return [{"params": weights + biases}]
+    decay, no_decay = {"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0, "lr": 3e-3}
+    return [decay, no_decay] if layout == "saved" else [no_decay, decay]
+
+
+def groups_worker(rank: int, world: int, directory: str, stage: int) -> list[str]:
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(stage), param_groups=_groups(model, "saved"))
+    _micro_step(engine, 0, rank)
+    engine.save_checkpoint(directory)
+    messages = []
+    for layout in ("swapped", "one"):
+        torch.manual_seed(0)
+        model = Net()
+        other = zerocore.initialize(model, _config(stage), param_groups=_groups(model, layout))
+        with pytest.raises(ValueError, match="param group") as raised:
+            other.load_checkpoint(directory)
+        messages.append(str(raised.value))
+        other.load_checkpoint(directory, load_optimizer_states=False)  # the weights alone: any groups
+        other.close()
+    return messages
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_load_into_other_param_groups_is_refused(stage, tmp_path):
+    for swapped, one in run_ranks(groups_worker, 2, os.fspath(tmp_path), stage):
+        assert "holds other parameters" in swapped and "load_optimizer_states=False" in swapped
+        assert "2 param groups" in one
+
+
+# ---- stage 3's fp32 parameter shards on NVMe -----------------------------------------------------------------
+def nvme_params_worker(rank: int, world: int, directory: str, nvme: str) -> list[list[float]]:
+    config = _config(3, offload_param={"device": "nvme", "nvme_path": nvme, "max_in_cpu": 10},
+                     stage3_param_persistence_threshold=0)
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), config)
+    _micro_step(engine, 0, rank)
+    engine.save_checkpoint(directory)  # the master is the parameter shard itself, read back from its file
+    straight = [_micro_step(engine, step, rank) for step in (1, 2)]
+    engine.close()
+    torch.manual_seed(1)
+    fresh = zerocore.initialize(Net(), config)
+    fresh.load_checkpoint(directory)
+    resumed = [_micro_step(fresh, step, rank) for step in (1, 2)]
+    return [straight, resumed]
+
+
+def test_stage3_fp32_parameters_on_nvme_save_and_resume_bit_exactly(tmp_path):
+    for straight, resumed in run_ranks(nvme_params_worker, 2, os.fspath(tmp_path / "ckpt"),
+                                       os.fspath(tmp_path)):
+        assert straight == resumed
