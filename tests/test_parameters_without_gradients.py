@@ -203,3 +203,26 @@ def test_bf16_parameters_without_a_gradient_keep_their_values_wherever_they_live
         "offload_param": {"device": "nvme", "nvme_path": os.fspath(tmp_path), "max_in_cpu": 10}}
     for flags in run_ranks(bf16_worker, 2, stage, zero, timeout=300):
         assert all(flags), flags
+
+
+def unfrozen_worker(rank: int, world: int, stage: int) -> list[str]:
+    torch.manual_seed(0)
+    model = Switching()
+    model.late.requires_grad_(False)  # frozen when the engine is built
+    engine = zerocore.initialize(model, _config(stage, 1))
+    model.late.requires_grad_(True)  # unfrozen afterwards: the engine has no optimizer state for it
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = _batch(step, 0, rank)
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_parameter_unfrozen_after_initialize_is_named_once_as_untrained(stage):
+    for messages in run_ranks(unfrozen_worker, 2, stage):
+        named = [m for m in messages if "not trained" in m]
+        assert sorted(m.split("'")[1] for m in named) == ["late.bias", "late.weight"], messages

@@ -15,6 +15,7 @@ its unit tags instead (Note [Divergence tags]).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,8 @@ class GradientRouting:
         # which parameters got a gradient on this rank since the window began (Note [Parameters without gradients])
         self.got_grad = bytearray(len(param_slots))
         self._pinned_flags: torch.Tensor | None = None
+        self._managed_ids: set[int] | None = None
+        self._warned: set[str] = set()  # parameters warn_untrained named already
         self._grad_accumulators: list[Any] = []
         self._register_hooks()
 
@@ -101,6 +104,18 @@ class GradientRouting:
             if not buffer_adds and buffer.grad_shard is not None:
                 buffer.grad_shard.zero_()
         return True
+
+    def warn_untrained(self, module: torch.nn.Module) -> None:
+        """A parameter frozen when ``initialize`` ran is not the engine's: unfrozen since, it gets gradients
+        that no step uses. Said once per parameter, at the step (torch's optimizer would skip it silently)."""
+        if self._managed_ids is None:
+            self._managed_ids = {id(buffer.params[local]) for buffer, local in self.param_slots}
+        for name, param in module.named_parameters():
+            if param.grad is not None and id(param) not in self._managed_ids and name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(f"parameter {name!r} has a gradient but is not trained: it did not require grad when "
+                              "zerocore.initialize ran, so the engine holds no optimizer state for it. Unfreeze it "
+                              "before initialize (or build a new engine) to train it", RuntimeWarning, stacklevel=4)
 
     def start_window(self) -> None:
         """An accumulation window begins (zero_grad): no parameter has a gradient yet."""

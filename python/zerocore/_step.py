@@ -39,6 +39,7 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     fp16 = engine.config.fp16.enabled
     # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
     grad_scale = 1.0 / engine.loss_scaler.scale if fp16 else 1.0
+    engine.gradients.warn_untrained(engine.module)
     written = engine.absorb_param_writes()
     for buffer in engine.buffers:
         buffer.settle_grads()  # a step with no backward since zero_grad reads zeros (Note [Gradient slots start stale])
