@@ -310,8 +310,8 @@ class OptimizerState:
         unscaling and clipping): one C++ call per param group; or, with ``after_shard``, shard by shard
         (one call per param group within it), calling ``after_shard(i)`` once shard ``i`` is updated, so the
         caller can start sending it while the next shard computes. On NVMe, sub-group by sub-group through
-        the three-deep I/O pipeline (Note [NVMe optimizer state]). The parameters named in ``without_grad`` got
-no gradient on any rank and are left alone (Note [Parameters without gradients])."""
+        the three-deep I/O pipeline (Note [NVMe optimizer state]). The parameters named in ``without_grad``
+        got no gradient on any rank and are left alone (Note [Parameters without gradients])."""
         self.step_count += 1
         plan = self._plan(without_grad)
         # whether the kernel writes every 16-bit parameter element from its master; elements it leaves alone
