@@ -21,6 +21,7 @@ into C++ (``ops.multi_tensor_adam_step``). Each shard knows which param group ev
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,7 +107,6 @@ class OptimizerState:
         self.step_count = 0
         self.idle_steps: dict[str, int] = {}  # per parameter name: applied steps it got no gradient for
         self._plan_key: Any = None  # what the cached slices were made for (see _cache_slices)
-        self._writes_every_param = True
         self._built = False
 
     def add_shard(self, label: str, params: torch.Tensor, grads: torch.Tensor, runs: Sequence[ShardRun],
@@ -314,11 +314,9 @@ class OptimizerState:
         got no gradient on any rank and are left alone (Note [Parameters without gradients])."""
         self.step_count += 1
         plan = self._plan(without_grad)
-        # whether the kernel writes every 16-bit parameter element from its master; elements it leaves alone
-        # must hold their values in whatever it writes back (Note [Parameters without gradients])
-        self._writes_every_param = plan is None
         if any(shard.param_home is not None for shard in self.shards):  # one offloaded shard in memory at a time
-            before_shard = self._load_params
+            # parameters a step leaves alone must be read to be written back (Note [Parameters without gradients])
+            before_shard = functools.partial(self._load_params, writes_every_param=plan is None)
             after_shard = self._then_unload_params(after_shard)
         else:
             before_shard = None
@@ -363,10 +361,10 @@ class OptimizerState:
             if after_shard is not None:
                 after_shard(index)
 
-    def _load_params(self, index: int) -> None:
+    def _load_params(self, index: int, writes_every_param: bool) -> None:
         shard = self.shards[index]
         if shard.param_home is not None:  # 16-bit parameters are all written from the master: nothing to read
-            overwritten = shard.separate_master and shard.params.dtype != torch.float32 and self._writes_every_param
+            overwritten = shard.separate_master and shard.params.dtype != torch.float32 and writes_every_param
             shard.param_home.load_shard(read=not overwritten, in_step=True)
 
     def _then_unload_params(self, after_shard: Callable[[int], None] | None) -> Callable[[int], None]:

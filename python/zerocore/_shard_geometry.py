@@ -10,9 +10,10 @@ That is what torch's Adam/AdamW does with DDP or FSDP2, where such a parameter's
 update over whole shards (DeepSpeed's) would instead decay it and keep moving it with stale momentum, so a
 layer frozen mid-training would go on changing. Which parameters got a gradient travels with the step's one
 all-reduce (the engine's per-parameter flags, summed over ranks). ``OptimizerState.idle_steps`` counts, per
-parameter name, the applied steps it sat out; its step is ``step_count`` minus that. While no parameter has sat out a step
-(the common case) the update is the one call per param group over whole shards; otherwise each parameter's
-stretch of a shard is updated (or left alone) with its own step, one call per (param group, step).
+parameter name, the applied steps it sat out; its step is ``step_count`` minus that. While no parameter has
+sat out a step (the common case) the update is the one call per param group over whole shards; otherwise
+each parameter's stretch of a shard is updated (or left alone) with its own step, one call per (param
+group, step).
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ _log = logging.getLogger("zerocore")
 def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> None:
     """Engine.apply_update's body: one all-reduce of the gradients' sum of squares, the written-parameter
     flag, the NVMe state's readability, stage 3's divergence verdict and which parameters got a gradient, then
-    the update (or the fp16 overflow skip). ``record_norm`` takes the step's global gradient norm (inf when the update was skipped)."""
+    the update (or the fp16 overflow skip). ``record_norm`` takes the step's global gradient norm (inf when the
+    update was skipped)."""
     fp16 = engine.config.fp16.enabled
     # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
     grad_scale = 1.0 / engine.loss_scaler.scale if fp16 else 1.0

@@ -120,21 +120,14 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
         checksums = stio.write(os.path.join(tmp, rank_file), entries, tensor)
         mine = {"file": rank_file, "checksums": checksums, "shards": ranks_pieces,
                 "python_rng": _json_rng(random.getstate())}
-    except OSError as error:  # every rank learns it from the exchange below, instead of waiting for this one
+    except OSError as error:  # every rank learns it from the exchange below (_fail_together), instead of waiting
         mine = {"error": f"{type(error).__name__}: {error}"}
         failure: OSError | None = error
     else:
         failure = None
     current.clear()
     everyone = all_gather_json(engine.comm, mine, engine.device)
-    failed = [(rank, entry["error"]) for rank, entry in enumerate(everyone) if "error" in entry]
-    if failed:
-        if engine.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if failure is not None:
-            raise failure
-        raise OSError(f"save_checkpoint: rank {failed[0][0]} could not write its file ({failed[0][1]}); nothing "
-                      f"was saved, {os.path.join(save_dir, 'latest')} still names the previous checkpoint")
+    _fail_together(engine, [entry.get("error") for entry in everyone], failure, "write its file", tmp)
     # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
     # parameters are replicated), rank 0 writes it
     untracked = _untracked_state(engine)
@@ -171,6 +164,12 @@ def _agreed(engine: Engine, what: str, tmp: str) -> Iterator[None]:
         failure = error
     verdicts = all_gather_json(engine.comm, None if failure is None else f"{type(failure).__name__}: {failure}",
                                engine.device)
+    _fail_together(engine, verdicts, failure, what, tmp)
+
+
+def _fail_together(engine: Engine, verdicts: list[str | None], failure: OSError | None, what: str, tmp: str) -> None:
+    """Given every rank's error message (None: it succeeded), raises on every rank if any failed: the failing
+    rank its own error, the others one naming it; the partial checkpoint under ``tmp`` is removed."""
     failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
     if not failed:
         return
