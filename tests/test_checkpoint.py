@@ -230,18 +230,18 @@ def interrupted_worker(rank: int, world: int, directory: str) -> bool:
     engine = zerocore.initialize(Net(), _config(1))
     _train(engine, rank, 0, 1)
     engine.save_checkpoint(directory)
-    real = ckpt._untracked_state
+    real = ckpt.untracked_state
 
     def dies(engine):
         raise KeyboardInterrupt("killed during the save")
 
-    ckpt._untracked_state = dies  # called once this rank's file is written
+    ckpt.untracked_state = dies  # called once this rank's file is written
     try:
         _train(engine, rank, 1, 1)
         with pytest.raises(KeyboardInterrupt):
             engine.save_checkpoint(directory)
     finally:
-        ckpt._untracked_state = real
+        ckpt.untracked_state = real
     assert open(os.path.join(directory, "latest")).read() == "global_step1"
     assert not os.path.exists(os.path.join(directory, "global_step2"))
     torch.manual_seed(9)

@@ -54,6 +54,8 @@ from . import _safetensors_io as stio
 from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_hf, python -m zerocore.checkpoint)
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
                                  open_file, piece_sources, read_index, resolve_tag, write_durably)
+from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, persistent_names,
+                                trainable_shapes, untracked_state)
 from ._model_checks import all_gather_json
 
 if TYPE_CHECKING:
@@ -130,9 +132,9 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     _fail_together(engine, [entry.get("error") for entry in everyone], failure, "write its file", tmp)
     # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
     # parameters are replicated), rank 0 writes it
-    untracked = _untracked_state(engine)
-    shapes = _trainable_shapes(engine)
-    persistent = _persistent_names(engine)
+    untracked = untracked_state(engine)
+    shapes = trainable_shapes(engine)
+    persistent = persistent_names(engine)
     with _agreed(engine, "write the model file and the index", tmp):
         if engine.rank == 0:
             _write_index(engine, tmp, untracked, shapes, persistent, everyone, client)
@@ -203,7 +205,7 @@ def _write_index(engine: Engine, tmp: str, untracked: dict[str, torch.Tensor], s
         "loss_scaler": engine.loss_scaler.state_dict(),
         "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                          for g in engine.optimizer.param_groups],
-        "param_group_names": _group_names(engine),  # which parameters each group holds, checked at load
+        "param_group_names": group_names(engine),  # which parameters each group holds, checked at load
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "client_state": client,
     }
@@ -291,9 +293,9 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
     tag = resolve_tag(load_dir, tag)
     path = os.path.join(load_dir, tag)
     index = read_index(path)
-    _check_model(engine, index)
+    check_model(engine, index)
     if load_optimizer_states:
-        _check_param_groups(engine, index)
+        check_param_groups(engine, index)
     staged = _Staged(path, index)
     sources = piece_sources(index)
     states = _STATES if load_optimizer_states else _STATES[:1]
@@ -351,8 +353,8 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
                 staged.rng = {name: files[rank].tensor(name).clone() for name in ("rng.cpu", "rng.cuda")
                               if name in files[rank].header}
         model = files[-1] = open_file(io, path, index["model_file"])
-        staged.untracked = _untracked_state(engine)
-        _check_untracked(staged.untracked, index, model, path)
+        staged.untracked = untracked_state(engine)
+        check_untracked(staged.untracked, index, model, path)
         staged.untracked_values = {name: model.tensor(name) for name in staged.untracked}
     finally:
         for f in files.values():
@@ -419,94 +421,6 @@ def _fresh_state(state: Any, keys: Sequence[str], wanted: Mapping[int, list[tupl
                 covered = piece.shard_offset + piece.length
             values[base + covered : base + shard.numel].zero_()
     return fresh
-
-
-# ---- the model against the checkpoint ---------------------------------------------------------------------
-def _check_model(engine: Engine, index: Mapping[str, Any]) -> None:
-    ours = _trainable_shapes(engine)
-    theirs = {name: tuple(shape) for name, shape in index["params"].items()}
-    for name in sorted(set(ours) | set(theirs)):
-        if name not in theirs:
-            raise ValueError(f"checkpoint has no trainable parameter {name!r}: it was saved from another model")
-        if name not in ours:
-            raise ValueError(f"checkpoint holds parameter {name!r}, which this model does not train: it was saved "
-                             "from another model")
-        if ours[name] != theirs[name]:
-            raise ValueError(f"parameter {name!r} has shape {list(theirs[name])} in the checkpoint but "
-                             f"{list(ours[name])} in this model")
-    counters = index["counters"]
-    idle = counters.get("idle_steps", {})
-    if not isinstance(idle, dict) or any(
-            name not in ours or not isinstance(n, int) or not 0 < n <= counters["global_steps"] for name, n in idle.items()):
-        raise ValueError(f"the index's counters.idle_steps ({idle!r}) must map trainable parameter names to step "
-                         f"counts in [1, {counters['global_steps']}]: the index is damaged")
-
-
-def _group_names(engine: Engine) -> list[list[str]]:
-    """The names of each param group's parameters (a tied parameter under its first name)."""
-    names = {id(p): name for name, p in engine.module.named_parameters()}
-    return [sorted(names[id(p)] for p in group["params"]) for group in engine.optimizer.param_groups]
-
-
-def _check_param_groups(engine: Engine, index: Mapping[str, Any]) -> None:
-    """The saved groups' hyperparameters go to the groups holding the same parameters: refused when the
-    groups differ (as torch's and DeepSpeed's optimizers refuse a state dict of other groups)."""
-    saved = index["param_groups"]
-    ours = _group_names(engine)
-    if not isinstance(saved, list) or len(saved) != len(ours):
-        raise ValueError(f"the checkpoint has {len(saved) if isinstance(saved, list) else saved!r} param groups, this "
-                         f"engine {len(ours)}: build the engine with the same param_groups, or load with "
-                         "load_optimizer_states=False")
-    theirs = index.get("param_group_names")  # absent from checkpoints written before it was saved
-    if theirs is None:
-        return
-    for i, (mine, saved_names) in enumerate(zip(ours, theirs)):
-        if sorted(saved_names) != mine:
-            moved = sorted(set(mine) ^ set(saved_names))
-            raise ValueError(f"param group {i} holds other parameters than in the checkpoint (e.g. {moved[:3]}): "
-                             "build the engine with the same param_groups, or load with load_optimizer_states=False")
-
-
-def _check_untracked(ours: dict[str, torch.Tensor], index: Mapping[str, Any], model_file: Any, path: str) -> None:
-    theirs = index["untracked"]
-    if set(ours) != set(theirs):
-        diff = sorted(set(ours) ^ set(theirs))
-        raise ValueError(f"buffers or frozen parameters differ between the checkpoint {path} and this model: {diff}")
-    for name, tensor in ours.items():
-        if list(tensor.shape) != theirs[name]["shape"] or name not in model_file.header:
-            raise ValueError(f"{name!r}: shape {theirs[name]['shape']} in the checkpoint, {list(tensor.shape)} here")
-
-
-def _trainable_shapes(engine: Engine) -> dict[str, tuple[int, ...]]:
-    """The trainable parameters' names (as the optimizer state's pieces name them) and global shapes."""
-    trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
-    return dict(sorted((name, tuple(p.shape)) for name, p in engine.module.named_parameters() if id(p) in trainable))
-
-
-def _persistent_names(engine: Engine) -> set[str]:
-    """Names a state dict holds: parameters and persistent buffers (not ``persistent=False`` ones)."""
-    names = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
-    for module_name, module in engine.module.named_modules(remove_duplicate=False):
-        for name in module._buffers:
-            if name not in module._non_persistent_buffers_set:
-                names.add(f"{module_name}.{name}" if module_name else name)
-    return names
-
-
-def _untracked_state(engine: Engine) -> dict[str, torch.Tensor]:
-    """Buffers and frozen parameters by state-dict name (each tensor once)."""
-    trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, param in engine.module.named_parameters(remove_duplicate=True):
-        if id(param) not in trainable and id(param) not in seen:
-            seen.add(id(param))
-            out[name] = param.data
-    for name, buffer in engine.module.named_buffers(remove_duplicate=True):
-        if id(buffer) not in seen:
-            seen.add(id(buffer))
-            out[name] = buffer
-    return out
 
 
 def _json_rng(state: Any) -> Any:
