@@ -107,6 +107,45 @@ def test_a_load_inside_an_accumulation_window_is_refused(tmp_path):
     run_ranks(window_load_worker, 2, os.fspath(tmp_path))
 
 
+# ---- ranks that disagree on which checkpoint ------------------------------------------------------------------
+def disagreeing_ranks_worker(rank: int, world: int, directory: str, stage: int) -> list[str]:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(stage))
+    _micro_step(engine, 0, rank)
+    engine.save_checkpoint(directory, tag=1)  # DeepSpeed's str(tag): "1"
+    _micro_step(engine, 1, rank)
+    engine.save_checkpoint(directory, tag="2")
+    before = engine.full_state_dict(rank0_only=False)
+    messages = []
+    for tag in (f"mine{rank}", "ok" if rank == 0 else "a/b"):  # different tags; one rank's tag invalid
+        with pytest.raises(ValueError) as raised:
+            engine.save_checkpoint(directory, tag=tag)
+        messages.append(str(raised.value))
+    with pytest.raises(ValueError) as raised:
+        engine.save_checkpoint(directory, client_state={"x": object()} if rank == 1 else {})
+    messages.append(str(raised.value))
+    with pytest.raises(ValueError) as raised:  # shards of two trainings would be mixed
+        engine.load_checkpoint(directory, tag=str(rank + 1))
+    messages.append(str(raised.value))
+    after = engine.full_state_dict(rank0_only=False)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert sorted(os.listdir(directory)) == ["1", "2", "latest"]  # nothing was written
+    path, _ = engine.load_checkpoint(directory, tag=1)  # the same on every rank: loads
+    _micro_step(engine, 2, rank)  # the collectives still line up
+    return messages + [os.path.basename(path)]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_ranks_that_disagree_on_the_checkpoint_are_refused_on_every_rank(stage, tmp_path):
+    results = run_ranks(disagreeing_ranks_worker, 2, os.fspath(tmp_path), stage, timeout=120, pg_timeout=30)
+    for rank, (tags, invalid, client, load, loaded) in enumerate(results):
+        assert "different tags (rank 0: mine0, rank 1: mine1)" in tags, tags
+        assert ("must be a plain directory name" in invalid if rank == 1 else "rank 1 refused" in invalid), invalid
+        assert ("JSON-serializable" in client if rank == 1 else "rank 1 refused" in client), client
+        assert "different checkpoints" in load and "rank 0: " in load and "rank 1: " in load, load
+        assert loaded == "1"
+
+
 # ---- param groups --------------------------------------------------------------------------------------------
 def _groups(model: Net, layout: str) -> list[dict]:
     weights = [p for n, p in model.named_parameters() if n.endswith("weight")]

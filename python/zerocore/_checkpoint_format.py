@@ -56,6 +56,12 @@ def _index_checksum(index: Mapping[str, Any]) -> str:
     return f"{zlib.crc32(json.dumps(index, sort_keys=True, separators=(',', ':')).encode()):08x}"
 
 
+def index_identity(index: Mapping[str, Any]) -> str:
+    """What tells two checkpoints apart (the CRC-32 of the index, which names every file's checksums): ranks
+    about to load must hold the same, whatever the directory is called on each (node-local copies)."""
+    return _index_checksum(index)
+
+
 def index_bytes(index: Mapping[str, Any]) -> bytes:
     """``index`` as the text of index.json, its checksum included."""
     return json.dumps({**index, _INDEX_CHECKSUM: _index_checksum(index)}, indent=1).encode()

@@ -53,6 +53,7 @@ import torch
 from . import _safetensors_io as stio
 from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_hf, python -m zerocore.checkpoint)
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
+                                 index_identity,
                                  open_file, piece_sources, read_index, resolve_tag, write_durably)
 from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, persistent_names,
                                 trainable_shapes, untracked_state)
@@ -67,14 +68,29 @@ _STATES = ("master", "exp_avg", "exp_avg_sq")
 def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None,
                     client_state: Mapping[str, Any] | None = None) -> str:
     """See :meth:`Engine.save_checkpoint`."""
-    tag = tag if tag is not None else f"global_step{engine.global_steps}"
-    check_tag(tag)
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's str(tag) too
     client = dict(client_state or {})
+    problem: str | None = None
     try:
+        check_tag(tag)
         json.dumps(client)
+    except ValueError as error:
+        problem = str(error)
     except TypeError as error:
-        raise ValueError(f"save_checkpoint(client_state=...) must be JSON-serializable (nothing is pickled): "
-                         f"{error}") from None
+        problem = f"save_checkpoint(client_state=...) must be JSON-serializable (nothing is pickled): {error}"
+    # every rank learns every rank's tag and argument check before any rank writes or raises, so a rank that
+    # raises never leaves the others waiting in the save's collectives
+    verdicts = all_gather_json(engine.comm, [tag, problem], engine.device)
+    if problem is not None:
+        raise ValueError(problem)
+    failed = [(rank, message) for rank, (_, message) in enumerate(verdicts) if message is not None]
+    if failed:
+        raise ValueError(f"save_checkpoint: rank {failed[0][0]} refused its arguments ({failed[0][1]}); nothing "
+                         "was written")
+    if len({t for t, _ in verdicts}) > 1:  # each rank would write into another directory: no complete checkpoint
+        raise ValueError(f"save_checkpoint: the ranks passed different tags ({_by_rank([t for t, _ in verdicts])}); "
+                         "a checkpoint is one directory that every rank writes its part of: pass the same tag on "
+                         "every rank (nothing was written)")
     engine.absorb_param_writes()
     save_dir = os.fspath(save_dir)
     tmp = os.path.join(save_dir, f".{tag}.tmp")
@@ -224,14 +240,21 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
         problem = error
     # every rank learns whether every rank read and validated everything, so all go on or all raise (none is
     # left in a collective) and no rank changes its engine unless every rank can
-    verdicts = all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
-                               engine.device)
+    # and that every rank read the same checkpoint: shards of different ones would mix two trainings silently
+    verdicts = all_gather_json(engine.comm, [
+        None if problem is None else f"{type(problem).__name__}: {problem}",
+        None if staged is None else [staged.path, index_identity(staged.index)]], engine.device)
     if problem is not None:
         raise problem
-    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
+    failed = [(rank, message) for rank, (message, _) in enumerate(verdicts) if message is not None]
     if failed:
         rank, message = failed[0]
         raise ValueError(f"load_checkpoint: rank {rank} refused the checkpoint ({message}); nothing was changed")
+    if len({identity for _, (_, identity) in verdicts}) > 1:
+        raise ValueError("load_checkpoint: the ranks read different checkpoints ("
+                         + _by_rank([f"{path} (index crc32 {identity})" for _, (path, identity) in verdicts])
+                         + "): pass the same tag on every rank, and give every rank the same checkpoint; "
+                         "nothing was changed")
     assert staged is not None
     index = staged.index
     with torch.no_grad():  # everything is read and checked on every rank: from here on the engine changes
@@ -290,7 +313,7 @@ class _Staged:
 def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimizer_states: bool) -> _Staged:
     """Reads and checks the index, the model's names and shapes and every byte this rank needs; changes
     nothing and issues no collective."""
-    tag = resolve_tag(load_dir, tag)
+    tag = resolve_tag(load_dir, None if tag is None else str(tag))
     path = os.path.join(load_dir, tag)
     index = read_index(path)
     check_model(engine, index)
@@ -421,6 +444,10 @@ def _fresh_state(state: Any, keys: Sequence[str], wanted: Mapping[int, list[tupl
                 covered = piece.shard_offset + piece.length
             values[base + covered : base + shard.numel].zero_()
     return fresh
+
+
+def _by_rank(values: Sequence[Any]) -> str:
+    return ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
 
 
 def _json_rng(state: Any) -> Any:
