@@ -361,18 +361,58 @@ def test_max_grad_norm_hint():
 
 
 UNSUPPORTED = {
-    "flops_profiler": {"enabled": False},  # (the scheduler section is supported: tests/test_hf_configs.py)
+    "flops_profiler": {"enabled": True},  # (the scheduler section is supported: tests/test_hf_configs.py)
     "activation_checkpointing": {"partition_activations": True},
-    "zero_allow_untested_optimizer": True,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+    "prescale_gradients": True,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "amsgrad": True}},
     "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": True},
-                          "stage3_gather_16bit_weights_on_model_save": True, "sub_group_size": 1e9},
+                          "stage3_gather_16bit_weights_on_model_save": False, "sub_group_size": 1e9},
 }
-UNSUPPORTED_PATHS = ["flops_profiler", "activation_checkpointing", "zero_allow_untested_optimizer",
-                     "optimizer.params.torch_adam", "fp16.fp16_master_weights_and_grads",
+UNSUPPORTED_PATHS = ["flops_profiler", "activation_checkpointing", "prescale_gradients",
+                     "optimizer.params.amsgrad", "fp16.fp16_master_weights_and_grads",
                      "zero_optimization.offload_optimizer.pipeline_read",
                      "zero_optimization.stage3_gather_16bit_weights_on_model_save"]
+# The same keys at values that ask for what zerocore does (Note [DeepSpeed keys at what zerocore does]).
+LIKE_ZEROCORE = {
+    "flops_profiler": {"enabled": False, "profile_step": 1}, "tensorboard": {"enabled": False},
+    "wandb": {"enabled": False}, "comms_logger": {"enabled": False, "verbose": False},
+    "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                 "contiguous_memory_optimization": False, "number_checkpoints": None},
+    "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "prescale_gradients": False,
+    "gradient_predivide_factor": 1.0, "sparse_gradients": False, "memory_breakdown": False,
+    "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False},
+    "data_types": {"grad_accum_dtype": None},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "amsgrad": False}},
+    "fp16": {"enabled": True, "fp16_master_weights_and_grads": False},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": False},
+                          "stage3_gather_16bit_weights_on_model_save": True, "stage3_max_reuse_distance": 1e9,
+                          "round_robin_gradients": False, "allgather_partitions": True,
+                          "ignore_unused_parameters": True, "sub_group_size": 1e9},
+}
+
+
+def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = ZeroConfig.from_deepspeed(LIKE_ZEROCORE)
+    assert (c.optimizer.lr, c.fp16.enabled, c.zero_optimization.stage) == (1e-4, True, 3)
+    # a value other than what zerocore does is still named, whichever key carries it
+    for path, value in [("wandb", {"enabled": True}), ("gradient_predivide_factor", 2.0),
+                        ("zero_optimization.stage3_max_reuse_distance", 1000),
+                        ("zero_optimization.round_robin_gradients", True),
+                        ("zero_optimization.ignore_unused_parameters", 1),  # a number is not a boolean
+                        ("checkpoint", {"tag_validation": "Ignore"}), ("data_types", {"grad_accum_dtype": "bf16"}),
+                        ("activation_checkpointing", {"number_checkpoints": 4})]:
+        config = copy.deepcopy(LIKE_ZEROCORE)
+        *parents, key = path.split(".")
+        section = config
+        for parent in parents:
+            section = section[parent]
+        section[key] = value
+        with pytest.raises(ValueError, match="not supported yet") as info:
+            ZeroConfig.from_deepspeed(config)
+        assert path in str(info.value), (path, str(info.value))
 
 
 def test_unsupported_keys_strict():

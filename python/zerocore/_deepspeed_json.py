@@ -44,7 +44,9 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
                          frozenset(), frozenset({"torch_adam", "amsgrad"})),
     "fp16": (frozenset(f.name for f in dataclasses.fields(FP16Config)), {}, frozenset(),
              frozenset({"fp16_master_weights_and_grads"})),
-    "bf16": (frozenset({"enabled"}), {}, frozenset(), frozenset({"immediate_grad_update"})),
+    "bf16": (frozenset({"enabled"}), {}, frozenset(), frozenset({
+        "immediate_grad_update", "check_grad_overflow", "check_overflow", "bf16_master_weights_and_grads",
+        "bf16_optimizer_states"})),
     "scheduler": (frozenset({"type", "params"}), {}, frozenset(), frozenset()),
     "zero_optimization": (
         frozenset(f.name for f in dataclasses.fields(ZeroOptimizationConfig)) | frozenset(LEGACY_OFFLOAD),
@@ -68,6 +70,73 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
 _HINTS = {"optimizer.params.max_grad_norm": "DeepSpeed clips with the top-level gradient_clipping"}
 
 
+# Note [DeepSpeed keys at what zerocore does]
+# A DeepSpeed key zerocore does not support is still accepted, silently, when its value asks for what zerocore
+# does anyway: DeepSpeed's default (a disabled monitor, a switched-off feature, a factor of 1.0), or a value
+# naming zerocore's behaviour (stage 3's save_16bit_model always gathers the weights; every rank must name the
+# same checkpoint tag, as tag_validation "Fail" asks, and zerocore refuses when they differ). So configs
+# written for DeepSpeed, which spell out such values, load as they are; any other value of these keys still
+# raises as unsupported (or is warned about with strict=False). Defaults from DeepSpeed 0.19's config models.
+def _disabled(value: Any) -> bool:  # a section DeepSpeed switches on with "enabled": true (default false)
+    return isinstance(value, Mapping) and value.get("enabled", False) is False
+
+
+def _equals(*accepted: Any) -> Any:
+    def check(value: Any) -> bool:  # booleans only equal booleans; numbers compare by value (1e9 == 10**9)
+        return any(type(value) is bool and value is want if type(want) is bool
+                   else want is None and value is None if want is None
+                   else type(value) is not bool and value == want for want in accepted)
+    return check
+
+
+def _all_off(value: Any) -> bool:  # e.g. activation_checkpointing: every switch false, no count given
+    return isinstance(value, Mapping) and all(v is False or v is None for v in value.values())
+
+
+_LIKE_ZEROCORE: dict[str, Any] = {
+    **{key: _disabled for key in (
+        "flops_profiler tensorboard wandb csv_monitor comms_logger amp elasticity autotuning nebula torch_autocast "
+        "hybrid_engine eigenvalue progressive_layer_drop quantize_training curriculum_learning data_efficiency"
+        ).split()},
+    "activation_checkpointing": _all_off,
+    "zero_allow_untested_optimizer": _equals(True, False),  # governs client optimizers, which zerocore never takes
+    "zero_force_ds_cpu_optimizer": _equals(True, False),  # likewise: offload always steps with zerocore's CPU Adam
+    "prescale_gradients": _equals(False),
+    "gradient_predivide_factor": _equals(1.0),
+    "sparse_gradients": _equals(False),
+    "memory_breakdown": _equals(False),
+    "dump_state": _equals(False),
+    "disable_allgather": _equals(False),
+    "dataloader_drop_last": _equals(False),
+    "seq_parallel_communication_data_type": _equals("fp32"),
+    "checkpoint": lambda value: isinstance(value, Mapping) and set(value) <= {
+        "tag_validation", "load_universal", "use_node_local_storage"} and _equals("Warn", "WARN", "Fail", "FAIL")(
+        value.get("tag_validation", "Warn")) and _all_off({k: v for k, v in value.items() if k != "tag_validation"}),
+    "data_types": lambda value: isinstance(value, Mapping) and all(v is None for v in value.values()),
+    "optimizer.legacy_fusion": _equals(False),
+    "optimizer.params.torch_adam": _equals(True, False),  # the same Adam, another implementation
+    "optimizer.params.amsgrad": _equals(False),
+    "fp16.fp16_master_weights_and_grads": _equals(False),
+    "bf16.bf16_master_weights_and_grads": _equals(False),
+    "bf16.bf16_optimizer_states": _equals(False),
+    **{"zero_optimization." + key: _equals(value) for key, value in (
+        ("load_from_fp32_weights", True), ("elastic_checkpoint", False), ("allgather_partitions", True),
+        ("use_multi_rank_bucket_allreduce", True), ("ignore_unused_parameters", True), ("legacy_stage1", False),
+        ("round_robin_gradients", False), ("zeropp_loco_param", None), ("mics_shard_size", -1),
+        ("mics_hierarchical_params_gather", False), ("memory_efficient_linear", True),
+        ("pipeline_loading_checkpoint", False), ("log_trace_cache_warnings", False), ("zenflow", None),
+        ("gather_16bit_weights_on_model_save", True), ("stage3_gather_16bit_weights_on_model_save", True),
+        ("stage3_gather_fp16_weights_on_model_save", True), ("max_reuse_distance", 10**9),
+        ("stage3_max_reuse_distance", 10**9), ("module_granularity_threshold", 0),
+        ("stage3_module_granularity_threshold", 0), ("use_all_reduce_for_fetch_params", False),
+        ("stage3_use_all_reduce_for_fetch_params", False), ("allgather_sequential", False),
+        ("stage3_allgather_sequential", False))},
+    "zero_optimization.offload_optimizer.pipeline_read": _equals(False),
+    "zero_optimization.offload_optimizer.pipeline_write": _equals(False),
+    "zero_optimization.offload_optimizer.super_offload": _equals(False),
+}
+
+
 def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
     """Returns the supported keys of one section (aliases resolved); records unsupported key paths."""
     supported, aliases, ignored, not_yet = _SCHEMA[path]
@@ -84,7 +153,9 @@ def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
                 fail(prefix + name, "given twice, under its name and under an alias DeepSpeed also accepts")
             out[name] = value
         elif key in not_yet:
-            unsupported.append(prefix + key)
+            like_zerocore = _LIKE_ZEROCORE.get(prefix + key)
+            if like_zerocore is None or not like_zerocore(value):  # Note [DeepSpeed keys at what zerocore does]
+                unsupported.append(prefix + key)
         elif key not in ignored:
             known = sorted(supported | set(aliases) | ignored | not_yet)
             close = difflib.get_close_matches(key, known, n=1)
