@@ -232,7 +232,7 @@ def interrupted_worker(rank: int, world: int, directory: str) -> bool:
     engine.save_checkpoint(directory)
     real = ckpt.untracked_state
 
-    def dies(engine):
+    def dies(engine, **kwargs):
         raise KeyboardInterrupt("killed during the save")
 
     ckpt.untracked_state = dies  # called once this rank's file is written

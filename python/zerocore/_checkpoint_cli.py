@@ -26,7 +26,9 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
     Hugging Face safetensors: ``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
     ``max_shard_size`` bytes. One tensor at a time: each is assembled from the ranks' pieces (reading only
     the blocks that hold them, each checked), written and dropped, so the peak memory is a small multiple of
-    the largest tensor. Tied parameters are written once. Returns the files."""
+    the largest tensor. Tied parameters are written once. A checkpoint saved with
+    ``exclude_frozen_parameters`` holds no frozen parameters, so neither does the output (load it over the
+    base model with ``strict=False``, as a LoRA adapter). Returns the files."""
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     path = os.path.join(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
@@ -90,11 +92,12 @@ def _info(path: str, tag: str | None) -> None:
     directory = os.path.join(path, tag) if tag else path
     index = read_index(directory)
     total = sum(sum(s["numel"] for s in r["shards"]) for r in index["ranks"])
+    held = "buffers (frozen parameters excluded)" if index.get("frozen_excluded") else "buffers/frozen tensors"
     print(f"{directory}: zerocore {index['zerocore_version']}, stage {index['stage']}, world size "
           f"{index['world_size']}, compute dtype {index['compute_dtype']}")
     print(f"steps: {index['counters']}; loss scaler: {index['loss_scaler']}")
     print(f"{len(index['params'])} trainable parameters, {total} shard elements (with padding), "
-          f"{len(index['untracked'])} buffers/frozen tensors; lr scheduler: "
+          f"{len(index['untracked'])} {held}; lr scheduler: "
           f"{'yes' if index['lr_scheduler'] is not None else 'no'}; client_state keys: {sorted(index['client_state'])}")
     for name, shape in index["params"].items():
         print(f"  {name} {shape}")

@@ -84,15 +84,16 @@ def persistent_names(engine: Engine) -> set[str]:
     return names
 
 
-def untracked_state(engine: Engine) -> dict[str, torch.Tensor]:
-    """Buffers and frozen parameters by state-dict name (each tensor once)."""
+def untracked_state(engine: Engine, frozen: bool = True) -> dict[str, torch.Tensor]:
+    """Buffers and (with ``frozen``) frozen parameters by state-dict name (each tensor once)."""
     trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, param in engine.module.named_parameters(remove_duplicate=True):
         if id(param) not in trainable and id(param) not in seen:
             seen.add(id(param))
-            out[name] = param.data
+            if frozen:
+                out[name] = param.data
     for name, buffer in engine.module.named_buffers(remove_duplicate=True):
         if id(buffer) not in seen:
             seen.add(id(buffer))

@@ -1,12 +1,16 @@
 """The ``DeepSpeedEngine`` accessors training scripts call (``get_lr()``, ``was_step_applied()``, the batch
-sizes), so a loop written for DeepSpeed runs on a zerocore engine unchanged. Each answers from the engine's
+sizes, the ``nn.Module`` methods it forwards to its module), so a loop written for DeepSpeed runs on a zerocore engine unchanged. Each answers from the engine's
 own state; none communicates."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 if TYPE_CHECKING:
+    from ._loss_scaler import LossScaler
     from .config import ZeroConfig
     from .optimizer import ZeroOptimizer
 
@@ -18,6 +22,8 @@ class DeepSpeedAccessors:
     optimizer: ZeroOptimizer
     world_size: int
     step_applied: bool
+    module: nn.Module
+    loss_scaler: LossScaler
 
     def get_lr(self) -> list[float]:
         """Each param group's learning rate now (what the next update uses)."""
@@ -46,3 +52,20 @@ class DeepSpeedAccessors:
             return self.config.train_batch_size
         micro = self.config.train_micro_batch_size_per_gpu
         return None if micro is None else micro * self.config.gradient_accumulation_steps * self.world_size
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def train(self, mode: bool = True) -> DeepSpeedAccessors:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> DeepSpeedAccessors:
+        return self.train(False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()

@@ -66,7 +66,8 @@ _STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None,
-                    client_state: Mapping[str, Any] | None = None) -> str:
+                    client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> str:
     """See :meth:`Engine.save_checkpoint`."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's str(tag) too
     client = dict(client_state or {})
@@ -148,12 +149,12 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     _fail_together(engine, [entry.get("error") for entry in everyone], failure, "write its file", tmp)
     # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
     # parameters are replicated), rank 0 writes it
-    untracked = untracked_state(engine)
+    untracked = untracked_state(engine, frozen=not exclude_frozen_parameters)
     shapes = trainable_shapes(engine)
     persistent = persistent_names(engine)
     with _agreed(engine, "write the model file and the index", tmp):
         if engine.rank == 0:
-            _write_index(engine, tmp, untracked, shapes, persistent, everyone, client)
+            _write_index(engine, tmp, untracked, shapes, persistent, everyone, client, exclude_frozen_parameters)
         fsync_file(os.path.join(tmp, rank_file))  # every rank's file is durable before the rename
     final = os.path.join(save_dir, tag)
     with _agreed(engine, "move the checkpoint into place", tmp):
@@ -165,7 +166,8 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
                 os.rename(final, old)
             os.rename(tmp, final)
             fsync_dir(save_dir)
-            write_durably(os.path.join(save_dir, "latest"), tag.encode())
+            if save_latest:
+                write_durably(os.path.join(save_dir, "latest"), tag.encode())
             shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -200,7 +202,7 @@ def _fail_together(engine: Engine, verdicts: list[str | None], failure: OSError 
 
 
 def _write_index(engine: Engine, tmp: str, untracked: dict[str, torch.Tensor], shapes: Mapping[str, Any],
-                 persistent: set[str], everyone: list[Any], client: dict[str, Any]) -> None:
+                 persistent: set[str], everyone: list[Any], client: dict[str, Any], frozen_excluded: bool) -> None:
     """Rank 0: the model file (buffers, frozen parameters) and the JSON index naming every rank's file."""
     model_checksums = stio.write_tensors(os.path.join(tmp, "model.safetensors"), untracked)
     index = {
@@ -213,6 +215,7 @@ def _write_index(engine: Engine, tmp: str, untracked: dict[str, torch.Tensor], s
         "untracked": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
                           "persistent": k in persistent} for k, v in untracked.items()},
         "model_file": {"file": "model.safetensors", "checksums": model_checksums},
+        "frozen_excluded": frozen_excluded,  # a load keeps the model's own frozen parameters
         "ranks": everyone,
         "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
                      "micro_steps": engine.micro_steps,
@@ -229,13 +232,13 @@ def _write_index(engine: Engine, tmp: str, untracked: dict[str, torch.Tensor], s
 
 
 def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str | None = None,
-                    load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True) -> tuple[str | None, dict[str, Any]]:
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, dict[str, Any]]:
     """See :meth:`Engine.load_checkpoint`."""
     problem: BaseException | None = None
     staged: _Staged | None = None
     try:
-        staged = _read_validated(engine, os.fspath(load_dir), tag, load_optimizer_states)
+        staged = _read_validated(engine, os.fspath(load_dir), tag, load_optimizer_states and not load_module_only)
     except (OSError, ValueError) as error:
         problem = error
     # every rank learns whether every rank read and validated everything, so all go on or all raise (none is
@@ -265,7 +268,7 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
             with state.resident(shard, write=True) as values:
                 for key, at, source in staged.copies.get(shard.index, ()):
                     values[key][at : at + source.numel()].copy_(source)
-                if not load_optimizer_states:  # a fresh optimizer: zero moments
+                if not load_optimizer_states and not load_module_only:  # a fresh optimizer: zero moments
                     values["exp_avg"].zero_()
                     values["exp_avg_sq"].zero_()
                 if shard.separate_master:  # the compute-dtype values are the master's rounding
@@ -273,6 +276,8 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
         for name, tensor in staged.untracked.items():
             tensor.copy_(staged.untracked_values[name])
     engine.reload_params_from_shards()
+    if load_module_only:  # DeepSpeed's: the weights change, the training state (moments, counters, ...) stays
+        return staged.path, dict(index["client_state"])
     counters = index["counters"]
     engine.restore_counters(counters["global_steps"] if load_optimizer_states else 0,
                             counters["skipped_steps"], counters["micro_steps"],
@@ -376,7 +381,7 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
                 staged.rng = {name: files[rank].tensor(name).clone() for name in ("rng.cpu", "rng.cuda")
                               if name in files[rank].header}
         model = files[-1] = open_file(io, path, index["model_file"])
-        staged.untracked = untracked_state(engine)
+        staged.untracked = untracked_state(engine, frozen=not index.get("frozen_excluded", False))
         check_untracked(staged.untracked, index, model, path)
         staged.untracked_values = {name: model.tensor(name) for name in staged.untracked}
     finally:

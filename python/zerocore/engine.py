@@ -46,7 +46,6 @@ from ._lifecycle import EngineState, Lifecycle
 from ._loss_scaler import LossScaler
 from ._model_checks import (check_group_hyperparameters, check_same_model_on_all_ranks, check_trainable_dtypes,
                             collect_trainable)
-from ._native import _C
 from ._policy import StagePolicy
 from ._reports import comm_report, memory_report
 from ._sharded_buffer import ShardedBuffer
@@ -393,23 +392,6 @@ class Engine(DeepSpeedAccessors):
             self.param_file.close()  # every unit is whole in memory again
         self.lifecycle.to(EngineState.CLOSED)
 
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.scale
-
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        return self.train(False)
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return self.module.parameters()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.module.named_parameters()
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full state dict on every rank (see :meth:`full_state_dict` to gather to rank 0 only)."""
         return self.full_state_dict(rank0_only=False)
@@ -425,37 +407,47 @@ class Engine(DeepSpeedAccessors):
 
     # ---- checkpoints (Note [Checkpoint format] in checkpoint.py) ----------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
-                        client_state: Mapping[str, Any] | None = None) -> str:
+                        client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Writes this rank's optimizer state (fp32 master, moments), the model's buffers and frozen
-        parameters, counters, loss scaler, lr scheduler, RNG states and ``client_state`` (JSON) to
-        ``save_dir/tag`` (default ``global_step<N>``) atomically, then points ``save_dir/latest`` at it.
-        A collective: every rank calls it, at an accumulation boundary. Returns the checkpoint's path."""
+        parameters (unless ``exclude_frozen_parameters``: a load keeps the model's own), counters, loss scaler,
+        lr scheduler, RNG states and ``client_state`` (JSON) to ``save_dir/tag`` (default ``global_step<N>``)
+        atomically, then (``save_latest``) points ``save_dir/latest`` at it. DeepSpeed's signature. A
+        collective: every rank calls it, at an accumulation boundary. Returns the checkpoint's path."""
         from .checkpoint import save_checkpoint
 
         self.lifecycle.require("save_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
         self._refuse_inside_window("save_checkpoint()", "would lose its gradients")
-        return save_checkpoint(self, save_dir, tag, client_state)
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def _refuse_inside_window(self, action: str, why: str) -> None:
         if self.micro_steps % self.config.gradient_accumulation_steps or self.lifecycle.local_grads:
             raise RuntimeError(f"{action} inside an accumulation window (or with no_sync() gradients pending) {why}; "
                                "call it after the step() that ends the window")
 
-    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
-                        load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True) -> tuple[str | None, dict[str, Any]]:
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Callable[..., Any] | None = None,
+                        ) -> tuple[str | None, dict[str, Any]]:
         """Loads a checkpoint written by :meth:`save_checkpoint` at any world size and stage (each rank reads
-        the parameter ranges its shards hold); ``tag`` defaults to the one ``latest`` names. Returns
-        ``(path, client_state)``. Everything is validated before the engine changes. A collective."""
+        the parameter ranges its shards hold); ``tag`` defaults to the one ``latest`` names. DeepSpeed's
+        signature: ``load_module_only`` replaces the weights and buffers only (moments, counters, scheduler
+        and loss scale stay); ``load_optimizer_states=False`` starts the optimizer afresh from the loaded
+        weights. Returns ``(path, client_state)``. Everything is validated before the engine changes. A
+        collective."""
         from .checkpoint import load_checkpoint
 
+        if load_module_strict is not True or custom_load_fn is not None:
+            raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...) is not supported: a "
+                             "zerocore checkpoint loads into the model it was saved from, every parameter checked; "
+                             "load weights of another model into the plain model before zerocore.initialize")
         self.lifecycle.require("load_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
         self._refuse_inside_window("load_checkpoint()", "would apply the window's gradients, computed from the "
                                    "weights before the load, to the loaded ones")
         if self.stage3 is not None:
             self.stage3.refuse_while_held("load_checkpoint()")
         self.land_param_gathers()
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> str:
         """Writes the model's whole weights in the compute dtype as one safetensors file on rank 0

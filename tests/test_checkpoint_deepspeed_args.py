@@ -1,0 +1,79 @@
+"""DeepSpeed's save_checkpoint / load_checkpoint arguments: ``save_latest``, ``exclude_frozen_parameters``,
+``load_module_only`` (the weights change, the training state stays), and the refused ``load_module_strict=False``
+and ``custom_load_fn`` (Note [Checkpoint format] in python/zerocore/checkpoint.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zerocore
+from _dist import run_ranks
+from test_checkpoint import Net, _config, _train
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _latest(directory: str) -> str | None:
+    path = os.path.join(directory, "latest")
+    return open(path).read() if os.path.exists(path) else None
+
+
+def _moments(engine: zerocore.Engine) -> list[torch.Tensor]:
+    return [t.clone() for s in engine.optimizer_state.shards for t in (s.exp_avg, s.exp_avg_sq)]
+
+
+def deepspeed_args_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+    out = {}
+    torch.manual_seed(0)
+    saved = zerocore.initialize(Net(), _config(stage))
+    _train(saved, rank, 0, 2)
+    saved.save_checkpoint(directory, tag="lora", exclude_frozen_parameters=True, save_latest=False)
+    out["latest_after_no_latest"] = _latest(directory)
+    saved.save_checkpoint(directory, tag="full")
+    weights = saved.full_state_dict(rank0_only=False)
+    if rank != 0:  # the checkpoint holds rank 0's buffers; the others take them at their next forward, as in DDP
+        weights = {k: v for k, v in weights.items() if not k.startswith("norm.running")}
+    saved.save_checkpoint(directory, tag="later", save_latest=False)
+    out["latest"] = _latest(directory)
+
+    # load_module_only: the weights (and buffers) are the checkpoint's; moments, counters, lr stay this engine's
+    torch.manual_seed(1)
+    engine = zerocore.initialize(Net(), _config(stage))
+    _train(engine, rank, 5, 1)
+    moments, lr = _moments(engine), engine.get_lr()
+    engine.load_checkpoint(directory, "full", load_module_only=True)
+    loaded = engine.full_state_dict(rank0_only=False)
+    out["module_only_weights"] = [k for k in weights if not torch.equal(loaded[k], weights[k])]
+    out["module_only_moments_kept"] = all(torch.equal(a, b) for a, b in zip(moments, _moments(engine)))
+    out["module_only_counters"] = (engine.global_steps, engine.get_lr() == lr)
+    _train(engine, rank, 6, 1)  # trains on
+    for bad in ({"load_module_strict": False}, {"custom_load_fn": lambda *a: None}):
+        with pytest.raises(ValueError, match="not supported"):
+            engine.load_checkpoint(directory, "full", **bad)
+    engine.close()
+
+    # exclude_frozen_parameters: a load keeps the model's own frozen parameters, the rest is the checkpoint's
+    torch.manual_seed(2)
+    model = Net()
+    own_frozen = {k: v.clone() for k, v in model.frozen.state_dict().items()}
+    engine = zerocore.initialize(model, _config(stage))
+    engine.load_checkpoint(directory, "lora")
+    loaded = engine.full_state_dict(rank0_only=False)
+    out["lora_frozen_kept"] = all(torch.equal(loaded[f"frozen.{k}"], v) for k, v in own_frozen.items())
+    out["lora_rest_loaded"] = all(torch.equal(loaded[k], weights[k]) for k in weights if not k.startswith("frozen."))
+    out["lora_steps"] = engine.global_steps
+    _train(engine, rank, 7, 1)
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_checkpoint_arguments(stage, tmp_path):
+    for out in run_ranks(deepspeed_args_worker, 2, stage, os.fspath(tmp_path), timeout=180):
+        assert out["latest_after_no_latest"] is None and out["latest"] == "full"
+        assert out["module_only_weights"] == [] and out["module_only_moments_kept"]
+        assert out["module_only_counters"] == (1, True)
+        assert out["lora_frozen_kept"] and out["lora_rest_loaded"] and out["lora_steps"] == 2
