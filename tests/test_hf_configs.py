@@ -569,21 +569,25 @@ def accessors_worker(rank: int, world: int, config: dict) -> list:
     applied = []
     for step in range(4):
         x, y = batch("mlp", torch.Generator().manual_seed(step + 10 * rank))
-        engine.backward(loss_fn("mlp", engine(x), y))
+        engine.backward(loss_fn("mlp", engine(x.to(engine.compute_dtype)).float(), y))
         engine.step()
         applied.append(engine.was_step_applied())
     return [applied, engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
-            engine.gradient_accumulation_steps(), engine.get_mom()]
+            engine.gradient_accumulation_steps(), engine.get_mom(),
+            [engine.zero_optimization_stage(), engine.fp16_enabled(), engine.bfloat16_enabled(),
+             engine.gradient_clipping(), engine.dp_world_size, engine.global_rank == rank, engine.local_rank,
+             engine.global_samples]]
 
 
 @pytest.mark.parametrize("given", [{"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
                                    {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}])
 def test_deepspeed_engine_accessors(given):
-    config = {"optimizer": {"params": {"lr": 1e-3, "betas": [0.8, 0.9]}}, "zero_optimization": {"stage": 2}, **given}
+    config = {"optimizer": {"params": {"lr": 1e-3, "betas": [0.8, 0.9]}}, "zero_optimization": {"stage": 2},
+              "bf16": {"enabled": True}, "gradient_clipping": 0.5, **given}
     for result in run_ranks(accessors_worker, 2, config):
         # not applied inside the accumulation window, applied at its boundary; the batch sizes as DeepSpeed
-        # derives them (12 = 3 per rank x 2 accumulation steps x 2 ranks)
-        assert result == [[False, True, False, True], 12, 3, 2, [(0.8, 0.9)]]
+        # derives them (12 = 3 per rank x 2 accumulation steps x 2 ranks); 2 updates of 12 samples
+        assert result == [[False, True, False, True], 12, 3, 2, [(0.8, 0.9)], [2, False, True, 0.5, 2, True, 0, 24]]
 
 
 def test_hugging_face_model_config_when_transformers_is_installed():

@@ -4,6 +4,7 @@ own state; none communicates."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,10 @@ class DeepSpeedAccessors:
     step_applied: bool
     module: nn.Module
     loss_scaler: LossScaler
+    stage: int
+    rank: int
+    global_steps: int
+    skipped_steps: int
 
     def get_lr(self) -> list[float]:
         """Each param group's learning rate now (what the next update uses)."""
@@ -52,6 +57,41 @@ class DeepSpeedAccessors:
             return self.config.train_batch_size
         micro = self.config.train_micro_batch_size_per_gpu
         return None if micro is None else micro * self.config.gradient_accumulation_steps * self.world_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16
+
+    def gradient_clipping(self) -> float:
+        """The config's global-norm clipping threshold (0.0: off)."""
+        return self.config.gradient_clipping
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks in the data-parallel group (the engine's process group)."""
+        return self.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default process group (``rank`` is its rank in the engine's group)."""
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node: ``LOCAL_RANK`` as torchrun sets it, else 0 (DeepSpeed's answer)."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_samples(self) -> int:
+        """Samples trained on, counted as DeepSpeed counts them: applied and skipped steps x the global batch."""
+        return (self.global_steps + self.skipped_steps) * (self.train_batch_size() or 0)
 
     @property
     def loss_scale(self) -> float:
