@@ -99,3 +99,27 @@ def test_a_parameter_without_gradients_after_a_step_reduces_zeros_not_its_last_g
     for a, b in zip(stage1, stage2):
         assert a["norms"] == b["norms"] and a["losses"] == b["losses"]
         assert a["params"] == b["params"]
+
+
+def scale_wrt_gas_worker(rank: int, world: int, stage: int) -> list[list[float]]:
+    """DeepSpeed's backward(loss, scale_wrt_gas=False) leaves the division by the accumulation steps to the
+    caller: backward(loss / 2, scale_wrt_gas=False) at 2 accumulation steps trains as backward(loss)."""
+    results = []
+    for divide_here in (False, True):
+        torch.manual_seed(0)
+        engine = zerocore.initialize(TwoBlocks(), {"optimizer": {"params": {"lr": 1e-2}}, "gradient_accumulation_steps": 2,
+                                                   "zero_optimization": {"stage": stage}})
+        for step in range(2):
+            for micro in range(2):
+                loss = _loss(engine, *_batch(step, micro, rank), use_second=True)
+                engine.backward(loss / 2, scale_wrt_gas=False) if divide_here else engine.backward(loss)
+                engine.step()
+        results.append([float(v.double().sum()) for v in engine.full_state_dict(rank0_only=False).values()])
+        engine.close()
+    return results
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_backward_without_scaling_by_the_accumulation_steps(stage):
+    for default, divided_by_caller in run_ranks(scale_wrt_gas_worker, 2, stage):
+        assert default == divided_by_caller

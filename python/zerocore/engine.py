@@ -214,8 +214,9 @@ class Engine(DeepSpeedAccessors):
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Back-propagates ``loss`` (scaled for fp16 and averaged over accumulation micro-steps)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """Back-propagates ``loss``, scaled for fp16 and (``scale_wrt_gas``, DeepSpeed's) divided by the
+        accumulation steps, so that a window's gradient is the mean of its micro-steps'."""
         life = self.lifecycle
         if life.state is EngineState.AWAITING_STEP:
             raise RuntimeError(
@@ -232,7 +233,7 @@ class Engine(DeepSpeedAccessors):
         gradients.begin(not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary()))
         if self.stage3 is not None:
             self.stage3.begin_backward()
-        scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
+        scale = self.loss_scaler.scale / (self.config.gradient_accumulation_steps if scale_wrt_gas else 1)
         life.to(EngineState.BACKWARD)
         try:
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
