@@ -47,11 +47,15 @@ def writes_worker(rank: int, world: int, stage: int, dtype: str) -> bool:
     torch.manual_seed(1)
     loaded = {k: v.float() for k, v in Net().state_dict().items()}
 
+    rebound = loaded["fc2.weight"] * 0.5
+
     def write() -> None:
         model.load_state_dict(loaded)  # every rank loads the same values
         with torch.no_grad():
             nn.init.constant_(model.fc2.bias, 0.25)
             model.fc1.bias.fill_(-0.5)
+        # other storage, as vector_to_parameters and EMA swaps do: the parameter must go on training
+        model.fc2.weight.data = rebound.to(model.fc2.weight.dtype).clone()
 
     if stage == 3:  # sharded parameters cannot be written: a clear error, then the way it names
         with pytest.raises(RuntimeError, match=r"zerocore.gathered\(model.parameters\(\), modifier_rank=0\)"):
@@ -63,7 +67,8 @@ def writes_worker(rank: int, world: int, stage: int, dtype: str) -> bool:
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0  # an update of zero: the next step must keep what was written
     _train(engine, rank, 1)
-    expected = dict(loaded, **{"fc2.bias": torch.full((4,), 0.25), "fc1.bias": torch.full((16,), -0.5)})
+    expected = dict(loaded, **{"fc2.bias": torch.full((4,), 0.25), "fc1.bias": torch.full((16,), -0.5),
+                               "fc2.weight": rebound})
     state = engine.full_state_dict(rank0_only=False)
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value.to(engine.compute_dtype), rtol=0, atol=0, msg=name)
@@ -72,7 +77,7 @@ def writes_worker(rank: int, world: int, stage: int, dtype: str) -> bool:
         group["lr"] = 1e-2
     _train(engine, rank, 1)
     after = engine.full_state_dict(rank0_only=False)["fc2.weight"].float()
-    assert 0 < (after - loaded["fc2.weight"]).abs().max() < 0.05
+    assert 0 < (after - rebound.to(engine.compute_dtype).float()).abs().max() < 0.05
     return True
 
 

@@ -88,6 +88,8 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
     buffers = _buffers_of(engine, params)
     if modifier_rank is not None:
         for buffer in buffers:
+            if engine.rank == modifier_rank:
+                buffer.reattach_rebound()  # ``p.data = t`` inside the block: t's values are broadcast
             engine.comm.broadcast(buffer.full, modifier_rank).wait()
             buffer.take_shard_from_full()
     else:  # only parameters that stay whole need undoing; which ones do is the same on every rank

@@ -349,12 +349,35 @@ class ShardedBuffer:
         return not self.policy.params_sharded or self.full.untyped_storage().nbytes() > 0
 
     def params_written(self) -> bool:
-        return self.gathered and any(param._version != seen for param, seen in zip(self.params, self._versions))
+        return self.gathered and (any(param._version != seen for param, seen in zip(self.params, self._versions))
+                                  or bool(self._rebound()))
+
+    def _rebound(self) -> list[int]:
+        """Parameters the user pointed at other storage (``p.data = t``, ``vector_to_parameters``): left so,
+        they would be cut off from the engine's buffer, their value frozen while training goes on."""
+        return [i for i, (param, view) in enumerate(zip(self.params, self.views))
+                if param.data_ptr() != view.data_ptr() and view.numel() > 0]
+
+    def reattach_rebound(self, keep_values: bool = True) -> None:
+        """Every rebound parameter is the engine's view again, holding the value the user gave it
+        (``keep_values``) or the engine's (a write being discarded)."""
+        for i in self._rebound():
+            param, view = self.params[i], self.views[i]
+            if keep_values:
+                if param.shape != view.shape:
+                    raise RuntimeError(f"parameter {self.names[i]!r} was given a tensor of shape "
+                                       f"{tuple(param.shape)} (p.data = ...), but it was laid out at zerocore.initialize "
+                                       f"with shape {tuple(view.shape)}: a parameter's shape cannot change")
+                view.copy_(param.detach())
+            param.data = view
+            mark_whole(param)
 
     def absorb_param_writes(self) -> None:
-        """The user wrote to parameters in place (``load_state_dict``, ``nn.init``, ``fill_``): this rank's
-        shard and its fp32 master take the written values, so the next step updates them instead of
-        reverting them. Elements whose value still equals the master's rounding keep the master's bits."""
+        """The user wrote to parameters in place (``load_state_dict``, ``nn.init``, ``fill_``) or gave them
+        other storage (``p.data = t``): this rank's shard and its fp32 master take the written values, so the
+        next step updates them instead of reverting them. Elements whose value still equals the master's
+        rounding keep the master's bits."""
+        self.reattach_rebound()
         self._shard_from_full()
         for shard in self.optimizer_shards:
             self._optimizer_state.absorb_written(shard)
@@ -381,6 +404,7 @@ class ShardedBuffer:
     def take_shard_from_full(self) -> None:
         """``full`` was overwritten (``zerocore.gathered`` with a modifier rank): this rank's shard and the
         fp32 master follow it."""
+        self.reattach_rebound(keep_values=False)  # the modifier's values came in ``full``
         self._shard_from_full()
         for shard in self.optimizer_shards:
             self._optimizer_state.reload_master(shard)
@@ -407,6 +431,7 @@ class ShardedBuffer:
                 else:
                     with self._optimizer_state.resident(shard) as state:
                         own.copy_(state["master"])
+        self.reattach_rebound(keep_values=False)
         self.regather(comm, "all_gather_user")
 
     # ---- gradients ------------------------------------------------------------------------------------
