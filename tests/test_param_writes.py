@@ -48,6 +48,7 @@ def writes_worker(rank: int, world: int, stage: int, dtype: str) -> bool:
     loaded = {k: v.float() for k, v in Net().state_dict().items()}
 
     rebound = loaded["fc2.weight"] * 0.5
+    through_data = loaded["fc1.weight"] * -2.0
 
     def write() -> None:
         model.load_state_dict(loaded)  # every rank loads the same values
@@ -56,6 +57,7 @@ def writes_worker(rank: int, world: int, stage: int, dtype: str) -> bool:
             model.fc1.bias.fill_(-0.5)
         # other storage, as vector_to_parameters and EMA swaps do: the parameter must go on training
         model.fc2.weight.data = rebound.to(model.fc2.weight.dtype).clone()
+        model.fc1.weight.data.copy_(through_data)  # moves no version counter (Note [Writes through .data])
 
     if stage == 3:  # sharded parameters cannot be written: a clear error, then the way it names
         with pytest.raises(RuntimeError, match=r"zerocore.gathered\(model.parameters\(\), modifier_rank=0\)"):
@@ -68,7 +70,7 @@ def writes_worker(rank: int, world: int, stage: int, dtype: str) -> bool:
         group["lr"] = 0.0  # an update of zero: the next step must keep what was written
     _train(engine, rank, 1)
     expected = dict(loaded, **{"fc2.bias": torch.full((4,), 0.25), "fc1.bias": torch.full((16,), -0.5),
-                               "fc2.weight": rebound})
+                               "fc2.weight": rebound, "fc1.weight": through_data})
     state = engine.full_state_dict(rank0_only=False)
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value.to(engine.compute_dtype), rtol=0, atol=0, msg=name)
@@ -78,6 +80,8 @@ def writes_worker(rank: int, world: int, stage: int, dtype: str) -> bool:
     _train(engine, rank, 1)
     after = engine.full_state_dict(rank0_only=False)["fc2.weight"].float()
     assert 0 < (after - rebound.to(engine.compute_dtype).float()).abs().max() < 0.05
+    moved = engine.full_state_dict(rank0_only=False)["fc1.weight"].float()
+    assert 0 < (moved - through_data.to(engine.compute_dtype).float()).abs().max() < 0.05
     return True
 
 
@@ -169,3 +173,37 @@ def discard_worker(rank: int, world: int, stage: int, dtype: str) -> bool:
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_changes_inside_gathered_without_modifier_rank_are_discarded(stage, dtype):
     assert all(run_ranks(discard_worker, 2, stage, dtype))
+
+
+def data_write_worker(rank: int, world: int, stage: int, dtype: str, when: str) -> bool:
+    """A write through ``.data`` alone (no version counter moves: Note [Writes through .data]), between steps
+    or between backward and step, as EMA swaps and weight clamps do it, is kept and trained from."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(stage, dtype, lr=1e-2))
+    _train(engine, rank, 2)
+    target = torch.linspace(-1, 1, model.fc1.weight.numel()).view_as(model.fc1.weight)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    if when == "between steps":
+        model.fc1.weight.data.copy_(target)
+    engine.backward(engine(x.to(engine.compute_dtype)).float().square().mean())
+    if when == "before step":
+        model.fc1.weight.data.copy_(target)
+    engine.step()
+    kept = engine.full_state_dict(rank0_only=False)["fc1.weight"]
+    assert torch.equal(kept, target.to(engine.compute_dtype)), (kept - target).abs().max()
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 1e-2
+    _train(engine, rank, 1)
+    moved = engine.full_state_dict(rank0_only=False)["fc1.weight"].float()
+    assert 0 < (moved - target.to(engine.compute_dtype).float()).abs().max() < 0.05
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("when", ["between steps", "before step"])
+def test_a_write_through_data_is_kept(stage, dtype, when):
+    assert all(run_ranks(data_write_worker, 2, stage, dtype, when))

@@ -383,6 +383,13 @@ class ShardedBuffer:
             self._optimizer_state.absorb_written(shard)
         self.note_param_versions()
 
+    def absorb_untracked_writes(self) -> None:
+        """Stages 1-2 with 16-bit parameters: writes through ``p.data``, which the version counters miss, reach
+        the master (Note [Writes through .data] in _step.py)."""
+        if not self.policy.params_sharded:
+            for shard in self.optimizer_shards:
+                self._optimizer_state.absorb_untracked_writes(shard)
+
     def _shard_from_full(self) -> None:
         """Parameters sharded: this rank's shard takes its region of ``full`` (otherwise it is that region)."""
         if self.policy.params_sharded:

@@ -14,6 +14,19 @@ update, so the write is trained from instead of reverted. Whether any rank absor
 norm all-reduce: a write made on some ranks only (``if rank == 0: model.load_state_dict(...)``) would leave
 the ranks' shards inconsistent, so it raises on every rank, naming ``zerocore.gathered(..., modifier_rank=)``.
 A sharded stage-3 parameter cannot be written (Note [Sharded placeholders]).
+
+Note [Writes through .data]
+---------------------------
+``p.data.copy_(ema)`` or ``p.data.clamp_()`` writes without moving ``p``'s version counter (``.data`` is a
+new tensor with its own), and ``p.data = t`` gives the parameter other storage. The second is noticed by
+storage (``ShardedBuffer.reattach_rebound``). The first needs the values: where the parameters are the
+master (fp32 at stages 1-2) nothing is lost; where 16-bit parameters sit beside an fp32 master (stages 1-2),
+every element of this rank's shard that no longer equals its master's rounding was written, and each step
+the master takes those (``OptimizerState.absorb_untracked_writes``), as it takes version-tracked writes.
+Every rank checks its own shard, so such writes do not enter the some-ranks-only verdict above. Not seen:
+writes through ``.data`` to stage-3 units kept gathered, and to 16-bit parameters whose optimizer state is on
+NVMe or on another device; write those under ``torch.no_grad()`` without ``.data``, or inside
+``zerocore.gathered(..., modifier_rank=0)``.
 """
 
 from __future__ import annotations

@@ -469,8 +469,11 @@ class Engine(DeepSpeedAccessors):
         step and before the optimizer state is saved. Returns the buffers that absorbed a write."""
         self.land_param_gathers()
         written = [buffer for buffer in self.buffers if buffer.params_written()]
-        for buffer in written:
-            buffer.absorb_param_writes()
+        for buffer in self.buffers:
+            if buffer in written:
+                buffer.absorb_param_writes()
+            else:
+                buffer.absorb_untracked_writes()
         return written
 
     def restore_counters(self, global_steps: int, skipped_steps: int, micro_steps: int,
