@@ -95,8 +95,8 @@ class Unit:
         """GATHERING -> GATHERED: the tag is checked first (Note [Divergence tags]), then the gather lands."""
         if self.state is UnitState.GATHERING:
             check, tag = self._tag_check
+            check.after_gather(tag)  # raises while ranks diverged: then every later wait raises it again
             self._tag_check = None
-            check.after_gather(tag)
             self.pending.wait()
             self.pending = None
             self._move(UnitState.GATHERING, UnitState.GATHERED)
