@@ -75,6 +75,36 @@ def test_a_backward_error_on_one_rank_raises_on_every_rank(stage, accumulation):
     assert len(seen[1]) == 1 and "rank(s) [0] raised an exception in this backward" in seen[1][0], seen
 
 
+def forward_fails_worker(rank: int, world: int, stage: int) -> list[str]:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                         "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000}})
+    seen = []
+    for step in range(4 + rank):  # rank 1 skips a batch, so it runs one iteration more: 4 backwards each
+        try:
+            if rank == 1 and step == 1:
+                engine(torch.randn(4, 7))  # a bad batch: its forward raises on this rank only
+            engine.backward(engine(_x(step, rank)).square().mean())
+            engine.step()
+        except RuntimeError as error:
+            seen.append(str(error).splitlines()[0])
+    state = engine.full_state_dict(rank0_only=False)
+    gathered = all_gather_json(engine.comm, {k: v.double().sum().item() for k, v in state.items()},
+                               torch.device("cpu"))
+    assert all(g == gathered[0] for g in gathered)
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_forward_error_on_one_rank_makes_the_mismatched_backward_raise_on_every_rank(stage):
+    """Rank 1's skipped batch would pair rank 0's backward with rank 1's next batch, silently: the backward
+    outcome exchange compares the ranks' forward counts (Note [Backward outcome])."""
+    seen = run_ranks(forward_fails_worker, 2, stage, timeout=120)
+    mismatch = "the ranks ran different numbers of training forwards since their last backward (rank 0: 1, rank 1: 2)"
+    assert len(seen[0]) == 1 and mismatch in seen[0][0], seen
+    assert len(seen[1]) == 2 and "mat1 and mat2" in seen[1][0] and mismatch in seen[1][1], seen
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_failures_in_no_sync_raise_only_where_they_happen(stage):
     """Inside no_sync() nothing is exchanged (no communication, as documented): the failing rank raises."""

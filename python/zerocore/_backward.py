@@ -9,6 +9,10 @@ it never filled, so the bucket sequences match) and then sends its flag; so when
 the batch while its peers succeed, every rank learns it at the same point, all drop the accumulation
 window (micro-step counters stay equal), and the peers raise naming the rank, instead of the next
 collectives mismatching (Gloo aborts the process on that) or the accumulation boundaries drifting apart.
+The same all-reduce carries each rank's count of training forwards since the last exchange: a forward that
+raised on some ranks only (caught there, the batch skipped) leaves the others' backward paired with the
+next batch's, a silent mix of two batches' gradients (and, when the ranks later skip alike, no error ever);
+unequal counts make that backward raise on every rank, dropping its window, and the counts start over.
 On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward. Stage 3 has
 its unit tags instead (Note [Divergence tags]).
 """
@@ -55,6 +59,7 @@ class GradientRouting:
     def _register_hooks(self) -> None:
         routing_ref = weakref.ref(self)
         self._hook_handles = []
+        self._post_hooks: list[tuple[torch.Tensor, int]] = []  # (parameter, id of the engine's hook on it)
 
         def before_accumulation(grad_outputs: Any) -> None:
             routing = routing_ref()
@@ -78,16 +83,30 @@ class GradientRouting:
                 if routing is not None:
                     routing.on_grad_ready(index, p)
 
-            self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
+            handle = param.register_post_accumulate_grad_hook(hook)
+            self._hook_handles.append(handle)
+            self._post_hooks.append((param, handle.id))
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        self._post_hooks = []
         self._grad_accumulators = []
+
+    def _run_engine_hooks_last(self) -> None:
+        """A user's ``register_post_accumulate_grad_hook`` added after ``initialize`` runs before the engine's
+        (which takes ``.grad`` away), so it sees and can change the gradient as under DDP, whose reducer reads
+        it after every tensor hook. Torch calls a tensor's hooks in their dict's insertion order, read at call
+        time (the underlying dict's: ``OrderedDict.move_to_end`` would not change it, a re-insertion does)."""
+        for param, hook_id in self._post_hooks:
+            hooks = param._post_accumulate_grad_hooks
+            if hooks is not None and next(reversed(hooks)) != hook_id:
+                hooks[hook_id] = hooks.pop(hook_id)
 
     def begin(self, reducing: bool) -> None:
         """A backward starts; ``reducing``: it reduces the gradients across ranks."""
+        self._run_engine_hooks_last()
         self.reducing = reducing
         self.finalized = not reducing and self.stage3 is None
         if reducing:
@@ -196,13 +215,17 @@ def exchanges_outcome(policy: StagePolicy, no_sync: bool) -> bool:
     return not no_sync and not policy.params_sharded
 
 
-def exchange_backward_outcome(engine: Engine, failed_here: bool) -> list[int]:
-    """One tiny all-reduce of which ranks raised in this backward (Note [Backward outcome]); returns
-    those ranks."""
-    flags = torch.zeros(engine.world_size, dtype=torch.float64, device=engine.device)
+def exchange_backward_outcome(engine: Engine, failed_here: bool) -> tuple[list[int], list[int]]:
+    """One tiny all-reduce of which ranks raised in this backward and how many training forwards each ran
+    since the last exchange (Note [Backward outcome]); returns those ranks, and the counts by rank."""
+    world = engine.world_size
+    flags = torch.zeros(2 * world, dtype=torch.float64, device=engine.device)
     if failed_here:
         flags[engine.rank] = 1.0
+    flags[world + engine.rank] = float(engine.lifecycle.forwards)
+    engine.lifecycle.forwards = 0
     engine.comm.all_reduce(flags, False).wait()
     if engine.device.type != "cpu":
         engine.host_syncs += 1
-    return [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
+    values = flags.tolist()
+    return [rank for rank, flag in enumerate(values[:world]) if flag > 0], [int(v) for v in values[world:]]

@@ -202,6 +202,7 @@ class Engine(DeepSpeedAccessors):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args = cast_floating(args, torch.float16)
         training = torch.is_grad_enabled()
+        life.forwards += training  # counted before the module runs: a forward that raises counts (Note [Backward outcome])
         if self.broadcast_buffers and training:
             sync_buffers(self.comm, self.module, self.world_size)
         out = self.module(*args, **kwargs)
@@ -249,14 +250,17 @@ class Engine(DeepSpeedAccessors):
         if not gradients.finalized:  # no parameter got a gradient in this backward
             gradients.finalize()
         if exchanges_outcome(self.policy, no_sync):
-            failed = exchange_backward_outcome(self, failed_here=False)
-            if failed:
+            failed, forwards = exchange_backward_outcome(self, failed_here=False)
+            if failed or len(set(forwards)) > 1:
                 self._abandon_backward(no_sync, failed_here=False)
+                what = (f"rank(s) {failed} raised an exception in this backward, so their gradients are missing"
+                        if failed else "the ranks ran different numbers of training forwards since their last "
+                        f"backward ({', '.join(f'rank {r}: {n}' for r, n in enumerate(forwards))}), so this backward "
+                        "paired different batches across ranks (a forward that raised on some ranks only?)")
                 raise RuntimeError(
-                    f"rank(s) {failed} raised an exception in this backward, so their gradients are missing: this "
-                    "accumulation window's gradients were dropped on every rank and the engine is ready for the "
-                    "window's first forward again. If a rank skips a batch after an error, every rank must skip it "
-                    "(catch the error on every rank).")
+                    f"{what}: this accumulation window's gradients were dropped on every rank and the engine is ready "
+                    "for the window's first forward again. If a rank skips a batch after an error, every rank must "
+                    "skip it (catch the error on every rank).")
         life.forward_pending = False
         life.local_grads = no_sync or (life.local_grads and not gradients.reducing)
 
