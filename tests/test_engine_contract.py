@@ -329,3 +329,27 @@ def subgroup_worker(rank: int, world: int, stage: int) -> bool:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_data_parallel_subgroups_compose(stage):
     assert all(run_ranks(subgroup_worker, 4, stage, timeout=240))
+
+
+def two_forwards_worker(rank: int, world: int, stage: int) -> list[float]:
+    """Two forwards before one backward (contrastive pairs, sentence-transformers) on a model with buffers:
+    the buffer broadcast before the second forward must not invalidate the first forward's graph (DDP's does
+    not), and the running statistics end as DDP's: rank 0's, updated by this rank's second forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    engine = zerocore.initialize(model, _config(stage))
+    for net in (engine, reference):
+        g = torch.Generator().manual_seed(rank)
+        a, b = torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g)
+        loss = (net(a) - net(b)).square().mean()
+        engine.backward(loss) if net is engine else loss.backward()
+    engine.step()
+    ours, theirs = model[1], reference.module[1]
+    assert torch.allclose(ours.running_mean, theirs.running_mean) and torch.allclose(ours.running_var, theirs.running_var)
+    return [float(loss)]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_forwards_before_one_backward_with_buffers(stage):
+    run_ranks(two_forwards_worker, 2, stage)

@@ -207,3 +207,51 @@ def data_write_worker(rank: int, world: int, stage: int, dtype: str, when: str) 
 @pytest.mark.parametrize("when", ["between steps", "before step"])
 def test_a_write_through_data_is_kept(stage, dtype, when):
     assert all(run_ranks(data_write_worker, 2, stage, dtype, when))
+
+
+class WritesInForward(nn.Module):
+    """Writes to its parameters inside the forward: nn.Embedding(max_norm=) renormalizes the rows it looks up,
+    and a forward pre-hook (registered after initialize) shrinks a weight, as weight-renormalizing code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8, max_norm=1.0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens).mean(1)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+def _shrink(module: nn.Module, args: tuple) -> None:
+    with torch.no_grad():
+        module.weight.mul_(0.9)
+
+
+def forward_writes_worker(rank: int, world: int, stage: int) -> dict[str, list[float]]:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = WritesInForward()
+        model.embed.weight.mul_(3.0)  # rows well above max_norm: every lookup renormalizes
+    engine = zerocore.initialize(model, {"optimizer": {"params": {"lr": 1e-2}}, "zero_optimization": {
+        "stage": stage, "stage3_param_persistence_threshold": 0}}, units=[nn.Embedding, nn.Linear])
+    model.blocks[0].register_forward_pre_hook(_shrink)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)  # the same batch on every rank: the same writes everywhere
+        tokens, target = torch.randint(0, 20, (4, 5), generator=g), torch.randn(4, 3, generator=g)
+        engine.backward(nn.functional.mse_loss(engine(tokens), target))
+        engine.step()
+    return {k: v.double().flatten().tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}
+
+
+def test_writes_inside_a_stage3_units_forward_are_kept_as_at_stage_2():
+    """Stage 3 releases a unit after its forward: the write reaches the shard first (Unit.release), instead of
+    being dropped with the gathered values (embedding rows 2-3x max_norm, the shrunk weight undone)."""
+    sharded = run_ranks(forward_writes_worker, 2, 3)[0]
+    replicated = run_ranks(forward_writes_worker, 2, 2)[0]
+    for name, values in replicated.items():
+        ours, theirs = torch.tensor(sharded[name]), torch.tensor(values)
+        assert (ours - theirs).norm() <= 1e-5 * theirs.norm(), (name, float((ours - theirs).norm() / theirs.norm()))

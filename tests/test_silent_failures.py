@@ -125,6 +125,21 @@ def test_a_float64_model_is_refused_not_cast(stage):
     assert all(run_ranks(float64_worker, 2, stage))
 
 
+def sparse_worker(rank: int, world: int, stage: int) -> bool:
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"module '0' \(Embedding\) has sparse=True"):
+        zerocore.initialize(model, _config(stage))
+    model[0].requires_grad_(False)  # frozen, it produces no gradient: accepted
+    zerocore.initialize(model, _config(stage)).close()
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_module_with_sparse_gradients_is_refused_at_initialize(stage):
+    """Before, nn.Embedding(sparse=True) failed inside the first backward with an error about data pointers."""
+    assert all(run_ranks(sparse_worker, 2, stage))
+
+
 def cast_worker(rank: int, world: int, stage: int) -> bool:
     torch.manual_seed(0)
     model = Net()

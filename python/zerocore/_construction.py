@@ -195,7 +195,9 @@ def sync_buffers(comm: Any, module: nn.Module, world_size: int) -> None:
             comm.broadcast(flat, 0, -1).wait()
             offset = 0
             for b in same:
-                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                # through .data, as DDP's C++ broadcast writes: the buffer's autograd version stays, so a second
+                # forward before the backward (contrastive pairs) does not invalidate the first one's graph
+                b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
 
 

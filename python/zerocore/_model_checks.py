@@ -160,11 +160,17 @@ def collect_trainable(
 
 def check_trainable_dtypes(model: nn.Module) -> None:
     """The optimizer keeps fp32 master weights and the compute dtype comes from the config: a float64 (or
-    complex) trainable parameter would be silently cast to fp32, so it is refused before anything changes."""
+    complex) trainable parameter would be silently cast to fp32, so it is refused before anything changes; so is a
+    module producing sparse gradients (nn.Embedding(sparse=True)), which would fail inside the first backward."""
     for name, param in model.named_parameters():
         if param.requires_grad and param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"parameter {name!r} is {param.dtype}: zerocore trains fp32 master weights (bf16/fp16 compute when "
                 "the config enables it) and would silently cast it to fp32; call model.float() before "
                 "zerocore.initialize(), or freeze it (requires_grad=False)")
-
+    for name, module in model.named_modules():
+        if getattr(module, "sparse", False) is True and any(p.requires_grad for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"module {name!r} ({type(module).__name__}) has sparse=True: its gradients are sparse tensors, which "
+                "zerocore's flat gradient buffers do not take (DeepSpeed's sparse_gradients is not supported); build "
+                "it with sparse=False, or freeze it")

@@ -106,7 +106,17 @@ class Unit:
             self.buffer.attach_views()
 
     def release(self) -> None:
-        """GATHERED -> SHARDED (a gather in flight lands first: never free memory a collective writes)."""
+        """GATHERED -> SHARDED (a gather in flight lands first: never free memory a collective writes). A write
+        to the unit's parameters while it was whole (``nn.Embedding(max_norm=)`` renormalizes rows in its
+        forward; a hook may scale a weight) reaches this rank's shard and master first, as at stages 1-2."""
         self.wait()
+        if self.buffer.params_written():
+            if self.quantized:
+                raise RuntimeError(
+                    f"a parameter of unit {self.name!r} was written in place while gathered through "
+                    "zero_quantized_weights (int8): its other values are the quantized ones, so the write cannot be "
+                    "kept apart from them. Write parameters outside the forward, inside zerocore.gathered(..., "
+                    "modifier_rank=0), or turn zero_quantized_weights off")
+            self.buffer.absorb_param_writes()
         self.buffer.free()
         self._move(UnitState.GATHERED, UnitState.SHARDED)
