@@ -180,12 +180,16 @@ def data_write_worker(rank: int, world: int, stage: int, dtype: str, when: str) 
     or between backward and step, as EMA swaps and weight clamps do it, is kept and trained from."""
     torch.manual_seed(0)
     model = Net()
+    target = torch.linspace(-1, 1, model.fc1.weight.numel()).view_as(model.fc1.weight)
     engine = zerocore.initialize(model, _config(stage, dtype, lr=1e-2))
     _train(engine, rank, 2)
-    target = torch.linspace(-1, 1, model.fc1.weight.numel()).view_as(model.fc1.weight)
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    if when == "between steps" and stage == 3:  # sharded at rest: refused, naming the way to write
+        with pytest.raises(RuntimeError, match=r"data\(\) on parameter 'fc1.weight'.*zerocore.gathered"):
+            model.fc1.weight.data.copy_(target)
+        return True
     if when == "between steps":
         model.fc1.weight.data.copy_(target)
     engine.backward(engine(x.to(engine.compute_dtype)).float().square().mean())
@@ -202,7 +206,7 @@ def data_write_worker(rank: int, world: int, stage: int, dtype: str, when: str) 
     return True
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])  # stage 3: units kept gathered (persistence threshold 1e9)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("when", ["between steps", "before step"])
 def test_a_write_through_data_is_kept(stage, dtype, when):

@@ -229,3 +229,18 @@ def exchange_backward_outcome(engine: Engine, failed_here: bool) -> tuple[list[i
         engine.host_syncs += 1
     values = flags.tolist()
     return [rank for rank, flag in enumerate(values[:world]) if flag > 0], [int(v) for v in values[world:]]
+
+
+def outcome_problem(failed: list[int], forwards: list[int]) -> str | None:
+    """What a backward outcome exchange found wrong (Note [Backward outcome]), or None."""
+    if failed:
+        what = f"rank(s) {failed} raised an exception in this backward, so their gradients are missing"
+    elif len(set(forwards)) > 1:
+        counts = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(forwards))
+        what = (f"the ranks ran different numbers of training forwards since their last backward ({counts}), so this "
+                "backward paired different batches across ranks (a forward that raised on some ranks only?)")
+    else:
+        return None
+    return (f"{what}: this accumulation window's gradients were dropped on every rank and the engine is ready for "
+            "the window's first forward again. If a rank skips a batch after an error, every rank must skip it "
+            "(catch the error on every rank).")

@@ -22,11 +22,12 @@ new tensor with its own), and ``p.data = t`` gives the parameter other storage. 
 storage (``ShardedBuffer.reattach_rebound``). The first needs the values: where the parameters are the
 master (fp32 at stages 1-2) nothing is lost; where 16-bit parameters sit beside an fp32 master (stages 1-2),
 every element of this rank's shard that no longer equals its master's rounding was written, and each step
-the master takes those (``OptimizerState.absorb_untracked_writes``), as it takes version-tracked writes.
-Every rank checks its own shard, so such writes do not enter the some-ranks-only verdict above. Not seen:
-writes through ``.data`` to stage-3 units kept gathered, and to 16-bit parameters whose optimizer state is on
-NVMe or on another device; write those under ``torch.no_grad()`` without ``.data``, or inside
-``zerocore.gathered(..., modifier_rank=0)``.
+the master takes those (``OptimizerState.absorb_untracked_writes``), as it takes version-tracked writes; a
+stage-3 unit kept gathered is compared with its shard, bit for bit. Every rank checks its own shard, so such
+writes do not enter the some-ranks-only verdict above. Not seen: writes through ``.data`` to a stage-3 unit
+gathered through qwZ (its values are quantized) or whose shard is on NVMe, and to 16-bit parameters whose
+optimizer state is on NVMe or on another device; write those under ``torch.no_grad()`` without ``.data``, or
+inside ``zerocore.gathered(..., modifier_rank=0)``.
 """
 
 from __future__ import annotations

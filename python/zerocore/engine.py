@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._backward import GradientRouting, exchange_backward_outcome, exchanges_outcome
+from ._backward import GradientRouting, exchange_backward_outcome, exchanges_outcome, outcome_problem
 from ._buckets import BucketSizes
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
                             cast_untracked_tensors, default_process_group, optimizer_state_for,
@@ -250,17 +250,10 @@ class Engine(DeepSpeedAccessors):
         if not gradients.finalized:  # no parameter got a gradient in this backward
             gradients.finalize()
         if exchanges_outcome(self.policy, no_sync):
-            failed, forwards = exchange_backward_outcome(self, failed_here=False)
-            if failed or len(set(forwards)) > 1:
+            problem = outcome_problem(*exchange_backward_outcome(self, failed_here=False))
+            if problem is not None:
                 self._abandon_backward(no_sync, failed_here=False)
-                what = (f"rank(s) {failed} raised an exception in this backward, so their gradients are missing"
-                        if failed else "the ranks ran different numbers of training forwards since their last "
-                        f"backward ({', '.join(f'rank {r}: {n}' for r, n in enumerate(forwards))}), so this backward "
-                        "paired different batches across ranks (a forward that raised on some ranks only?)")
-                raise RuntimeError(
-                    f"{what}: this accumulation window's gradients were dropped on every rank and the engine is ready "
-                    "for the window's first forward again. If a rank skips a batch after an error, every rank must "
-                    "skip it (catch the error on every rank).")
+                raise RuntimeError(problem)
         life.forward_pending = False
         life.local_grads = no_sync or (life.local_grads and not gradients.reducing)
 
@@ -477,7 +470,7 @@ class Engine(DeepSpeedAccessors):
             if buffer in written:
                 buffer.absorb_param_writes()
             else:
-                buffer.absorb_untracked_writes()
+                buffer.absorb_untracked_writes(self.stage3 is None or not self.stage3.unit_of_buffer(buffer).quantized)
         return written
 
     def restore_counters(self, global_steps: int, skipped_steps: int, micro_steps: int,
