@@ -157,6 +157,10 @@ def divergence_worker(rank: int, world: int, strict: bool) -> str:
     try:
         engine.backward(loss_of(engine, *data(1, rank)))
     except RuntimeError as error:
+        try:  # the engine cannot go on; what the user calls next names the divergence again (not a TypeError)
+            engine.close()
+        except RuntimeError as again:
+            assert "diverged" in str(again), again
         return str(error)
     return "no error"
 
