@@ -208,3 +208,37 @@ def test_a_steady_state_step_syncs_the_host_once(stage):
     assert {phase: len(lines) for phase, lines in syncs.items()} == expected, syncs
     assert engine.host_syncs - counted == sum(expected.values())
     engine.close()
+
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_write_through_data_is_kept_on_cuda(stage):
+    """Note [Writes through .data]: on the device the master takes such writes without a host sync (the
+    steady-state test above counts the syncs with these merges in place). Stage 3: a parameter of a unit
+    kept whole between backward and step; the sharded ones refuse .data by name."""
+    model = build("transformer").cuda()
+    engine = zerocore.initialize(model, make_config(stage, bf16={"enabled": True}))
+    generator = torch.Generator().manual_seed(0)
+    inputs, target = (t.cuda() for t in batch("transformer", generator, size=16))
+    for _ in range(2):
+        engine.backward(loss_fn("transformer", engine(inputs), target))
+        engine.step()
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0  # an update of zero: the step must keep what was written
+    engine.backward(loss_fn("transformer", engine(inputs), target))
+    written = {}
+    for name, param in model.named_parameters():
+        try:
+            data = param.data
+        except RuntimeError:
+            assert stage == 3
+            continue
+        value = torch.linspace(-1, 1, param.numel(), device="cuda").view_as(data).to(data.dtype)
+        data.copy_(value)
+        written[name] = value.cpu()
+    assert written
+    engine.step()
+    state = engine.full_state_dict(rank0_only=False)
+    for name, value in written.items():
+        assert torch.equal(state[name], value), name
+    engine.close()

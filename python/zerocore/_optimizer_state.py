@@ -275,7 +275,11 @@ class OptimizerState:
             with self.resident(shard, write=True) as state:
                 master = state["master"]
                 params = shard.params.to(master.device)
-                master.copy_(torch.where(master.to(params.dtype) == params, master, params.to(torch.float32)))
+                # in blocks: temporaries of a block, not of the shard (several GB at a 7B model's shard)
+                block = _WRITE_CHECK_BLOCK if master.device.type == "cpu" else 64 * _WRITE_CHECK_BLOCK
+                for lo in range(0, master.numel(), block):
+                    m, p = master[lo : lo + block], params[lo : lo + block]
+                    m.copy_(torch.where(m.to(p.dtype) == p, m, p.to(torch.float32)))
 
     def absorb_untracked_writes(self, shard: Shard) -> None:
         """Writes through ``p.data`` (``p.data.copy_(ema)``) move no version counter (Note [Writes through

@@ -79,9 +79,11 @@ class ParamWrites:
         if not self.policy.params_sharded:
             for shard in self.optimizer_shards:
                 self._optimizer_state.absorb_untracked_writes(shard)
-        elif exact_gather and self.gathered and not self.shard_offloaded and not all(
-                bitwise_equal(self._own_region(self.full, b), self.param_shard(b)) for b in range(len(self.buckets))):
-            self.absorb_param_writes()
+        elif exact_gather and self.gathered and not self.shard_offloaded:
+            # on an accelerator the merge itself, unconditionally: a comparison read on the host would sync
+            if self.full.device.type != "cpu" or not all(
+                    bitwise_equal(self._own_region(self.full, b), self.param_shard(b)) for b in range(len(self.buckets))):
+                self.absorb_param_writes()
 
     def _shard_from_full(self) -> None:
         """Parameters sharded: this rank's shard takes its region of ``full`` (otherwise it is that region)."""
