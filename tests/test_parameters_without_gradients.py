@@ -226,3 +226,27 @@ def test_a_parameter_unfrozen_after_initialize_is_named_once_as_untrained(stage)
     for messages in run_ranks(unfrozen_worker, 2, stage):
         named = [m for m in messages if "not trained" in m]
         assert sorted(m.split("'")[1] for m in named) == ["late.bias", "late.weight"], messages
+
+
+def replaced_worker(rank: int, world: int, stage: int) -> list[str]:
+    torch.manual_seed(0)
+    model = Switching()
+    engine = zerocore.initialize(model, _config(stage, 1))
+    model.late.weight = nn.Parameter(torch.zeros(8, 8))
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = _batch(step, 0, rank)
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_parameter_replaced_after_initialize_is_named_as_a_new_object(stage):
+    """module.weight = nn.Parameter(...) (or load_state_dict(assign=True)) after initialize: the engine
+    trains the object it was built with; the warning says so instead of blaming requires_grad."""
+    for messages in run_ranks(replaced_worker, 2, stage):
+        named = [m for m in messages if "not trained" in m]
+        assert len(named) == 1 and "'late.weight'" in named[0] and "new Parameter object" in named[0], messages

@@ -52,6 +52,7 @@ class GradientRouting:
         self.got_grad = bytearray(len(param_slots))
         self._pinned_flags: torch.Tensor | None = None
         self._managed_ids: set[int] | None = None
+        self._managed_names: set[str] = set()
         self._warned: set[str] = set()  # parameters warn_untrained named already
         self._grad_accumulators: list[Any] = []
         self._register_hooks()
@@ -129,12 +130,18 @@ class GradientRouting:
         that no step uses. Said once per parameter, at the step (torch's optimizer would skip it silently)."""
         if self._managed_ids is None:
             self._managed_ids = {id(buffer.params[local]) for buffer, local in self.param_slots}
+            self._managed_names = {buffer.names[local] for buffer, local in self.param_slots}
         for name, param in module.named_parameters():
             if param.grad is not None and id(param) not in self._managed_ids and name not in self._warned:
                 self._warned.add(name)
-                warnings.warn(f"parameter {name!r} has a gradient but is not trained: it did not require grad when "
-                              "zerocore.initialize ran, so the engine holds no optimizer state for it. Unfreeze it "
-                              "before initialize (or build a new engine) to train it", RuntimeWarning, stacklevel=4)
+                why = ("is a new Parameter object, set after zerocore.initialize (module.weight = nn.Parameter(...), "
+                       "load_state_dict(assign=True)): the engine trains the one it was built with. Write new values "
+                       "into the existing parameter instead (load_state_dict without assign, or copy_ under "
+                       "torch.no_grad())" if name in self._managed_names else
+                       "did not require grad when zerocore.initialize ran, so the engine holds no optimizer state for "
+                       "it. Unfreeze it before initialize (or build a new engine) to train it")
+                warnings.warn(f"parameter {name!r} has a gradient but is not trained: it {why}", RuntimeWarning,
+                              stacklevel=4)
 
     def start_window(self) -> None:
         """An accumulation window begins (zero_grad): no parameter has a gradient yet."""
