@@ -7,6 +7,7 @@ correction, would move it visibly."""
 from __future__ import annotations
 
 import os
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -205,13 +206,7 @@ def test_bf16_parameters_without_a_gradient_keep_their_values_wherever_they_live
         assert all(flags), flags
 
 
-def unfrozen_worker(rank: int, world: int, stage: int) -> list[str]:
-    torch.manual_seed(0)
-    model = Switching()
-    model.late.requires_grad_(False)  # frozen when the engine is built
-    engine = zerocore.initialize(model, _config(stage, 1))
-    model.late.requires_grad_(True)  # unfrozen afterwards: the engine has no optimizer state for it
-    import warnings
+def _runtime_warnings_of_two_steps(engine: zerocore.Engine, rank: int) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(2):
@@ -219,6 +214,15 @@ def unfrozen_worker(rank: int, world: int, stage: int) -> list[str]:
             engine.backward(nn.functional.mse_loss(engine(x), y))
             engine.step()
     return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def unfrozen_worker(rank: int, world: int, stage: int) -> list[str]:
+    torch.manual_seed(0)
+    model = Switching()
+    model.late.requires_grad_(False)  # frozen when the engine is built
+    engine = zerocore.initialize(model, _config(stage, 1))
+    model.late.requires_grad_(True)  # unfrozen afterwards: the engine has no optimizer state for it
+    return _runtime_warnings_of_two_steps(engine, rank)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -233,14 +237,7 @@ def replaced_worker(rank: int, world: int, stage: int) -> list[str]:
     model = Switching()
     engine = zerocore.initialize(model, _config(stage, 1))
     model.late.weight = nn.Parameter(torch.zeros(8, 8))
-    import warnings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(2):
-            x, y = _batch(step, 0, rank)
-            engine.backward(nn.functional.mse_loss(engine(x), y))
-            engine.step()
-    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return _runtime_warnings_of_two_steps(engine, rank)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

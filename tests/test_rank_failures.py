@@ -45,6 +45,14 @@ def _x(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
 
 
+def _assert_in_lockstep(engine: zerocore.Engine) -> None:
+    """Every rank holds the same parameters."""
+    state = engine.full_state_dict(rank0_only=False)
+    gathered = all_gather_json(engine.comm, {k: v.double().sum().item() for k, v in state.items()},
+                               torch.device("cpu"))
+    assert all(g == gathered[0] for g in gathered)
+
+
 def one_rank_fails_worker(rank: int, world: int, stage: int, accumulation: int) -> list[str]:
     torch.manual_seed(0)
     model = Net()
@@ -60,11 +68,7 @@ def one_rank_fails_worker(rank: int, world: int, stage: int, accumulation: int) 
             engine.step()
         except RuntimeError as error:
             seen.append(str(error).splitlines()[0])
-    # training went on in lockstep afterwards: every rank holds the same parameters
-    state = engine.full_state_dict(rank0_only=False)
-    gathered = all_gather_json(engine.comm, {k: v.double().sum().item() for k, v in state.items()},
-                               torch.device("cpu"))
-    assert all(g == gathered[0] for g in gathered)
+    _assert_in_lockstep(engine)  # training went on in lockstep afterwards
     return seen
 
 
@@ -88,10 +92,7 @@ def forward_fails_worker(rank: int, world: int, stage: int) -> list[str]:
             engine.step()
         except RuntimeError as error:
             seen.append(str(error).splitlines()[0])
-    state = engine.full_state_dict(rank0_only=False)
-    gathered = all_gather_json(engine.comm, {k: v.double().sum().item() for k, v in state.items()},
-                               torch.device("cpu"))
-    assert all(g == gathered[0] for g in gathered)
+    _assert_in_lockstep(engine)
     return seen
 
 

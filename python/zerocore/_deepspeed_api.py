@@ -1,6 +1,6 @@
 """The ``DeepSpeedEngine`` accessors training scripts call (``get_lr()``, ``was_step_applied()``, the batch
-sizes, the ``nn.Module`` methods it forwards to its module), so a loop written for DeepSpeed runs on a zerocore engine unchanged. Each answers from the engine's
-own state; none communicates."""
+sizes, the ranks, the ``nn.Module`` methods it forwards to its module), so a loop written for DeepSpeed runs
+on a zerocore engine unchanged. Each answers from the engine's own state; none communicates."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
@@ -79,8 +80,6 @@ class DeepSpeedAccessors:
     @property
     def global_rank(self) -> int:
         """This process's rank in the default process group (``rank`` is its rank in the engine's group)."""
-        import torch.distributed as dist
-
         return dist.get_rank()
 
     @property

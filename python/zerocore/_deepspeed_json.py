@@ -82,15 +82,29 @@ def _disabled(value: Any) -> bool:  # a section DeepSpeed switches on with "enab
 
 
 def _equals(*accepted: Any) -> Any:
-    def check(value: Any) -> bool:  # booleans only equal booleans; numbers compare by value (1e9 == 10**9)
-        return any(type(value) is bool and value is want if type(want) is bool
-                   else want is None and value is None if want is None
-                   else type(value) is not bool and value == want for want in accepted)
-    return check
+    def same(value: Any, want: Any) -> bool:  # booleans and null only themselves; numbers by value (1e9 == 10**9)
+        if want is None or type(want) is bool:
+            return value is want
+        return type(value) is not bool and value == want
+
+    return lambda value: any(same(value, want) for want in accepted)
 
 
 def _all_off(value: Any) -> bool:  # e.g. activation_checkpointing: every switch false, no count given
     return isinstance(value, Mapping) and all(v is False or v is None for v in value.values())
+
+
+def _checkpoint_like_zerocore(value: Any) -> bool:  # tag_validation Warn/Fail: zerocore refuses differing tags
+    return (isinstance(value, Mapping) and set(value) <= {"tag_validation", "load_universal", "use_node_local_storage"}
+            and _equals("Warn", "WARN", "Fail", "FAIL")(value.get("tag_validation", "Warn"))
+            and _all_off({k: v for k, v in value.items() if k != "tag_validation"}))
+
+
+# the stage-3 keys DeepSpeed reads with or without their "stage3_" prefix (_Z3), at their defaults or, for
+# gather_16bit_weights_on_model_save, at what save_16bit_model always does here
+_Z3_LIKE_ZEROCORE = {"max_reuse_distance": 10**9, "gather_16bit_weights_on_model_save": True,
+                     "module_granularity_threshold": 0, "use_all_reduce_for_fetch_params": False,
+                     "allgather_sequential": False}
 
 
 _LIKE_ZEROCORE: dict[str, Any] = {
@@ -109,9 +123,7 @@ _LIKE_ZEROCORE: dict[str, Any] = {
     "disable_allgather": _equals(False),
     "dataloader_drop_last": _equals(False),
     "seq_parallel_communication_data_type": _equals("fp32"),
-    "checkpoint": lambda value: isinstance(value, Mapping) and set(value) <= {
-        "tag_validation", "load_universal", "use_node_local_storage"} and _equals("Warn", "WARN", "Fail", "FAIL")(
-        value.get("tag_validation", "Warn")) and _all_off({k: v for k, v in value.items() if k != "tag_validation"}),
+    "checkpoint": _checkpoint_like_zerocore,
     "data_types": lambda value: isinstance(value, Mapping) and all(v is None for v in value.values()),
     "optimizer.legacy_fusion": _equals(False),
     "optimizer.params.torch_adam": _equals(True, False),  # the same Adam, another implementation
@@ -125,12 +137,9 @@ _LIKE_ZEROCORE: dict[str, Any] = {
         ("round_robin_gradients", False), ("zeropp_loco_param", None), ("mics_shard_size", -1),
         ("mics_hierarchical_params_gather", False), ("memory_efficient_linear", True),
         ("pipeline_loading_checkpoint", False), ("log_trace_cache_warnings", False), ("zenflow", None),
-        ("gather_16bit_weights_on_model_save", True), ("stage3_gather_16bit_weights_on_model_save", True),
-        ("stage3_gather_fp16_weights_on_model_save", True), ("max_reuse_distance", 10**9),
-        ("stage3_max_reuse_distance", 10**9), ("module_granularity_threshold", 0),
-        ("stage3_module_granularity_threshold", 0), ("use_all_reduce_for_fetch_params", False),
-        ("stage3_use_all_reduce_for_fetch_params", False), ("allgather_sequential", False),
-        ("stage3_allgather_sequential", False))},
+        ("stage3_gather_fp16_weights_on_model_save", True))},
+    **{f"zero_optimization.{prefix}{key}": _equals(value) for key, value in _Z3_LIKE_ZEROCORE.items()
+       for prefix in ("", "stage3_")},
     "zero_optimization.offload_optimizer.pipeline_read": _equals(False),
     "zero_optimization.offload_optimizer.pipeline_write": _equals(False),
     "zero_optimization.offload_optimizer.super_offload": _equals(False),

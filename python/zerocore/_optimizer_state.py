@@ -486,6 +486,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     both are aligned for it (3x faster than torch.equal on 16-bit values)."""
     per_word = 8 // a.element_size()
     if a.numel() % per_word == 0 and a.storage_offset() % per_word == 0 and b.storage_offset() % per_word == 0:
-        return torch.equal(a.view(torch.int64), b.view(torch.int64))
-    return torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                       b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+        word = torch.int64
+    else:
+        word = torch.int16 if a.element_size() == 2 else torch.int32
+    return torch.equal(a.view(word), b.view(word))
