@@ -28,7 +28,13 @@ SYSTEMS = {
     "zero2_tuned": "zerocore stage 2, tuned: --bucket buckets + zerocore CPUAdam",
     "zero3": "zerocore stage 3, default config (a unit per block) + zerocore CPUAdam",
     "zero3_tuned": "zerocore stage 3, tuned: --bucket buckets (a unit per block) + zerocore CPUAdam",
+    # the default config with the bytes through Gloo's sockets instead of shared memory: the algorithms "auto"
+    # falls back to across hosts (Note [Shared-memory collectives])
+    "zero1_gloo": "zerocore stage 1, default config, Gloo transport (send_recv + broadcast) + zerocore CPUAdam",
+    "zero2_gloo": "zerocore stage 2, default config, Gloo transport (send_recv + broadcast) + zerocore CPUAdam",
+    "zero3_gloo": "zerocore stage 3, default config, Gloo transport (send_recv + broadcast) + zerocore CPUAdam",
 }
+GLOO_TRANSPORT = {"reduce_scatter": "send_recv", "all_gather": "broadcast"}
 DEEPSPEED_SYSTEMS = ("ds_zero1", "ds_zero2", "ds_zero3")
 PRECISION = {
     "fp32": "fp32 everywhere",
@@ -186,7 +192,8 @@ def build_trainer(system: str, model: Any, cfg: dict[str, Any], world: int, dtyp
 
         tuned = system.endswith("_tuned")
         config = zerocore_config(cfg, int(system[4]), tuned, bf16)
-        engine = zerocore.initialize(model, config, comm_algorithms=cfg["comm_algorithms"] if tuned else None)
+        algorithms = cfg["comm_algorithms"] if tuned else GLOO_TRANSPORT if system.endswith("_gloo") else None
+        engine = zerocore.initialize(model, config, comm_algorithms=algorithms)
     elif system in DEEPSPEED_SYSTEMS:
         import sys
 

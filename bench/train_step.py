@@ -34,6 +34,9 @@ Systems (``--only`` picks a subset; DeepSpeed's are skipped with a note when ``i
   zeroN_tuned  zerocore "tuned": explicit batch keys, reduce/allgather buckets of ``--bucket`` elements
                (default 6.5e6, ~25 MiB of fp32 like DDP's bucket), ``--rs-algo``/``--ag-algo``.
   zero3 and zero3_tuned gather a unit per block (zerocore's default units).
+  zeroN_gloo   zerocore "default" with comm_algorithms send_recv + broadcast: the bytes through Gloo's
+               loopback sockets, as "auto" does across hosts, instead of the shared-memory transport it picks
+               when every rank is on one host (Note [Shared-memory collectives]).
 
 Precision (``--dtypes``, default ``fp32,bf16``: one table per dtype, ratios against DDP of the same dtype;
 ``--bf16`` is ``--dtypes bf16``):

@@ -242,8 +242,9 @@ const RegisterStrategy<AllReduceReduceScatter> kRegisterAllReduceReduceScatter;
 
 // Point to point: every rank sends each peer that peer's shard and receives its own shard from every peer,
 // then wait() adds them into its shard in rank order (or widens, scales and adds them in fp32, Note [Widening
-// reduce-scatter]): B (W-1)/W bytes sent (a ring's), 2 (W-1) calls, no reduction inside the backend. On Gloo this is the fastest (bench/collectives.py): its reduce_scatter is
-// slow and an all-reduce moves twice the bytes. The message tag counts this strategy's collectives, which
+// reduce-scatter]): B (W-1)/W bytes sent (a ring's), 2 (W-1) calls, no reduction inside the backend. On Gloo this is the fastest
+// backend algorithm (bench/collectives.py): its reduce_scatter is slow and an all-reduce moves twice the bytes;
+// "auto" there is "shared_memory", which falls back to this one across hosts. The message tag counts this strategy's collectives, which
 // every rank issues in the same order.
 class SendRecvReduceScatter final : public ReduceScatterStrategy {
  public:
@@ -290,7 +291,7 @@ class SendRecvReduceScatter final : public ReduceScatterStrategy {
   int64_t next_tag_ = 0;
   ScratchPool received_;
 };
-const RegisterStrategy<SendRecvReduceScatter> kRegisterSendRecvReduceScatter({"gloo"});
+const RegisterStrategy<SendRecvReduceScatter> kRegisterSendRecvReduceScatter;
 
 // The backend's all-gather from a copy of the local shard into the bucket: B (W-1)/W bytes, one call.
 class NativeAllGather final : public AllGatherStrategy {
@@ -312,7 +313,8 @@ class NativeAllGather final : public AllGatherStrategy {
 const RegisterStrategy<NativeAllGather> kRegisterNativeAllGather({kOtherBackends});
 
 // W broadcasts, rank r's shard from rank r, in place: B/W (W-1) bytes (each rank roots one shard), W calls.
-// "auto" on Gloo, whose broadcast is much faster than its all-gather.
+// On Gloo much faster than its all-gather; "auto" there is "shared_memory", which falls back to this one across
+// hosts.
 class BroadcastAllGather final : public AllGatherStrategy {
  public:
   static constexpr const char* kName = "broadcast";
@@ -329,7 +331,7 @@ class BroadcastAllGather final : public AllGatherStrategy {
     return out;
   }
 };
-const RegisterStrategy<BroadcastAllGather> kRegisterBroadcastAllGather({"gloo"});
+const RegisterStrategy<BroadcastAllGather> kRegisterBroadcastAllGather;
 
 // An all-reduce (sum) of the bucket after zeroing everything outside the local shard: 2 B (W-1)/W bytes,
 // one call. Exact in every dtype: each element is its owner's value plus W-1 zeros.

@@ -13,6 +13,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/extension.h>
 
+#include "zerocore/shared_memory_channel.hpp"
+
 namespace zerocore::bindings {
 
 // An issued collective and the buffer it fills; wait() blocks until it is done on this rank.
@@ -78,7 +80,17 @@ struct StrategyOptions {
   int node_size = 1;
   c10::intrusive_ptr<c10d::ProcessGroup> node_group;
   c10::intrusive_ptr<c10d::ProcessGroup> cross_group;
+  // Comm's shared-memory channel, opened when an algorithm wants_shared_memory() and every rank could open it
+  // (Note [Shared-memory collectives]); null otherwise.
+  std::shared_ptr<SharedMemoryChannel> shared_memory;
 };
+
+// The name both shared-memory algorithms are registered under (bindings/shared_memory_collectives.cpp).
+inline constexpr const char* kSharedMemoryAlgorithm = "shared_memory";
+
+// Opens a shared-memory channel among the ranks of `group` (a collective: every rank calls it at the same point).
+// Returns null on every rank alike when any rank cannot, with the reason in `why_not`.
+std::shared_ptr<SharedMemoryChannel> open_shared_memory_channel(c10d::ProcessGroup& group, std::string& why_not);
 
 // One algorithm for one logical collective. issue() starts the collective on `group` and returns without
 // waiting; the result is in place once the returned PendingCollective's wait() returns. Every rank runs the
@@ -95,6 +107,8 @@ class CollectiveStrategy {
     (void)group;
   }
   virtual IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& bucket) = 0;
+  // Whether configure() should get a shared-memory channel in its options (Note [Shared-memory collectives]).
+  virtual bool wants_shared_memory() const { return false; }
 };
 
 // Logical reduce-scatter: afterwards this rank's shard holds the sum over ranks of that shard; the rest of

@@ -12,8 +12,19 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> group, const std::string& redu
   world_size_ = group_->getSize();
   reduce_scatter_ = reduce_scatter_strategies().create(reduce_scatter_algo, group_->getBackendName());
   all_gather_ = all_gather_strategies().create(all_gather_algo, group_->getBackendName());
-  reduce_scatter_->configure(options, *group_);
-  all_gather_->configure(options, *group_);
+  StrategyOptions configured = options;
+  std::string why_not;
+  if (world_size_ > 1 && (reduce_scatter_->wants_shared_memory() || all_gather_->wants_shared_memory())) {
+    configured.shared_memory = open_shared_memory_channel(*group_, why_not);  // collective; same verdict on every rank
+  }
+  shared_memory_bytes_ = configured.shared_memory ? static_cast<int64_t>(configured.shared_memory->segment_bytes()) : 0;
+  reduce_scatter_->configure(configured, *group_);
+  all_gather_->configure(configured, *group_);
+  for (const std::string& requested : {reduce_scatter_algo, all_gather_algo}) {
+    ZC_CHECK_ARG(world_size_ == 1 || requested != kSharedMemoryAlgorithm || configured.shared_memory,
+                 "the '", kSharedMemoryAlgorithm, "' collective algorithm is not available here: ", why_not,
+                 " (Note [Shared-memory collectives]; 'auto' falls back to the backend's algorithms)");
+  }
 }
 
 void Comm::check_bucket(const at::Tensor& bucket, const char* op) const {

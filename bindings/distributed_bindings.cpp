@@ -37,6 +37,9 @@ void bind_distributed(py::module_& m) {
              if (cross_group) options.cross_group = *cross_group;
              return std::make_shared<Comm>(std::move(group), reduce_scatter_algo, all_gather_algo, options);
            }),
+           // Without the GIL: building a Comm runs collectives (the shared-memory rendezvous), and a Gloo thread
+           // finishing an earlier collective may need the GIL to release a Python-owned tensor.
+           py::call_guard<py::gil_scoped_release>(),
            py::arg("process_group"), py::arg("reduce_scatter_algo") = "auto", py::arg("all_gather_algo") = "auto",
            py::arg("quantization_group_size") = 256, py::arg("node_size") = 1, py::arg("node_group") = py::none(),
            py::arg("cross_group") = py::none())
@@ -45,6 +48,8 @@ void bind_distributed(py::module_& m) {
       .def_property_readonly("backend", &Comm::backend)
       .def_property_readonly("reduce_scatter_algo", &Comm::reduce_scatter_algo)
       .def_property_readonly("all_gather_algo", &Comm::all_gather_algo)
+      .def_property_readonly("shared_memory_bytes", &Comm::shared_memory_bytes,
+                             "Bytes of the shared-memory segment this Comm maps (0: none).")
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("bucket"), py::arg("tag") = -1,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("reduce_scatter_widens", &Comm::reduce_scatter_widens)

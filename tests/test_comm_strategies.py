@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 
 OPS = ("reduce_scatter", "all_gather")
 NATIVE = {"reduce_scatter": "reduce_scatter", "all_gather": "all_gather"}
-AUTO_ON_GLOO = {"reduce_scatter": "send_recv", "all_gather": "broadcast"}
+AUTO_ON_GLOO = {"reduce_scatter": "shared_memory", "all_gather": "shared_memory"}  # every rank on this host
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHARD_SIZES = (0, 1, 5)  # elements per shard; 0 is an empty bucket
 GATHER_LABEL = "strategy_gather"  # all-gathers are issued under a label, as stage 3 does
@@ -34,11 +34,13 @@ FORMULAS = {
         "reduce_scatter": lambda b, w: (b * (w - 1) // w, 1),
         "all_reduce": lambda b, w: (2 * b * (w - 1) // w, 1),
         "send_recv": lambda b, w: (b * (w - 1) // w, 2 * (w - 1)),
+        "shared_memory": lambda b, w: (b * (w - 1) // w, 0),
     },
     "all_gather": {
         "all_gather": lambda b, w: (b * (w - 1) // w, 1),
         "broadcast": lambda b, w: (b // w * (w - 1), w),
         "all_reduce": lambda b, w: (2 * b * (w - 1) // w, 1),
+        "shared_memory": lambda b, w: (b // w * (w - 1), 0),
     },
 }
 
@@ -168,7 +170,10 @@ def reports(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
 def test_registry_lists_exactly_the_registered_algorithms():
     # FORMULAS is the test's list of the registered algorithms, in registration order, each with its cost:
     # a new algorithm adds its row there.
-    assert _C.collective_algorithms() == {op: list(FORMULAS[op]) + QUANTIZED[op] for op in OPS}
+    # shared_memory registers from its own file, after the quantized ones
+    registered = {op: [n for n in FORMULAS[op] if n != "shared_memory"] + QUANTIZED[op] + ["shared_memory"]
+                  for op in OPS}
+    assert _C.collective_algorithms() == registered
     assert NATIVE["reduce_scatter"] in FORMULAS["reduce_scatter"] and NATIVE["all_gather"] in FORMULAS["all_gather"]
 
 
@@ -205,6 +210,8 @@ def test_formulas_by_hand():
     assert FORMULAS["all_gather"]["all_gather"](b, w) == (40, 1)
     assert FORMULAS["all_gather"]["broadcast"](b, w) == (40, 3)
     assert FORMULAS["all_gather"]["all_reduce"](b, w) == (80, 1)
+    assert FORMULAS["reduce_scatter"]["shared_memory"](b, w) == (40, 0)
+    assert FORMULAS["all_gather"]["shared_memory"](b, w) == (40, 0)
 
 
 def test_collective_log_is_identical_across_ranks(reports):
@@ -234,10 +241,11 @@ def test_auto_is_the_backend_choice_and_unknown_names_list_the_registry(reports)
             assert report["errors"][op] == f"{op} algorithm must be {listed}, got '{bad}'"
     # Today's wording, unchanged by the move to a registry.
     assert per_rank[0]["errors"]["reduce_scatter"] == (
-        "reduce_scatter algorithm must be 'auto', 'reduce_scatter', 'all_reduce', 'send_recv' or 'hierarchical', "
-        "got 'magic'")
+        "reduce_scatter algorithm must be 'auto', 'reduce_scatter', 'all_reduce', 'send_recv', 'hierarchical' "
+        "or 'shared_memory', got 'magic'")
     assert per_rank[0]["errors"]["all_gather"] == (
-        "all_gather algorithm must be 'auto', 'all_gather', 'broadcast', 'all_reduce' or 'quantized', got 'Broadcast'")
+        "all_gather algorithm must be 'auto', 'all_gather', 'broadcast', 'all_reduce', 'quantized' or 'shared_memory', "
+        "got 'Broadcast'")
 
 
 # ---- the widening reduce-scatter (Note [Widening reduce-scatter]) ----------------------------------------------
@@ -303,7 +311,8 @@ def _widening_worker(rank: int, world: int) -> dict[str, Any]:
 def test_widening_reduce_scatter_sums_16_bit_buckets_in_fp32_bitwise(world):
     results = run_ranks(_widening_worker, world, timeout=RUN_TIMEOUT)
     for result in results:
-        assert result["widens"] == {"reduce_scatter": False, "all_reduce": False, "send_recv": True}
+        assert result["widens"] == {"reduce_scatter": False, "all_reduce": False, "send_recv": True,
+                                    "shared_memory": True}
         assert result["refused"] == ["reduce_scatter", "all_reduce"]
         got, want = result["bytes"]
         assert got == want  # the bucket's 16-bit bytes, not fp32's

@@ -109,6 +109,8 @@ def comm_report(engine: Engine) -> dict[str, Any]:
         "backend": engine.comm.backend,
         "algorithms": {"reduce_scatter": engine.comm.reduce_scatter_algo, "all_gather": engine.comm.all_gather_algo,
                        "parameter_all_gather": engine.comms.weights.all_gather_algo},
+        # host memory the "shared_memory" algorithms map for their transport (Note [Shared-memory collectives])
+        "shared_memory_bytes": sum(comm.shared_memory_bytes for comm in engine.comms.all().values()),
         # what gradient buckets travel in: the reduce dtype, or 16-bit gradients summed in fp32 at the receiver
         # (Note [Widening reduce-scatter])
         "gradient_wire_dtype": str(engine.reducer.wire_dtype).removeprefix("torch."),
