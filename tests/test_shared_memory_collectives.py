@@ -169,3 +169,21 @@ def test_ranks_in_different_collectives_fail_on_every_rank():
     results = run_ranks(_mismatch_worker, 2, timeout=RUN_TIMEOUT, pg_timeout=60.0)
     assert "are in different collectives" in results[0]["error"] or "failed in a collective" in results[0]["error"]
     assert any("are in different collectives" in r["error"] for r in results), results
+
+
+def _dropped_in_flight_worker(rank: int, world: int) -> list[float]:
+    comm = _C.Comm(dist.group.WORLD, "auto", "shared_memory")
+    bucket = torch.zeros(world * 50000)
+    bucket[rank * 50000:(rank + 1) * 50000] = rank + 1
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 drops its Comm before this rank has issued the matching all-gather
+    pending = comm.all_gather(bucket, 0)
+    if rank == 0:
+        del comm  # a Comm dropped with a collective in flight lets it finish (its peers are issuing theirs)
+    pending.wait()
+    return [float(bucket[r * 50000:(r + 1) * 50000].sum()) for r in range(world)]
+
+
+def test_a_comm_dropped_with_a_collective_in_flight_lets_it_finish():
+    for result in run_ranks(_dropped_in_flight_worker, 2, timeout=RUN_TIMEOUT):
+        assert result == [50000.0, 100000.0]

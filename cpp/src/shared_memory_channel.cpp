@@ -113,6 +113,7 @@ struct SharedMemoryChannel::Impl {
   };
   std::mutex mutex;
   std::condition_variable wake_worker;
+  std::condition_variable went_idle;  // the queue ran empty with nothing in flight
   std::deque<Queued> queue;
   bool closing = false;
   bool busy = false;                  // an exchange is in flight on the worker
@@ -261,15 +262,16 @@ struct SharedMemoryChannel::Impl {
           if (failure.empty()) failure = e.what();
         }
       }
-      {
-        std::lock_guard<std::mutex> lock(mutex);
-        busy = false;
-      }
       if (error) {
         item.done.set_exception(error);
       } else {
         item.done.set_value();
       }
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        busy = false;
+      }
+      went_idle.notify_all();
     }
   }
 };
@@ -368,18 +370,21 @@ SharedMemoryChannel::~SharedMemoryChannel() {
   }
   bool pending = false;
   {
-    std::lock_guard<std::mutex> lock(m.mutex);
+    std::unique_lock<std::mutex> lock(m.mutex);
     m.closing = true;
-    pending = m.busy || !m.queue.empty();
+    m.wake_worker.notify_all();
+    // Collectives already issued get a moment to finish: the peers are most likely dropping their Comms
+    // alike and finishing theirs. Past that, the peers waiting on them fail at once instead of at the deadline.
+    const auto drain = std::min<std::chrono::milliseconds>(m.timeout, std::chrono::seconds(10));
+    pending = !m.went_idle.wait_for(lock, drain, [&] { return m.queue.empty() && !m.busy; });
     if (pending && m.failure.empty()) m.failure = "the channel was closed with collectives in flight";
   }
-  if (pending) {  // peers waiting on those collectives fail at once instead of at the deadline
+  if (pending) {
     int32_t none = 0;
     m.header->broken.compare_exchange_strong(none, m.rank + 1);
     for (int r = 0; r < m.world; ++r) m.ring(r);
     m.abort.store(true);
   }
-  m.wake_worker.notify_all();
   if (m.worker && m.worker->joinable()) m.worker->join();
   if (m.base) ::munmap(m.base, m.bytes);
   if (m.fd >= 0) ::close(m.fd);

@@ -72,8 +72,9 @@ class SharedMemoryChannel {
   // rank 0's call returned, and opens it. Throws SharedMemoryUnavailable with the reason when that fails.
   SharedMemoryChannel(const std::string& name, int rank, int world, size_t slot_bytes, int depth,
                       std::chrono::milliseconds timeout);
-  // Closes: fails what is queued or in flight, marking the segment broken if anything was (so peers fail at
-  // once), joins the worker and unmaps.
+  // Closes: lets what is queued or in flight finish for up to 10 s (or the timeout, if shorter), then fails
+  // the rest, marking the segment broken if anything was left (so peers fail at once); joins the worker and
+  // unmaps.
   ~SharedMemoryChannel();
   SharedMemoryChannel(const SharedMemoryChannel&) = delete;
   SharedMemoryChannel& operator=(const SharedMemoryChannel&) = delete;
