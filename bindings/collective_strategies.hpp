@@ -91,6 +91,11 @@ inline constexpr const char* kSharedMemoryAlgorithm = "shared_memory";
 // Opens a shared-memory channel among the ranks of `group` (a collective: every rank calls it at the same point).
 // Returns null on every rank alike when any rank cannot, with the reason in `why_not`.
 std::shared_ptr<SharedMemoryChannel> open_shared_memory_channel(c10d::ProcessGroup& group, std::string& why_not);
+// Queues `exchange` on `channel`; the Work's wait() returns once it is done (rethrowing its error). The Work owns
+// `buffers`, the tensors the exchange reads and writes, and a Work dropped unwaited waits for the exchange first.
+c10::intrusive_ptr<c10d::Work> exchange_through_shared_memory(SharedMemoryChannel& channel,
+                                                             SharedMemoryExchange exchange,
+                                                             std::vector<at::Tensor> buffers);
 
 // One algorithm for one logical collective. issue() starts the collective on `group` and returns without
 // waiting; the result is in place once the returned PendingCollective's wait() returns. Every rank runs the

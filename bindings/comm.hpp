@@ -33,7 +33,9 @@
 //   ZeRO++ (bindings/quantized_collectives.cpp, Note [Quantized collectives]; by name only):
 //   reduce_scatter  "hierarchical"   (qgZ: int4, node then     P(s) (N(L-1)+N-1)  2(L-1)+2(N-1)    -
 //                                     across nodes)
-//   all_gather      "quantized"      (qwZ: int8 + scales)      P(s) (W-1)        W on Gloo, else 1 -
+//   all_gather      "quantized"      (qwZ: int8 + scales)      P(s) (W-1)        0 through shared  -
+//                                                                                memory, W on Gloo,
+//                                                                                else 1
 //
 // with P(s) the packed bytes of one shard of s elements, L ranks per node, N = W/L nodes. Quantized
 // strategies also report what the same collective would send unquantized (stats' unquantized_bytes: the

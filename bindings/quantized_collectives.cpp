@@ -70,8 +70,9 @@ void check_group_size(int64_t group_size, int bits, const char* name) {
 
 bool is_gloo(const c10d::ProcessGroup& group) { return group.getBackendName() == "gloo"; }
 
-// qwZ: every rank's shard as int8 with one fp32 scale per group, all-gathered (as W broadcasts on Gloo, whose
-// broadcast beats its all-gather, the backend's all-gather elsewhere), then dequantized into every slot of the
+// qwZ: every rank's shard as int8 with one fp32 scale per group, all-gathered (through shared memory between
+// ranks of one host, as W broadcasts on other Gloo groups, whose broadcast beats its all-gather, the backend's
+// all-gather elsewhere), then dequantized into every slot of the
 // bucket, this rank's too (Note [Quantized collectives]). The packed buffer of W messages is the only
 // temporary: about half of a bf16 bucket.
 class QuantizedAllGather final : public AllGatherStrategy {
@@ -79,9 +80,14 @@ class QuantizedAllGather final : public AllGatherStrategy {
   static constexpr const char* kName = "quantized";
   std::string name() const override { return kName; }
 
+  // Ranks of one host exchange the packed messages through Comm's shared-memory channel when it has one
+  // (Note [Shared-memory collectives]), as the unquantized all-gather does.
+  bool wants_shared_memory() const override { return true; }
+
   void configure(const StrategyOptions& options, const c10d::ProcessGroup& group) override {
     check_group_size(options.quantization_group_size, 8, "all_gather 'quantized'");
     group_size_ = options.quantization_group_size;
+    channel_ = options.shared_memory;
     (void)group;
   }
 
@@ -93,7 +99,19 @@ class QuantizedAllGather final : public AllGatherStrategy {
     packing.pack(b.local_shard(), slots[b.rank]);
     IssuedCollective out;
     at::Tensor input;  // the backend's all-gather reads a copy of this rank's message
-    if (is_gloo(group)) {
+    if (channel_ && packed.device().is_cpu()) {
+      SharedMemoryExchange x;
+      x.send.assign(b.world_size, slots[b.rank].data_ptr());
+      x.send[b.rank] = nullptr;
+      x.recv.assign(b.world_size, nullptr);
+      for (int r = 0; r < b.world_size; ++r) {
+        if (r != b.rank) x.recv[r] = slots[r].data_ptr();
+      }
+      x.bytes = static_cast<size_t>(packing.bytes);
+      x.same_for_all = true;
+      out.pending.works.push_back(exchange_through_shared_memory(*channel_, std::move(x), {packed}));
+      out.backend_calls = 0;
+    } else if (is_gloo(group)) {
       out.pending.works = broadcast_each(group, slots);
       out.backend_calls = b.world_size;
     } else {
@@ -115,6 +133,7 @@ class QuantizedAllGather final : public AllGatherStrategy {
 
  private:
   int64_t group_size_ = 256;
+  std::shared_ptr<SharedMemoryChannel> channel_;
 };
 const RegisterStrategy<QuantizedAllGather> kRegisterQuantizedAllGather;
 

@@ -76,11 +76,6 @@ class SharedMemoryWork final : public c10d::Work {
   std::vector<at::Tensor> buffers_;
 };
 
-c10::intrusive_ptr<c10d::Work> submit(SharedMemoryChannel& channel, SharedMemoryExchange exchange,
-                                      std::vector<at::Tensor> buffers) {
-  return c10::make_intrusive<SharedMemoryWork>(channel.submit(std::move(exchange)), std::move(buffers));
-}
-
 class SharedMemoryReduceScatter final : public ReduceScatterStrategy {
  public:
   static constexpr const char* kName = kSharedMemoryAlgorithm;
@@ -129,7 +124,7 @@ class SharedMemoryReduceScatter final : public ReduceScatterStrategy {
     }
     x.bytes = static_cast<size_t>(b.shard * b.bucket.element_size());
     IssuedCollective out;
-    out.pending.works.push_back(submit(*channel_, std::move(x), {b.bucket, received}));
+    out.pending.works.push_back(exchange_through_shared_memory(*channel_, std::move(x), {b.bucket, received}));
     out.pending.buffer = b.bucket;
     out.pending.addends = received;
     out.algorithm_bytes = b.bytes * (b.world_size - 1) / b.world_size;
@@ -167,7 +162,7 @@ class SharedMemoryAllGather final : public AllGatherStrategy {
     x.bytes = static_cast<size_t>(b.shard * b.bucket.element_size());
     x.same_for_all = true;
     IssuedCollective out;
-    out.pending.works.push_back(submit(*channel_, std::move(x), {b.bucket}));
+    out.pending.works.push_back(exchange_through_shared_memory(*channel_, std::move(x), {b.bucket}));
     out.pending.buffer = b.bucket;
     out.algorithm_bytes = b.bytes / b.world_size * (b.world_size - 1);
     out.backend_calls = 0;
@@ -181,6 +176,12 @@ class SharedMemoryAllGather final : public AllGatherStrategy {
 const RegisterStrategy<SharedMemoryAllGather> kRegisterSharedMemoryAllGather({"gloo"});
 
 }  // namespace
+
+c10::intrusive_ptr<c10d::Work> exchange_through_shared_memory(SharedMemoryChannel& channel,
+                                                             SharedMemoryExchange exchange,
+                                                             std::vector<at::Tensor> buffers) {
+  return c10::make_intrusive<SharedMemoryWork>(channel.submit(std::move(exchange)), std::move(buffers));
+}
 
 std::shared_ptr<SharedMemoryChannel> open_shared_memory_channel(c10d::ProcessGroup& group, std::string& why_not) {
   const int rank = group.getRank();
