@@ -26,7 +26,7 @@ parameters (Note [External parameters]) or nests units whose own parameters are 
 can gather more or less than planned.
 
 Every rank's shard of a flat buffer has the same size (the layout pads every bucket to a multiple of
-``world_size * alignment``), so every rank holds the same bytes; ``per_rank`` lists them.
+``world_size * alignment``), so every rank holds the same bytes; ``per_rank`` lists them, planned once.
 """
 
 from __future__ import annotations
@@ -148,7 +148,9 @@ def estimate_memory(
                              or not 0 <= rank < world):
         raise ValueError(f"rank must be None or an int in [0, {world}), got {rank!r}")
     plan = _plan(model_or_param_count, config, world, device, param_groups, units, strict, hidden_size)
-    ranks = [_rank_bytes(plan, r) for r in (range(world) if rank is None else [rank])]
+    # Every rank holds the same bytes (equal shards, Note [Memory estimate]), so one rank is planned: a loop over
+    # the ranks made --world 1000000000 run for hours to repeat one answer.
+    one = _rank_bytes(plan, 0 if rank is None else rank)
     result: dict[str, Any] = {
         "stage": plan.policy.stage,
         "world_size": world,
@@ -157,8 +159,10 @@ def estimate_memory(
         "compute_dtype": str(plan.config.compute_dtype).replace("torch.", ""),
         "psi": sum(b.trainable for b in plan.buffers),
         "psi_padded": sum(b.layout.total_size for b in plan.buffers),
-        **_max_over_ranks(ranks),
-        "where": {k: v for k, v in _where(plan).items() if k in ranks[0]["bytes"]},
+        "bytes": dict(one["bytes"]),
+        **{k: one[k] for k in ("nvme_file_bytes", "nvme_param_file_bytes", "total_bytes", "device_bytes",
+                               "host_bytes")},
+        "where": {k: v for k, v in _where(plan).items() if k in one["bytes"]},
         "optimizer_placement": "nvme" if plan.state.nvme is not None else plan.state.placement.type,
         # OptimizerState pins host state when this machine has CUDA; the estimate asks about the target device
         "pinned_host": plan.state.nvme is None and plan.state.placement.type == "cpu" and plan.device.type == "cuda"
@@ -167,8 +171,34 @@ def estimate_memory(
     }
     result["step"] = None if plan.approximate else _step_plan(plan, result["total_bytes"])
     if rank is None:
-        result["per_rank"] = ranks
+        result["per_rank"] = _EveryRank(one, world)
     return result
+
+
+class _EveryRank(Sequence[dict[str, Any]]):
+    """``per_rank``: every rank's bytes, ``world_size`` entries, each rank 0's with its own ``"rank"``; made on
+    access, so a world of any size costs one rank's planning."""
+
+    def __init__(self, one: dict[str, Any], world: int) -> None:
+        self._one, self._world = one, world
+
+    def __len__(self) -> int:
+        return self._world
+
+    def __getitem__(self, index: Any) -> Any:
+        ranks = range(self._world)[index]  # raises IndexError / TypeError as a list would
+        if isinstance(ranks, range):
+            return [self._entry(r) for r in ranks]
+        return self._entry(ranks)
+
+    def _entry(self, rank: int) -> dict[str, Any]:
+        return {**self._one, "rank": rank, "bytes": dict(self._one["bytes"])}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"_EveryRank(world_size={self._world}, bytes={self._one['bytes']})"
 
 
 # ---- the plan: the engine's decisions, without tensors -------------------------------------------------------
@@ -302,14 +332,6 @@ def _where(plan: _Plan) -> dict[str, str]:
     where.update({k: "device" if state_on_device else "host" for k in _STATE_KEYS})
     where.update({k: "host" for k in _HOST_KEYS})
     return where
-
-
-def _max_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ranks[0]["bytes"].keys()
-    out = {"bytes": {k: max(r["bytes"][k] for r in ranks) for k in keys}}
-    for key in ("nvme_file_bytes", "nvme_param_file_bytes", "total_bytes", "device_bytes", "host_bytes"):
-        out[key] = max(r[key] for r in ranks)
-    return out
 
 
 # ---- what a step allocates and frees again -----------------------------------------------------------------
@@ -459,9 +481,8 @@ def _table(result: dict[str, Any], params: int) -> str:
         lines.append(f"  {'nvme file':<32}{_gib(result['nvme_file_bytes']):>18}    nvme")
     if result["nvme_param_file_bytes"]:
         lines.append(f"  {'nvme parameter file':<32}{_gib(result['nvme_param_file_bytes']):>18}    nvme")
-    ranks = result.get("per_rank")
-    if ranks and len({r["total_bytes"] for r in ranks}) == 1:
-        lines.append(f"every one of the {len(ranks)} ranks holds the same bytes")
+    if result.get("per_rank"):
+        lines.append(f"every one of the {result['world_size']} ranks holds the same bytes")
     lines += ["", "These are the bytes held between steps. A step adds gradient bucket buffers (and, in stage 3,",
               "gathered units): zerocore.estimate_memory(model, ...)['step'] plans them for a model (build it",
               "under torch.device('meta'))."]
@@ -497,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2, default=list))  # per_rank: every rank's entry
     else:
         print(_table(result, args.params))
     return 0
