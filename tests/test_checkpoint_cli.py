@@ -79,3 +79,38 @@ def test_to_hf_refuses_to_replace_a_previous_output_unless_asked(checkpoint, tmp
     assert main(["to-hf", str(checkpoint), str(out), "--overwrite", "--max-shard-size", "100B"]) == 0
     names = sorted(os.listdir(out))
     assert "model.safetensors" not in names and "model.safetensors.index.json" in names and len(names) > 2
+
+
+@pytest.mark.parametrize("size", ["0", "-5", "abc", "nanGB", "infMB", "0.1B"])
+def test_a_bad_max_shard_size_is_a_usage_error(size, checkpoint, tmp_path, capsys):
+    line = _error(["to-hf", str(checkpoint), str(tmp_path / "hf"), f"--max-shard-size={size}"], capsys)
+    assert "--max-shard-size" in line and repr(size) in line
+    assert not (tmp_path / "hf").exists()
+
+
+def _copy_with_latest(checkpoint: Path, tmp_path: Path, latest: bytes) -> Path:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy)
+    (copy / "latest").write_bytes(latest)
+    return copy
+
+
+@pytest.mark.parametrize("command", ["info", "to-hf"])
+@pytest.mark.parametrize("latest,message", [(b"../../etc", "must be a plain directory name"),
+                                            (b"\xff\xfe\x00", "is not text")])
+def test_a_bad_latest_is_refused_not_followed(command, latest, message, checkpoint, tmp_path, capsys):
+    """Finding: ``info`` followed a ``latest`` holding ``../../etc`` (to-hf checked it as a tag), and a
+    non-UTF-8 ``latest`` raised UnicodeDecodeError."""
+    copy = _copy_with_latest(checkpoint, tmp_path, latest)
+    argv = [command, str(copy)] + ([str(tmp_path / "hf")] if command == "to-hf" else [])
+    line = _error(argv, capsys)
+    assert message in line and "latest" in line
+
+
+def test_info_of_a_file_says_it_is_not_a_directory(tmp_path, capsys):
+    file = tmp_path / "some_file"
+    file.write_text("x")
+    assert "is a file, not a checkpoint directory" in _error(["info", str(file)], capsys)
+    assert "does not exist" in _error(["info", str(tmp_path / "missing")], capsys)

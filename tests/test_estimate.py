@@ -214,6 +214,27 @@ def test_the_cost_does_not_grow_with_the_world_size(capsys):
     assert "every one of the 1000000000 ranks holds the same bytes" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--params", "inf"], "argument --params: not a whole number of parameters"),
+    (["--params", "1e30"], "argument --params: not a whole number of parameters"),
+    (["--world", "99999999999999999999999"], "world_size must be an int in [1, 2**63 - 1]"),
+    (["--world", "144115188075855872"], "world_size * alignment overflows"),
+    (["--device", "tpu"], "device must be 'cuda', 'cuda:N' or 'cpu', got 'tpu'"),
+])
+def test_cli_bad_arguments_are_one_error_line_and_exit_code_2(args, message, capsys):
+    """Finding: these ended in OverflowError, pybind11's TypeError or torch's RuntimeError tracebacks."""
+    from zerocore.estimate import main
+
+    argv = ["--params", "7e9", "--world", "8", *args]
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:  # argparse's own errors
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert message in err.strip().splitlines()[-1]
+
+
 def test_cli_prints_a_table_and_json(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))

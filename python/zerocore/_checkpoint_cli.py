@@ -126,8 +126,8 @@ def _check_out_dir(out_dir: str, checkpoint_paths: list[str]) -> None:
 
 # ---- command line -----------------------------------------------------------------------------------------
 def _info(path: str, tag: str | None) -> None:
-    if tag is None and os.path.exists(os.path.join(path, "latest")):
-        tag = read_bytes(os.path.join(path, "latest")).decode("utf-8").strip()
+    if tag is not None or os.path.exists(os.path.join(path, "latest")):
+        tag = resolve_tag(path, tag)  # latest's content is checked as a tag is: "../../etc" is not followed
     directory = os.path.join(path, tag) if tag else path
     index = read_index(directory)
     total = sum(sum(s["numel"] for s in r["shards"]) for r in index["ranks"])
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     hf.add_argument("out_dir")
     hf.add_argument("--tag")
     hf.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
-    hf.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB, or bytes")
+    hf.add_argument("--max-shard-size", default="5GB", type=_parse_size, help="e.g. 5GB, 500MB, or bytes")
     hf.add_argument("--overwrite", action="store_true",
                     help="replace a previous to-hf output in OUT_DIR (its model*.safetensors and index)")
     args = parser.parse_args(argv)
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "info":
             _info(args.checkpoint_dir, args.tag)
         else:
-            written = to_hf(args.checkpoint_dir, args.out_dir, args.tag, args.dtype,
-                            _parse_size(args.max_shard_size), args.overwrite)
+            written = to_hf(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, args.max_shard_size,
+                            args.overwrite)
             print("wrote " + ", ".join(os.path.join(args.out_dir, name) for name in written))
     except (ValueError, OSError) as error:  # a refusal or a damaged checkpoint: one line, as argparse does
         parser.error(str(error))
@@ -170,8 +170,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``1.5GB`` or a number of bytes: a whole number of bytes >= 1."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    for unit, factor in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+    number, factor = text.strip(), 1
+    for unit, scale in units.items():
+        if number.upper().endswith(unit):
+            number, factor = number[: -len(unit)], scale
+            break
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB, or bytes)") from None
+    if not 1 <= value < 2**63:  # nan, inf, 0 and negatives fail here (a shard per tensor is 1)
+        raise argparse.ArgumentTypeError(f"a size must be at least 1 byte and finite, got {text!r}")
+    return int(value)

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ._buckets import BucketSizes, stage3_prefetch_budget
+from ._config_values import INT64_MAX
 from ._construction import optimizer_state_for, reduction_wire_dtype
 from ._gather_spares import spare_capacity
 from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
@@ -264,7 +265,10 @@ def _engine_device(model_device: torch.device | None, device: Any) -> torch.devi
     """The engine's device: the model's, or for a meta-device model (or a count) the current CUDA device if
     any, else the CPU; ``device`` overrides."""
     if device is not None:
-        where = torch.device(device)
+        try:
+            where = torch.device(device)
+        except (RuntimeError, TypeError) as error:  # torch names every device type it knows: one line is enough
+            raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}") from error
     elif model_device is not None and model_device.type != "meta":
         where = model_device
     else:
@@ -429,8 +433,9 @@ def _width(dtype: torch.dtype) -> int:
 
 
 def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    # the layout counts in 64-bit elements: a larger value would reach it as a TypeError from pybind11
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= INT64_MAX:
+        raise ValueError(f"{name} must be an int in [1, 2**63 - 1], got {value!r}")
     return int(value)
 
 
@@ -438,8 +443,9 @@ def _param_count(value: Any) -> int:
     """A parameter count: an int, or an integral float (``7e9``)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"model_or_param_count must be an nn.Module or a number of parameters >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= INT64_MAX:
+        raise ValueError("model_or_param_count must be an nn.Module or a number of parameters in [1, 2**63 - 1], "
+                         f"got {value!r}")
     return int(value)
 
 
@@ -456,8 +462,8 @@ def _parse_count(text: str) -> int:
         value = int(number) * scale if number.isdigit() else float(number) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 7e9, 7B, 7000000000)") from None
-    if value != int(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"not a whole number of parameters >= 1: {text!r}")
+    if not 1 <= value <= INT64_MAX or value != int(value):  # inf and nan fail the range before int() sees them
+        raise argparse.ArgumentTypeError(f"not a whole number of parameters in [1, 2**63 - 1]: {text!r}")
     return int(value)
 
 
