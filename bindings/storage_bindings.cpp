@@ -33,6 +33,23 @@ void move_storage(const at::Tensor& dst, const at::Tensor& src) {
                "move_storage: the storages come from different allocators (their memory could not be freed "
                "by the one that takes it)");
   const size_t nbytes = from->nbytes();
+  // The whole storage moves, so src must be all of it: a view (base[2:6]) would empty its base's memory
+  // behind the caller's back.
+  ZC_CHECK_ARG(src.storage_offset() == 0 && src.is_contiguous() && src.nbytes() >= nbytes,
+               "move_storage: src must cover its whole storage (offset 0, contiguous, ", nbytes,
+               " bytes), but it is a view of ", src.nbytes(), " bytes at element offset ", src.storage_offset(),
+               src.is_contiguous() ? "" : ", not contiguous");
+  // dst's elements must lie inside the memory it takes: reading past it would read freed or foreign memory.
+  const auto width = static_cast<size_t>(dst.element_size());
+  ZC_CHECK_ARG(nbytes % width == 0, "move_storage: the ", nbytes, " bytes moved are not a whole number of dst's ",
+               dst.scalar_type(), " elements (", width, " bytes each)");
+  size_t extent = 0;  // elements from the storage's start to one past dst's last element
+  if (dst.numel() > 0) {
+    extent = static_cast<size_t>(dst.storage_offset()) + 1;
+    for (int64_t d = 0; d < dst.dim(); ++d) extent += static_cast<size_t>((dst.size(d) - 1) * dst.stride(d));
+  }
+  ZC_CHECK_ARG(extent * width <= nbytes, "move_storage: dst (storage offset ", dst.storage_offset(), ", shape ",
+               dst.sizes(), ") reaches ", extent * width, " bytes into its storage, but src moves only ", nbytes);
   c10::DataPtr memory = from->set_data_ptr(c10::DataPtr(nullptr, from->device()));
   from->set_nbytes(0);
   to->set_data_ptr_noswap(std::move(memory));

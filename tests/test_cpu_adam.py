@@ -1038,3 +1038,44 @@ def test_rejections() -> None:
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
+
+
+def _bad_second_group(opt: CPUAdam, params: list[torch.nn.Parameter], how: str) -> str:
+    """Spoils one thing in the second of two groups (after the first group's params), returns the message."""
+    if how == "grad of another size":
+        params[3].grad.data = torch.zeros(7)  # .data skips the shape check of assigning .grad
+        return r"param 3 \(param_groups\[1\]\['params'\]\[1\]\): gradient has shape \(7,\)"
+    if how == "lr nan":
+        opt.param_groups[1]["lr"] = float("nan")
+        return r"param_groups\[1\]\.lr"
+    if how == "betas out of range":
+        opt.param_groups[1]["betas"] = (1.5, 0.9)
+        return r"param_groups\[1\]\.betas\[0\]"
+    if how == "state of another size":
+        opt.state[params[2]]["exp_avg"] = torch.zeros(9)
+        return r"param 2 \(param_groups\[1\]\['params'\]\[0\]\): state\['exp_avg'\] has 9 elements"
+    opt.state[params[2]]["step"] = torch.tensor(float("nan"))
+    return r"param 2 .*state\['step'\] = nan"
+
+
+@pytest.mark.parametrize("how", ["grad of another size", "lr nan", "betas out of range", "state of another size",
+                                 "step nan"])
+def test_a_step_that_raises_changes_nothing(how: str) -> None:
+    """Finding: a bad second group raised only after the first group's params were updated and every
+    param's step count moved; now every group and param is checked before anything is written."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn(4)
+    opt = CPUAdam([{"params": params[:2]}, {"params": params[2:], "lr": 1e-2}])
+    opt.step()
+    message = _bad_second_group(opt, params, how)
+    values = [p.detach().clone() for p in params]
+    state = copy.deepcopy({i: opt.state[p] for i, p in enumerate(params)})
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert all(torch.equal(p.detach(), v) for p, v in zip(params, values))
+    for i, p in enumerate(params):
+        for key, value in state[i].items():
+            now = opt.state[p][key]
+            assert now.shape == value.shape and torch.equal(now, value) or (now.isnan().all() and value.isnan().all()), key

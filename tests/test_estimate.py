@@ -195,6 +195,46 @@ def test_meta_model_at_stage_2_and_the_step_plan():
     assert alone["reduce_wire_dtype"] == "torch.float32"
 
 
+@pytest.mark.timeout(60)
+def test_the_cost_does_not_grow_with_the_world_size(capsys):
+    """Finding: ``--world 1000000000`` planned every rank in turn and ran for hours; every rank holds the same
+    bytes, so one is planned and ``per_rank`` makes each entry on access."""
+    from zerocore.estimate import main
+
+    config = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    small = zerocore.estimate_memory(_meta_model("transformer"), config, 3)
+    assert list(small["per_rank"]) == [{**small["per_rank"][0], "rank": r} for r in range(3)]
+    assert json.loads(json.dumps(small, default=list))["per_rank"][2]["rank"] == 2
+    huge = zerocore.estimate_memory(7 * 10**9, config, 10**9)
+    assert len(huge["per_rank"]) == 10**9 and huge["per_rank"][-1]["rank"] == 10**9 - 1
+    from zerocore._sharded_buffer import ALIGNMENT
+
+    assert huge["per_rank"][-1]["bytes"] == huge["bytes"] and huge["bytes"]["params"] == 2 * ALIGNMENT
+    assert main(["--params", "7e9", "--world", "1000000000"]) == 0
+    assert "every one of the 1000000000 ranks holds the same bytes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--params", "inf"], "argument --params: not a whole number of parameters"),
+    (["--params", "1e30"], "argument --params: not a whole number of parameters"),
+    (["--world", "99999999999999999999999"], "world_size must be an int in [1, 2**63 - 1]"),
+    (["--world", "144115188075855872"], "world_size * alignment overflows"),
+    (["--device", "tpu"], "device must be 'cuda', 'cuda:N' or 'cpu', got 'tpu'"),
+])
+def test_cli_bad_arguments_are_one_error_line_and_exit_code_2(args, message, capsys):
+    """Finding: these ended in OverflowError, pybind11's TypeError or torch's RuntimeError tracebacks."""
+    from zerocore.estimate import main
+
+    argv = ["--params", "7e9", "--world", "8", *args]
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:  # argparse's own errors
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert message in err.strip().splitlines()[-1]
+
+
 def test_cli_prints_a_table_and_json(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))

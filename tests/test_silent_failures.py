@@ -286,25 +286,52 @@ def test_a_failed_forward_does_not_become_the_prefetch_order():
 
 
 # ---- item 22 ----------------------------------------------------------------------------------------
-def step_error_worker(rank: int, world: int, stage: int) -> bool:
+def step_error_worker(rank: int, world: int, stage: int, ranks_with_bad_lr: tuple[int, ...]) -> bool:
+    """A step refused for a hyperparameter ends the window as any step error does (README: the window's
+    gradients dropped, the engine ready for the next batch), on every rank alike even when only some ranks'
+    param_groups are bad: a rank raising alone would leave the others in the step's all-reduce."""
     _, engine, other = _engine_and_twin(Net, _config(stage))
-    for step in range(3):
+    for step in range(4):
         engine.backward(engine(_x(step, rank)).square().mean())
-        if step == 1:  # a scheduler (or the user) drove the learning rate negative
-            engine.optimizer.param_groups[0]["lr"] = -1e-2
+        if step == 1:  # a scheduler (or the user) made the learning rate unusable, here on some ranks only
+            if rank in ranks_with_bad_lr:
+                engine.optimizer.param_groups[0]["lr"] = float("nan")
             before = engine.full_state_dict(rank0_only=False)
-            with pytest.raises(ValueError, match=r"param_groups\[0\]\.lr"):
+            with pytest.raises(ValueError, match="refused on every rank") as caught:
                 engine.step()
+            mine = r"param_groups\[0\]\.lr" if rank in ranks_with_bad_lr else "other rank"
+            assert caught.match(mine) and "gradients were dropped" in "".join(caught.value.__notes__)
             after = engine.full_state_dict(rank0_only=False)
             assert all(torch.equal(before[k], after[k]) for k in before)
-            assert (engine.global_steps, engine.micro_steps, engine.state.value) == (1, 1, "gradients reduced, awaiting step()")
-            engine.optimizer.param_groups[0]["lr"] = 1e-2  # fixed: the same step goes through
+            assert (engine.global_steps, engine.micro_steps, engine.state.value) == (1, 2, "idle")
+            engine.optimizer.param_groups[0]["lr"] = 1e-2
+            continue  # the next batch trains as if this window never ran
         engine.step()
         _train_step(other, step, rank)
-    _assert_same_state(engine, other, "the refused step changed something")
+    _assert_same_state(engine, other, "the refused step changed something or left its gradients behind")
     return True
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_step_that_raises_changes_nothing(stage):
-    assert all(run_ranks(step_error_worker, 2, stage))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("ranks_with_bad_lr", [(0,), (0, 1)])
+def test_a_step_refused_for_a_hyperparameter_drops_the_window_on_every_rank(stage, ranks_with_bad_lr):
+    assert all(run_ranks(step_error_worker, 2, stage, ranks_with_bad_lr, timeout=90))
+
+
+def scheduler_to_inf_worker(rank: int, world: int) -> list[str]:
+    """A scheduler that keeps producing an infinite lr makes every step raise, each leaving the engine usable."""
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), _config(2, scheduler={"type": "ExponentialLR", "params": {"gamma": 1e200}}))
+    states = []
+    for step in range(4):
+        engine.backward(engine(_x(step, rank)).square().mean())
+        try:
+            engine.step()
+        except ValueError as error:
+            assert "optimizer.param_groups[0].lr" in str(error)
+        states.append(engine.state.value)
+    return states
+
+
+def test_a_scheduler_driving_lr_to_inf_leaves_the_engine_usable():
+    assert run_ranks(scheduler_to_inf_worker, 2, timeout=90) == [["idle"] * 4] * 2

@@ -591,6 +591,33 @@ def test_spare_gather_storage_hands_pages_over_and_refuses_what_it_cannot():
         _C.move_storage(full, view)
 
 
+def _emptied(t: torch.Tensor) -> torch.Tensor:
+    t.untyped_storage().resize_(0)
+    return t
+
+
+@pytest.mark.parametrize("case", ["dst reaches past", "dst offset reaches past", "dst dtype", "src view at offset",
+                                  "src view short"])
+def test_move_storage_refuses_what_would_read_past_or_empty_a_base(case):
+    """Finding: a dst larger than the moved bytes read past them (a crash or foreign memory), and a src view
+    took its whole base's memory; each is refused, both storages left as they were."""
+    from zerocore._native import _C
+
+    base = torch.arange(8, dtype=torch.float32)
+    dst, src, message = {
+        "dst reaches past": (_emptied(torch.zeros(8)), torch.ones(4), "reaches 32 bytes .* only 16"),
+        "dst offset reaches past": (_emptied(torch.zeros(8)[2:6]), torch.ones(4), "storage offset 2.* only 16"),
+        "dst dtype": (_emptied(torch.zeros(2, dtype=torch.float64)), torch.ones(3), "not a whole number of dst's"),
+        "src view at offset": (_emptied(torch.zeros(4)), base[2:6], "src must cover its whole storage"),
+        "src view short": (_emptied(torch.zeros(4)), base[:4], "src must cover its whole storage"),
+    }[case]
+    before = src.clone()
+    with pytest.raises(ValueError, match=message):
+        _C.move_storage(dst, src)
+    assert dst.untyped_storage().nbytes() == 0 and torch.equal(src, before)
+    assert torch.equal(base, torch.arange(8, dtype=torch.float32))
+
+
 def spare_reuse_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])

@@ -136,12 +136,12 @@ int adam_command(int argc, char** argv) {
                    "param 4+4, exp_avg 4+4, exp_avg_sq 4+4, grad 4 or 2 read, param_out 2 written. The fraction\n"
                    "is best adam GB/s over the stream's best GB/s (the faster of regular and nt stores).");
   parser.add_int("elements", &elements, 1, "elements per span");
-  parser.add_int_list("threads", &threads, 1, "thread counts to measure, e.g. 1,2");
+  parser.add_int_list("threads", &threads, 1, "thread counts to measure, e.g. 1,2", kMaxThreads);
   parser.add_choice("grad", &grad_name, {"fp32", "bf16", "fp16"}, "gradient dtype");
   parser.add_choice("param-out", &param_out_name, {"none", "bf16", "fp16"}, "low-precision param copy written");
   parser.add_choice("path", &path_name, {"auto", "scalar", "avx2", "avx512", "all"},
                     "SIMD path; auto = the widest this CPU runs, all = every runnable one");
-  parser.add_int("repeat", &repeat, 1, "timed steps per measurement, after one warm-up step");
+  parser.add_int("repeat", &repeat, 1, "timed steps per measurement, after one warm-up step", "", kMaxRepeat);
   parser.add_flag("json", &json, "print one JSON object on stdout instead of the table");
   if (!parser.parse(argc, argv, 1)) return 0;
 

@@ -182,13 +182,12 @@ int aio_command(int argc, char** argv) {
   parser.add_int("bytes", &bytes, 1, "bytes per file");
   parser.add_int("block-size", &block_size, 1, "aio block_size: bytes per chunk, a multiple of 4096");
   parser.add_int("queue-depth", &queue_depth, 1, "aio queue_depth: chunks in flight");
-  parser.add_int("threads", &threads, 1, "aio thread_count: worker threads");
+  parser.add_int("threads", &threads, 1, "aio thread_count: worker threads", "", kMaxThreads);
   parser.add_flag("single-submit", &single_submit, "aio single_submit (accepted, no effect with pread workers)");
   parser.add_flag("no-overlap-events", &no_overlap, "aio overlap_events = false: chunks in waves of queue_depth");
   parser.add_flag("json", &json, "print one JSON object on stdout instead of the table");
   if (!parser.parse(argc, argv, 1)) return 0;
   if (queue_depth > (1 << 20)) throw UsageError("--queue-depth is too large: " + std::to_string(queue_depth));
-  if (threads > 1024) throw UsageError("--threads must be at most 1024, got " + std::to_string(threads));
 
   zerocore::AioConfig config;
   config.block_size = static_cast<size_t>(block_size);

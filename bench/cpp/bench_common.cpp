@@ -68,11 +68,14 @@ ArgParser::Option& ArgParser::add(const std::string& name, const std::string& me
 }
 
 void ArgParser::add_int(const std::string& name, int64_t* target, int64_t min_value, const std::string& help,
-                        const std::string& default_text) {
+                        const std::string& default_text, int64_t max_value) {
   add(name, "N", help, default_text.empty() ? std::to_string(*target) : default_text, [=](const std::string& text) {
     const int64_t value = parse_int(name, text);
     if (value < min_value) {
       throw UsageError("--" + name + " must be >= " + std::to_string(min_value) + ", got " + text);
+    }
+    if (value > max_value) {
+      throw UsageError("--" + name + " must be at most " + std::to_string(max_value) + ", got " + text);
     }
     *target = value;
   });
@@ -91,7 +94,7 @@ void ArgParser::add_choice(const std::string& name, std::string* target, std::ve
 }
 
 void ArgParser::add_int_list(const std::string& name, std::vector<int64_t>* target, int64_t min_value,
-                             const std::string& help) {
+                             const std::string& help, int64_t max_value) {
   std::vector<std::string> defaults;
   for (int64_t value : *target) defaults.push_back(std::to_string(value));
   add(name, "N[,N...]", help, join(defaults, ","), [=](const std::string& text) {
@@ -100,6 +103,9 @@ void ArgParser::add_int_list(const std::string& name, std::vector<int64_t>* targ
       const int64_t value = parse_int(name, item);
       if (value < min_value) {
         throw UsageError("--" + name + " values must be >= " + std::to_string(min_value) + ", got " + item);
+      }
+      if (value > max_value) {
+        throw UsageError("--" + name + " values must be at most " + std::to_string(max_value) + ", got " + item);
       }
       values.push_back(value);
     }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -22,18 +23,21 @@ class UsageError : public std::runtime_error {
 // a default (the target's value before parsing), shown in the help.
 class ArgParser {
  public:
+  static constexpr int64_t kNoMax = std::numeric_limits<int64_t>::max();
+
   ArgParser(std::string command, std::string summary);
 
-  // default_text replaces the shown default when the target's initial value is only a placeholder.
+  // default_text replaces the shown default when the target's initial value is only a placeholder. A value
+  // outside [min_value, max_value] is a UsageError: options later narrowed to int are bounded here.
   void add_int(const std::string& name, int64_t* target, int64_t min_value, const std::string& help,
-               const std::string& default_text = "");
+               const std::string& default_text = "", int64_t max_value = kNoMax);
   void add_string(const std::string& name, std::string* target, const std::string& help);
   // One of `choices`.
   void add_choice(const std::string& name, std::string* target, std::vector<std::string> choices,
                   const std::string& help);
-  // Comma-separated integers, each >= min_value, e.g. "--threads 1,2".
+  // Comma-separated integers, each in [min_value, max_value], e.g. "--threads 1,2".
   void add_int_list(const std::string& name, std::vector<int64_t>* target, int64_t min_value,
-                    const std::string& help);
+                    const std::string& help, int64_t max_value = kNoMax);
   // Comma-separated items, each one of `choices`, e.g. "--kernel copy,triad".
   void add_choice_list(const std::string& name, std::vector<std::string>* target, std::vector<std::string> choices,
                        const std::string& help);
@@ -118,6 +122,11 @@ Timing time_repeats(int64_t repeats, const std::function<void()>& fn, bool warmu
 
 // Thread count used when --threads is not given: the hardware's, at least 1.
 int64_t default_threads();
+
+// Bounds of options the commands narrow to int (ThreadPool sizes, repeat counts): checked when parsed, so
+// a huge value is a usage error instead of a wrapped, negative count.
+constexpr int64_t kMaxThreads = 1024;
+constexpr int64_t kMaxRepeat = std::numeric_limits<int>::max();
 
 // Subcommands: argv[0] is the subcommand name. Return the process exit status.
 int layout_command(int argc, char** argv);

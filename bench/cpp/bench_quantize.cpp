@@ -160,14 +160,14 @@ int quantize_command(int argc, char** argv) {
                    "the shaped one is the memory roofline of the call's traffic.");
   parser.add_int("elements", &elements, 1, "elements quantized per call");
   parser.add_int("group-size", &group_size, 2, "elements per scale (even, for int4)");
-  parser.add_int_list("threads", &threads, 1, "thread counts to measure, e.g. 1,2");
+  parser.add_int_list("threads", &threads, 1, "thread counts to measure, e.g. 1,2", kMaxThreads);
   parser.add_int_list("bits", &bits_list, 4, "8 and/or 4");
   parser.add_choice_list("dtype", &dtypes, {"fp32", "bf16", "fp16"},
                          "data dtypes: quantize's input, dequantize's output");
   parser.add_choice_list("direction", &directions, {"quantize", "dequantize"}, "what to time");
   parser.add_choice_list("path", &path_names, {"auto", "scalar", "avx2", "avx512", "all"},
                          "SIMD paths, e.g. avx2,avx512; auto = the widest this CPU runs, all = every runnable one");
-  parser.add_int("repeat", &repeat, 1, "timed calls per measurement, after one warm-up round");
+  parser.add_int("repeat", &repeat, 1, "timed calls per measurement, after one warm-up round", "", kMaxRepeat);
   parser.add_flag("json", &json, "print one JSON object on stdout instead of the table");
   if (!parser.parse(argc, argv, 1)) return 0;
 

@@ -52,8 +52,8 @@ int stream_command(int argc, char** argv) {
                    "loop's reads plus writes (no read-for-ownership), best and median of --repeat passes.");
   parser.add_int("size-mb", &size_mb, 1, "MiB per array (2^20 bytes; adam uses 4 arrays, copy 2)");
   parser.add_int("elements", &elements, 1, "fp32 elements per array, instead of --size-mb", "from --size-mb");
-  parser.add_int_list("threads", &threads, 1, "thread counts to measure, e.g. 1,2");
-  parser.add_int("repeat", &repeat, 1, "timed passes per measurement, after one warm-up pass");
+  parser.add_int_list("threads", &threads, 1, "thread counts to measure, e.g. 1,2", kMaxThreads);
+  parser.add_int("repeat", &repeat, 1, "timed passes per measurement, after one warm-up pass", "", kMaxRepeat);
   parser.add_choice_list("kernel", &kernels, {"copy", "triad", "adam"}, "kernels to run");
   parser.add_choice("stores", &stores, {"regular", "nt", "both"}, "store kind; nt = non-temporal");
   parser.add_choice("path", &path_name, {"auto", "scalar", "avx512"},

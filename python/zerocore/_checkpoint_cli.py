@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 import torch
 
@@ -21,17 +22,23 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
-          max_shard_size: int = 5 * 10**9) -> list[str]:
+          max_shard_size: int = 5 * 10**9, overwrite: bool = False) -> list[str]:
     """Writes the checkpoint's model (fp32 masters in ``dtype``; buffers and frozen parameters as saved) as
     Hugging Face safetensors: ``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
     ``max_shard_size`` bytes. One tensor at a time: each is assembled from the ranks' pieces (reading only
     the blocks that hold them, each checked), written and dropped, so the peak memory is a small multiple of
     the largest tensor. Tied parameters are written once. A checkpoint saved with
     ``exclude_frozen_parameters`` holds no frozen parameters, so neither does the output (load it over the
-    base model with ``strict=False``, as a LoRA adapter). Returns the files."""
+    base model with ``strict=False``, as a LoRA adapter). Returns the files.
+
+    ``out_dir`` may not be, hold or lie inside the checkpoint (its own ``model.safetensors`` would be
+    replaced), and a previous output in it is replaced only with ``overwrite=True``, which also removes
+    that output's files the new one does not have (a stale ``model.safetensors`` next to a new sharded index
+    would be loaded in its place). Both are refused before anything is written."""
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     path = os.path.join(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
+    _check_out_dir(out_dir, [checkpoint_dir, path])
     index = read_index(path)
     sources = piece_sources(index)
     target = _DTYPES[dtype]
@@ -47,6 +54,13 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
             size = 0
         shards[-1].append(entry)
         size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+             + ["model.safetensors.index.json"])
+    previous = _previous_output(out_dir)
+    if previous and not overwrite:
+        raise FileExistsError(f"{out_dir} already holds {', '.join(previous)}: pass --overwrite (overwrite=True) to "
+                              "replace that output, or choose another directory")
     io = stio.open_io(CHECKPOINT_IO)
     files = [open_file(io, path, entry) for entry in index["ranks"]]  # every file is checked before writing
     model = open_file(io, path, index["model_file"])
@@ -69,8 +83,7 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
 
         os.makedirs(out_dir, exist_ok=True)
         written, weight_map = [], {}
-        for i, shard in enumerate(shards):
-            name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        for name, shard in zip(names, shards):
             stio.write(os.path.join(out_dir, name), shard, tensor)
             written.append(name)
             weight_map.update({entry[0]: name for entry in shard})
@@ -82,13 +95,39 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
         write_durably(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
         written.append("model.safetensors.index.json")
+    for stale in set(previous) - set(names):  # only after the new output is complete
+        os.remove(os.path.join(out_dir, stale))
     return written
+
+
+# A file name to_hf writes: what a previous output in the same directory holds.
+_OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+
+
+def _previous_output(out_dir: str) -> list[str]:
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(name for name in os.listdir(out_dir) if _OUTPUT_NAME.fullmatch(name))
+
+
+def _check_out_dir(out_dir: str, checkpoint_paths: list[str]) -> None:
+    """Refuses an output directory that is, holds or lies inside a checkpoint path, symlinks resolved: the
+    output's model.safetensors would replace the checkpoint's own (or its files sit where a sharded output
+    lands), leaving it unloadable."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise NotADirectoryError(f"output {out_dir} exists and is not a directory")
+    out = os.path.realpath(out_dir)
+    for checkpoint in checkpoint_paths:
+        real = os.path.realpath(checkpoint)
+        if os.path.commonpath([out, real]) in (out, real):
+            raise ValueError(f"output {out_dir} overlaps the checkpoint {checkpoint} ({out} and {real}): "
+                             "writing there would overwrite the checkpoint's files; choose a directory outside it")
 
 
 # ---- command line -----------------------------------------------------------------------------------------
 def _info(path: str, tag: str | None) -> None:
-    if tag is None and os.path.exists(os.path.join(path, "latest")):
-        tag = read_bytes(os.path.join(path, "latest")).decode("utf-8").strip()
+    if tag is not None or os.path.exists(os.path.join(path, "latest")):
+        tag = resolve_tag(path, tag)  # latest's content is checked as a tag is: "../../etc" is not followed
     directory = os.path.join(path, tag) if tag else path
     index = read_index(directory)
     total = sum(sum(s["numel"] for s in r["shards"]) for r in index["ranks"])
@@ -114,19 +153,34 @@ def main(argv: list[str] | None = None) -> int:
     hf.add_argument("out_dir")
     hf.add_argument("--tag")
     hf.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
-    hf.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB, or bytes")
+    hf.add_argument("--max-shard-size", default="5GB", type=_parse_size, help="e.g. 5GB, 500MB, or bytes")
+    hf.add_argument("--overwrite", action="store_true",
+                    help="replace a previous to-hf output in OUT_DIR (its model*.safetensors and index)")
     args = parser.parse_args(argv)
-    if args.command == "info":
-        _info(args.checkpoint_dir, args.tag)
-    else:
-        written = to_hf(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, _parse_size(args.max_shard_size))
-        print("wrote " + ", ".join(os.path.join(args.out_dir, name) for name in written))
+    try:
+        if args.command == "info":
+            _info(args.checkpoint_dir, args.tag)
+        else:
+            written = to_hf(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, args.max_shard_size,
+                            args.overwrite)
+            print("wrote " + ", ".join(os.path.join(args.out_dir, name) for name in written))
+    except (ValueError, OSError) as error:  # a refusal or a damaged checkpoint: one line, as argparse does
+        parser.error(str(error))
     return 0
 
 
 def _parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``1.5GB`` or a number of bytes: a whole number of bytes >= 1."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    for unit, factor in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+    number, factor = text.strip(), 1
+    for unit, scale in units.items():
+        if number.upper().endswith(unit):
+            number, factor = number[: -len(unit)], scale
+            break
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB, or bytes)") from None
+    if not 1 <= value < 2**63:  # nan, inf, 0 and negatives fail here (a shard per tensor is 1)
+        raise argparse.ArgumentTypeError(f"a size must be at least 1 byte and finite, got {text!r}")
+    return int(value)

@@ -31,6 +31,8 @@ def open_file(io: Any, path: str, entry: Mapping[str, Any]) -> stio.VerifiedFile
 
 def read_index(path: str) -> dict[str, Any]:
     file = os.path.join(path, "index.json")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{path} is a file, not a checkpoint directory")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if not os.path.exists(file):
@@ -69,19 +71,25 @@ def index_bytes(index: Mapping[str, Any]) -> bytes:
 
 def resolve_tag(directory: str, tag: str | None) -> str:
     """``tag``, or the one ``directory/latest`` names; checked to be a plain directory name."""
+    source = "checkpoint tag"
     if tag is None:
         latest = os.path.join(directory, "latest")
         if not os.path.exists(latest):
             raise FileNotFoundError(f"{latest} does not exist (no checkpoint was completed in {directory}); pass "
                                     "tag= to load a specific one")
-        tag = read_bytes(latest).decode("utf-8").strip()
-    check_tag(tag)
+        try:
+            tag = read_bytes(latest).decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"{latest} is not text (not UTF-8): it should hold a checkpoint tag; pass tag= to load "
+                             "a specific one") from None
+        source = f"the tag in {latest}"
+    check_tag(tag, source)
     return tag
 
 
-def check_tag(tag: str) -> None:
+def check_tag(tag: str, source: str = "checkpoint tag") -> None:
     if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not starting with '.')")
+        raise ValueError(f"{source} {tag!r} must be a plain directory name (no '/', not starting with '.')")
 
 
 def read_bytes(path: str) -> bytes:

@@ -56,6 +56,7 @@ class GatherSpares:
                 self.held_bytes -= self._spares.pop(index).untyped_storage().nbytes()
             spare = torch.empty(0, dtype=torch.uint8)
             _C.move_storage(spare, full)
+            spare.resize_(nbytes)  # no allocation: the spare now covers its storage, as move_storage wants of a src
             self._spares.append(spare)
             self.held_bytes += nbytes
         else:

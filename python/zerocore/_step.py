@@ -1,7 +1,8 @@
 """The accumulation boundary's update: one collective for every verdict of the step (the global gradient
 norm for clipping, the fp16 overflow, parameters written on some ranks only, an unreadable NVMe state file,
-stage 3's deferred divergence checks), the fused Adam update with stages 1-2's all-gathers behind it, and
-the NVMe I/O verdicts that every rank learns alike (Note [Engine lifecycle] in engine.py).
+an unusable hyperparameter on some rank, stage 3's deferred divergence checks), the fused Adam update with
+stages 1-2's all-gathers behind it, and the NVMe I/O verdicts that every rank learns alike (Note [Engine
+lifecycle] in engine.py).
 
 Note [Writes to parameters]
 ---------------------------
@@ -40,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._model_checks import check_group_hyperparameters
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -61,11 +64,13 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     sum_of_squares = engine.optimizer_state.grad_sum_of_squares()
     store = engine.optimizer_state.store
     unusable = store.check_whole() if store is not None else None  # NVMe: checked before anything changes
+    bad_group = hyperparameter_problem(engine)
     # filled in place (torch.tensor(list, device=...) would copy from pageable memory: a second host sync)
-    verdicts = torch.zeros(3, dtype=torch.float64, device=sum_of_squares.device)
+    verdicts = torch.zeros(4, dtype=torch.float64, device=sum_of_squares.device)
     verdicts[0] = sum_of_squares
     verdicts[1] = float(bool(written))
     verdicts[2] = float(unusable is not None)
+    verdicts[3] = float(bad_group is not None)
     if engine.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
         verdicts = torch.cat([verdicts, engine.stage3.divergence.verdict().reshape(1).double()])
     # which parameters got a gradient on any rank (Note [Parameters without gradients]), last
@@ -76,7 +81,12 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     engine.host_syncs += 1
     without_grad = engine.gradients.names_without_grad(values[flags_at:])
     if engine.stage3 is not None:
-        engine.stage3.divergence.end_step(values[3] > 0, engine.stage3.step)
+        engine.stage3.divergence.end_step(values[4] > 0, engine.stage3.step)
+    if values[3] > 0:  # before anything moves (the loss scale included); engine.step() drops the gradients
+        if engine.stage3 is not None:  # shards unchanged, but the window's forward/backward is over
+            engine.stage3.end_forward_backward_step()
+        raise ValueError(f"the step was refused on every rank, nothing changed: "
+                         f"{bad_group or f'{int(values[3])} other rank(s) hold an unusable hyperparameter'}")
     if values[2] > 0:
         raise OSError(f"offload_optimizer: the step was refused on every rank, nothing changed: "
                       f"{unusable or f'{int(values[2])} other rank(s) cannot read their optimizer state file'}")
@@ -110,6 +120,17 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     if engine.stage3 is not None:
         engine.stage3.end_forward_backward_step()
     log_progress(engine)
+
+
+def hyperparameter_problem(engine: Engine) -> str | None:
+    """What is wrong with this rank's ``optimizer.param_groups`` (an lr set to NaN by hand or driven to inf by a
+    scheduler), or None. Groups are per rank, so the verdict travels with the step's all-reduce: raising here
+    on one rank alone would leave the others waiting in that collective."""
+    try:
+        check_group_hyperparameters(engine.optimizer.param_groups, where="optimizer.param_groups")
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def agree_on_state_files(engine: Engine) -> None:

@@ -44,8 +44,7 @@ from ._gathered import refuse_managed, unregister
 from ._gathered import register as register_managed
 from ._lifecycle import EngineState, Lifecycle
 from ._loss_scaler import LossScaler
-from ._model_checks import (check_group_hyperparameters, check_same_model_on_all_ranks, check_trainable_dtypes,
-                            collect_trainable)
+from ._model_checks import check_same_model_on_all_ranks, check_trainable_dtypes, collect_trainable
 from ._policy import StagePolicy
 from ._reports import comm_report, memory_report
 from ._sharded_buffer import ShardedBuffer
@@ -301,10 +300,8 @@ class Engine(DeepSpeedAccessors):
             raise RuntimeError("step() was called before backward(); call engine.backward(loss) first")
         life.require("step()", EngineState.AWAITING_STEP)
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary:  # a scheduler may have set anything since initialize: refuse before anything moves
-            check_group_hyperparameters(self.optimizer.param_groups, where="optimizer.param_groups")
-            if self.stage3 is not None:
-                self.stage3.refuse_while_held("step()")
+        if boundary and self.stage3 is not None:
+            self.stage3.refuse_while_held("step()")
         self.micro_steps += 1
         life.to(EngineState.IDLE)
         self.step_applied = False
@@ -315,7 +312,8 @@ class Engine(DeepSpeedAccessors):
                 self.optimizer.step()
             except BaseException as error:  # never added to the next window's gradients
                 self.zero_grad()
-                error.add_note("zerocore: this accumulation window's gradients were dropped")
+                error.add_note("zerocore: this accumulation window's gradients were dropped and the engine is ready "
+                               "for the next batch")
                 raise
             finally:
                 self._update_due = False

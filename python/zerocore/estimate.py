@@ -26,7 +26,7 @@ parameters (Note [External parameters]) or nests units whose own parameters are 
 can gather more or less than planned.
 
 Every rank's shard of a flat buffer has the same size (the layout pads every bucket to a multiple of
-``world_size * alignment``), so every rank holds the same bytes; ``per_rank`` lists them.
+``world_size * alignment``), so every rank holds the same bytes; ``per_rank`` lists them, planned once.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ._buckets import BucketSizes, stage3_prefetch_budget
+from ._config_values import INT64_MAX
 from ._construction import optimizer_state_for, reduction_wire_dtype
 from ._gather_spares import spare_capacity
 from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
@@ -148,7 +149,9 @@ def estimate_memory(
                              or not 0 <= rank < world):
         raise ValueError(f"rank must be None or an int in [0, {world}), got {rank!r}")
     plan = _plan(model_or_param_count, config, world, device, param_groups, units, strict, hidden_size)
-    ranks = [_rank_bytes(plan, r) for r in (range(world) if rank is None else [rank])]
+    # Every rank holds the same bytes (equal shards, Note [Memory estimate]), so one rank is planned: a loop over
+    # the ranks made --world 1000000000 run for hours to repeat one answer.
+    one = _rank_bytes(plan, 0 if rank is None else rank)
     result: dict[str, Any] = {
         "stage": plan.policy.stage,
         "world_size": world,
@@ -157,8 +160,10 @@ def estimate_memory(
         "compute_dtype": str(plan.config.compute_dtype).replace("torch.", ""),
         "psi": sum(b.trainable for b in plan.buffers),
         "psi_padded": sum(b.layout.total_size for b in plan.buffers),
-        **_max_over_ranks(ranks),
-        "where": {k: v for k, v in _where(plan).items() if k in ranks[0]["bytes"]},
+        "bytes": dict(one["bytes"]),
+        **{k: one[k] for k in ("nvme_file_bytes", "nvme_param_file_bytes", "total_bytes", "device_bytes",
+                               "host_bytes")},
+        "where": {k: v for k, v in _where(plan).items() if k in one["bytes"]},
         "optimizer_placement": "nvme" if plan.state.nvme is not None else plan.state.placement.type,
         # OptimizerState pins host state when this machine has CUDA; the estimate asks about the target device
         "pinned_host": plan.state.nvme is None and plan.state.placement.type == "cpu" and plan.device.type == "cuda"
@@ -167,8 +172,34 @@ def estimate_memory(
     }
     result["step"] = None if plan.approximate else _step_plan(plan, result["total_bytes"])
     if rank is None:
-        result["per_rank"] = ranks
+        result["per_rank"] = _EveryRank(one, world)
     return result
+
+
+class _EveryRank(Sequence[dict[str, Any]]):
+    """``per_rank``: every rank's bytes, ``world_size`` entries, each rank 0's with its own ``"rank"``; made on
+    access, so a world of any size costs one rank's planning."""
+
+    def __init__(self, one: dict[str, Any], world: int) -> None:
+        self._one, self._world = one, world
+
+    def __len__(self) -> int:
+        return self._world
+
+    def __getitem__(self, index: Any) -> Any:
+        ranks = range(self._world)[index]  # raises IndexError / TypeError as a list would
+        if isinstance(ranks, range):
+            return [self._entry(r) for r in ranks]
+        return self._entry(ranks)
+
+    def _entry(self, rank: int) -> dict[str, Any]:
+        return {**self._one, "rank": rank, "bytes": dict(self._one["bytes"])}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"_EveryRank(world_size={self._world}, bytes={self._one['bytes']})"
 
 
 # ---- the plan: the engine's decisions, without tensors -------------------------------------------------------
@@ -234,7 +265,10 @@ def _engine_device(model_device: torch.device | None, device: Any) -> torch.devi
     """The engine's device: the model's, or for a meta-device model (or a count) the current CUDA device if
     any, else the CPU; ``device`` overrides."""
     if device is not None:
-        where = torch.device(device)
+        try:
+            where = torch.device(device)
+        except (RuntimeError, TypeError) as error:  # torch names every device type it knows: one line is enough
+            raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}") from error
     elif model_device is not None and model_device.type != "meta":
         where = model_device
     else:
@@ -302,14 +336,6 @@ def _where(plan: _Plan) -> dict[str, str]:
     where.update({k: "device" if state_on_device else "host" for k in _STATE_KEYS})
     where.update({k: "host" for k in _HOST_KEYS})
     return where
-
-
-def _max_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ranks[0]["bytes"].keys()
-    out = {"bytes": {k: max(r["bytes"][k] for r in ranks) for k in keys}}
-    for key in ("nvme_file_bytes", "nvme_param_file_bytes", "total_bytes", "device_bytes", "host_bytes"):
-        out[key] = max(r[key] for r in ranks)
-    return out
 
 
 # ---- what a step allocates and frees again -----------------------------------------------------------------
@@ -407,8 +433,9 @@ def _width(dtype: torch.dtype) -> int:
 
 
 def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    # the layout counts in 64-bit elements: a larger value would reach it as a TypeError from pybind11
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= INT64_MAX:
+        raise ValueError(f"{name} must be an int in [1, 2**63 - 1], got {value!r}")
     return int(value)
 
 
@@ -416,8 +443,9 @@ def _param_count(value: Any) -> int:
     """A parameter count: an int, or an integral float (``7e9``)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"model_or_param_count must be an nn.Module or a number of parameters >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= INT64_MAX:
+        raise ValueError("model_or_param_count must be an nn.Module or a number of parameters in [1, 2**63 - 1], "
+                         f"got {value!r}")
     return int(value)
 
 
@@ -434,8 +462,8 @@ def _parse_count(text: str) -> int:
         value = int(number) * scale if number.isdigit() else float(number) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 7e9, 7B, 7000000000)") from None
-    if value != int(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"not a whole number of parameters >= 1: {text!r}")
+    if not 1 <= value <= INT64_MAX or value != int(value):  # inf and nan fail the range before int() sees them
+        raise argparse.ArgumentTypeError(f"not a whole number of parameters in [1, 2**63 - 1]: {text!r}")
     return int(value)
 
 
@@ -459,9 +487,8 @@ def _table(result: dict[str, Any], params: int) -> str:
         lines.append(f"  {'nvme file':<32}{_gib(result['nvme_file_bytes']):>18}    nvme")
     if result["nvme_param_file_bytes"]:
         lines.append(f"  {'nvme parameter file':<32}{_gib(result['nvme_param_file_bytes']):>18}    nvme")
-    ranks = result.get("per_rank")
-    if ranks and len({r["total_bytes"] for r in ranks}) == 1:
-        lines.append(f"every one of the {len(ranks)} ranks holds the same bytes")
+    if result.get("per_rank"):
+        lines.append(f"every one of the {result['world_size']} ranks holds the same bytes")
     lines += ["", "These are the bytes held between steps. A step adds gradient bucket buffers (and, in stage 3,",
               "gathered units): zerocore.estimate_memory(model, ...)['step'] plans them for a model (build it",
               "under torch.device('meta'))."]
@@ -497,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2, default=list))  # per_rank: every rank's entry
     else:
         print(_table(result, args.params))
     return 0

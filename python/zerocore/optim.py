@@ -30,6 +30,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from . import ops
+from ._model_checks import check_group_hyperparameters
 
 __all__ = ["CPUAdam", "FusedAdam"]
 
@@ -112,14 +113,14 @@ class _ZerocoreAdam(torch.optim.Optimizer):
 
     # -- parameter checks -------------------------------------------------------------------------------------
 
-    def _param_error(self, index: int, param: torch.Tensor) -> str | None:
-        """Why ``param`` (number ``index`` in state_dict order) cannot be optimized, or None when it can."""
+    def _param_error(self, label: str, param: torch.Tensor) -> str | None:
+        """Why ``param`` (``label``: ``param <index in state_dict order>``) cannot be optimized, or None."""
         name = type(self).__name__
         if param.device.type != self._device_type:
-            return (f"{name} updates {self._device_type.upper()} tensors only, but param {index} is on "
+            return (f"{name} updates {self._device_type.upper()} tensors only, but {label} is on "
                     f"{param.device}{self._other_hint}")
         if param.dtype not in _PARAM_DTYPES:
-            return (f"{name} supports float32, bfloat16 and float16 params, but param {index} is "
+            return (f"{name} supports float32, bfloat16 and float16 params, but {label} is "
                     f"{param.dtype}")
         return None
 
@@ -133,7 +134,7 @@ class _ZerocoreAdam(torch.optim.Optimizer):
         first_index = sum(len(group["params"]) for group in self.param_groups)
         super().add_param_group(param_group)
         for offset, param in enumerate(self.param_groups[-1]["params"]):
-            error = self._param_error(first_index + offset, param)
+            error = self._param_error(f"param {first_index + offset}", param)
             if error is not None:
                 del self.param_groups[-1]
                 raise ValueError(error)
@@ -214,55 +215,78 @@ class _ZerocoreAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        index = 0
-        for group in self.param_groups:
-            params: Iterable[torch.Tensor] = group["params"]
-            hyper = self._group_hyper(group)
-            for param in params:
-                param_index = index
-                index += 1
-                if param.grad is None:
-                    continue
-                self._update(param_index, param, hyper)
+        # Everything is checked before the first param is written: a refusal half-way through would leave some
+        # params (and their step counts) updated and the rest not, which no retry could repair.
+        for label, param, hyper in self._checked_work():
+            self._update(label, param, hyper)
         return loss
 
-    def _group_hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+    def _checked_work(self) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
+        """``(label, param, hyper)`` for every param with a gradient, after checking every group's
+        hyper-parameters and every such param, its gradient and its state; raises naming the group or the param
+        (its index in state_dict order and its place in ``param_groups``)."""
+        check_group_hyperparameters(self.param_groups)
+        work = []
+        index = 0
+        for g, group in enumerate(self.param_groups):
+            hyper = self._group_hyper(g, group)
+            for i, param in enumerate(group["params"]):
+                label = f"param {index} (param_groups[{g}]['params'][{i}])"
+                index += 1
+                if param.grad is not None:
+                    self._check_param(label, param)
+                    work.append((label, param, hyper))
+        return work
+
+    def _group_hyper(self, g: int, group: dict[str, Any]) -> dict[str, Any]:
         name = type(self).__name__
         if group.get("amsgrad", False):
-            raise ValueError(f"{name} does not support amsgrad=True")
+            raise ValueError(f"{name} does not support amsgrad=True (param_groups[{g}])")
         if group.get("maximize", False):
-            raise ValueError(f"{name} does not support maximize=True")
+            raise ValueError(f"{name} does not support maximize=True (param_groups[{g}])")
         beta1, beta2 = (_as_float(beta, "betas") for beta in group["betas"])
         return dict(
             lr=_as_float(group["lr"], "lr"),
             beta1=beta1,
             beta2=beta2,
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
+            eps=_as_float(group["eps"], "eps"),
+            weight_decay=_as_float(group["weight_decay"], "weight_decay"),
             adamw=bool(group["adamw_mode"]),
             bias_correction=bool(group["bias_correction"]),
         )
 
-    def _update(self, index: int, param: torch.Tensor, hyper: dict[str, Any]) -> None:
+    def _check_param(self, label: str, param: torch.Tensor) -> None:
         grad = param.grad
         assert grad is not None
         if grad.is_sparse or grad.layout != torch.strided:
             raise RuntimeError(
-                f"{type(self).__name__} does not support sparse gradients (param {index}); "
-                "consider torch.optim.SparseAdam"
+                f"{type(self).__name__} does not support sparse gradients ({label}); consider torch.optim.SparseAdam"
             )
-        error = self._param_error(index, param)
+        error = self._param_error(label, param)
         if error is not None:
             raise ValueError(error)
         if grad.dtype not in _GRAD_DTYPES:
-            raise ValueError(f"param {index}: gradient dtype {grad.dtype} is not float32, bfloat16 or float16")
+            raise ValueError(f"{label}: gradient dtype {grad.dtype} is not float32, bfloat16 or float16")
         if grad.device != param.device:
-            raise ValueError(f"param {index}: gradient is on {grad.device} but the param on {param.device}")
+            raise ValueError(f"{label}: gradient is on {grad.device} but the param on {param.device}")
+        if grad.shape != param.shape:  # grad.data = ... can give a param a gradient of another shape
+            raise ValueError(f"{label}: gradient has shape {tuple(grad.shape)} but the param {tuple(param.shape)}")
+        state = self.state.get(param, {})
+        for key in _FP32_STATE_KEYS:
+            value = state.get(key)
+            if isinstance(value, torch.Tensor) and (value.numel() != param.numel() or value.device != param.device):
+                raise ValueError(f"{label}: state[{key!r}] has {value.numel()} elements on {value.device} but the param "
+                                 f"{param.numel()} on {param.device} (a state dict of another model?)")
+        if "step" in state:
+            step = _as_float(state["step"], f"{label}: state['step']")
+            if not (math.isfinite(step) and step >= 0 and step == int(step)):
+                raise ValueError(f"{label}: state['step'] = {step} is not a whole number >= 0")
 
+    def _update(self, label: str, param: torch.Tensor, hyper: dict[str, Any]) -> None:
+        grad = param.grad
+        assert grad is not None
         state = self.state[param]
         fp32 = dict(dtype=torch.float32, device=param.device)
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key in ("exp_avg", "exp_avg_sq"):
             if key not in state:
                 state[key] = torch.zeros(param.shape, **fp32)
@@ -275,11 +299,8 @@ class _ZerocoreAdam(torch.optim.Optimizer):
                     del state["master_param"]  # does not round to the param: the param is the truth
             if "master_param" not in state:
                 state["master_param"] = param.detach().to(memory_format=torch.contiguous_format, copy=True, **fp32)
-
-        state["step"] += 1.0
-        step = state["step"].item()
-        if not math.isfinite(step) or step != int(step):
-            raise ValueError(f"param {index}: state['step'] = {step} is not a whole number")
+        # counted once the op has run: an op refusal (overlapping buffers) leaves the count as it was
+        step = int(_as_float(state["step"], "step")) + 1 if "step" in state else 1
 
         # The op takes dense, plainly stored tensors: a non-contiguous or lazily negated (x.neg() view) gradient
         # is resolved into a copy, and such a param is updated through one and written back.
@@ -287,15 +308,19 @@ class _ZerocoreAdam(torch.optim.Optimizer):
         direct = param.is_contiguous() and not param.is_neg()
         if param.dtype == torch.float32:
             target = param if direct else param.resolve_neg().contiguous()
-            ops.adam_step(target, grad, state["exp_avg"], state["exp_avg_sq"], step=int(step), **hyper)
+            ops.adam_step(target, grad, state["exp_avg"], state["exp_avg_sq"], step=step, **hyper)
             if target is not param:
                 param.copy_(target)
         else:
             out = param if direct else torch.empty(param.shape, dtype=param.dtype, device=param.device)
-            ops.adam_step(state["master_param"], grad, state["exp_avg"], state["exp_avg_sq"], step=int(step),
+            ops.adam_step(state["master_param"], grad, state["exp_avg"], state["exp_avg_sq"], step=step,
                           param_out=out, **hyper)
             if out is not param:
                 param.copy_(out)
+        if "step" in state:
+            state["step"] += 1.0
+        else:
+            state["step"] = torch.tensor(1.0, dtype=torch.float32)
 
 
 _DOC_ARGS = """
