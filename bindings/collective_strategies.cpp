@@ -56,6 +56,13 @@ void PendingCollective::wait() {
   }
 }
 
+void PendingCollective::widen_into(const at::Tensor& local_shard, const WidenedSum& into) {
+  local = local_shard;
+  deposit = into.destination;
+  prescale = into.prescale;
+  deposit_adds = into.accumulate;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Registries
 // ---------------------------------------------------------------------------------------------------------
@@ -254,17 +261,14 @@ class SendRecvReduceScatter final : public ReduceScatterStrategy {
 
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
     IssuedCollective out = exchange(group, b);
-    out.pending.accumulator = b.local_shard();
+    out.pending.sum_into_local_shard(b.local_shard());
     return out;
   }
 
   IssuedCollective issue_widening(c10d::ProcessGroup& group, const BucketCollective& b,
                                   const WidenedSum& into) override {
     IssuedCollective out = exchange(group, b);
-    out.pending.local = b.local_shard();
-    out.pending.deposit = into.destination;
-    out.pending.prescale = into.prescale;
-    out.pending.deposit_adds = into.accumulate;
+    out.pending.widen_into(b.local_shard(), into);
     return out;
   }
 

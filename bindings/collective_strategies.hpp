@@ -17,6 +17,8 @@
 
 namespace zerocore::bindings {
 
+struct WidenedSum;
+
 // An issued collective and the buffer it fills; wait() blocks until it is done on this rank.
 struct PendingCollective {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -36,6 +38,12 @@ struct PendingCollective {
   std::function<void()> finish;  // when set: wait() runs it last (a quantized collective's dequantization)
 
   void wait();
+
+  // What wait() does with a point-to-point reduce-scatter's received shards (`addends`), or with none: adds
+  // them into this rank's shard of the bucket, or (Note [Widening reduce-scatter]) widens, scales and sums them
+  // with that shard into `into`.
+  void sum_into_local_shard(const at::Tensor& local_shard) { accumulator = local_shard; }
+  void widen_into(const at::Tensor& local_shard, const WidenedSum& into);
 };
 
 // Where a widening reduce-scatter leaves its result (Note [Widening reduce-scatter]): this rank's shard summed
@@ -91,6 +99,9 @@ inline constexpr const char* kSharedMemoryAlgorithm = "shared_memory";
 // Opens a shared-memory channel among the ranks of `group` (a collective: every rank calls it at the same point).
 // Returns null on every rank alike when any rank cannot, with the reason in `why_not`.
 std::shared_ptr<SharedMemoryChannel> open_shared_memory_channel(c10d::ProcessGroup& group, std::string& why_not);
+// An exchange in which every rank sends the same message, its own slot, to every peer and receives peer r's
+// into slots[r] (an all-gather's shape; slots[rank] is the message).
+SharedMemoryExchange one_message_for_all(int rank, const std::vector<void*>& slots, size_t bytes);
 // Queues `exchange` on `channel`; the Work's wait() returns once it is done (rethrowing its error). The Work owns
 // `buffers`, the tensors the exchange reads and writes, and a Work dropped unwaited waits for the exchange first.
 c10::intrusive_ptr<c10d::Work> exchange_through_shared_memory(SharedMemoryChannel& channel,

@@ -54,12 +54,7 @@ PendingCollective Comm::issue_bucket(CollectiveStrategy& strategy, const char* o
     PendingCollective nothing;
     nothing.buffer = bucket;
     nothing.tag = tag;
-    if (widen) {  // the sum over one rank: wait() widens, scales and deposits the local shard
-      nothing.local = geometry.local_shard();
-      nothing.deposit = widen->destination;
-      nothing.prescale = widen->prescale;
-      nothing.deposit_adds = widen->accumulate;
-    }
+    if (widen) nothing.widen_into(geometry.local_shard(), *widen);  // the sum over one rank: widened, scaled, deposited
     return nothing;
   }
   // `widen` comes only from reduce_scatter_widened, whose strategy is the reduce-scatter one

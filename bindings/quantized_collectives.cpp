@@ -100,15 +100,9 @@ class QuantizedAllGather final : public AllGatherStrategy {
     IssuedCollective out;
     at::Tensor input;  // the backend's all-gather reads a copy of this rank's message
     if (channel_ && packed.device().is_cpu()) {
-      SharedMemoryExchange x;
-      x.send.assign(b.world_size, slots[b.rank].data_ptr());
-      x.send[b.rank] = nullptr;
-      x.recv.assign(b.world_size, nullptr);
-      for (int r = 0; r < b.world_size; ++r) {
-        if (r != b.rank) x.recv[r] = slots[r].data_ptr();
-      }
-      x.bytes = static_cast<size_t>(packing.bytes);
-      x.same_for_all = true;
+      std::vector<void*> messages;
+      for (const at::Tensor& slot : slots) messages.push_back(slot.data_ptr());
+      SharedMemoryExchange x = one_message_for_all(b.rank, messages, static_cast<size_t>(packing.bytes));
       out.pending.works.push_back(exchange_through_shared_memory(*channel_, std::move(x), {packed}));
       out.backend_calls = 0;
     } else if (is_gloo(group)) {

@@ -92,7 +92,7 @@ class SharedMemoryReduceScatter final : public ReduceScatterStrategy {
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
     if (!usable(b)) return fallback_->issue(group, b);
     IssuedCollective out = exchange(b);
-    out.pending.accumulator = b.local_shard();
+    out.pending.sum_into_local_shard(b.local_shard());
     return out;
   }
 
@@ -100,10 +100,7 @@ class SharedMemoryReduceScatter final : public ReduceScatterStrategy {
                                   const WidenedSum& into) override {
     if (!usable(b)) return fallback_->issue_widening(group, b, into);
     IssuedCollective out = exchange(b);
-    out.pending.local = b.local_shard();
-    out.pending.deposit = into.destination;
-    out.pending.prescale = into.prescale;
-    out.pending.deposit_adds = into.accumulate;
+    out.pending.widen_into(b.local_shard(), into);
     return out;
   }
 
@@ -152,15 +149,10 @@ class SharedMemoryAllGather final : public AllGatherStrategy {
 
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
     if (!channel_ || !b.bucket.device().is_cpu()) return fallback_->issue(group, b);
-    SharedMemoryExchange x;
-    x.send.assign(b.world_size, shard_pointer(b, b.rank));
-    x.send[b.rank] = nullptr;
-    x.recv.assign(b.world_size, nullptr);
-    for (int peer = 0; peer < b.world_size; ++peer) {
-      if (peer != b.rank) x.recv[peer] = shard_pointer(b, peer);
-    }
-    x.bytes = static_cast<size_t>(b.shard * b.bucket.element_size());
-    x.same_for_all = true;
+    std::vector<void*> shards;
+    for (int r = 0; r < b.world_size; ++r) shards.push_back(shard_pointer(b, r));
+    SharedMemoryExchange x =
+        one_message_for_all(b.rank, shards, static_cast<size_t>(b.shard * b.bucket.element_size()));
     IssuedCollective out;
     out.pending.works.push_back(exchange_through_shared_memory(*channel_, std::move(x), {b.bucket}));
     out.pending.buffer = b.bucket;
@@ -176,6 +168,18 @@ class SharedMemoryAllGather final : public AllGatherStrategy {
 const RegisterStrategy<SharedMemoryAllGather> kRegisterSharedMemoryAllGather({"gloo"});
 
 }  // namespace
+
+SharedMemoryExchange one_message_for_all(int rank, const std::vector<void*>& slots, size_t bytes) {
+  SharedMemoryExchange x;
+  const int world = static_cast<int>(slots.size());
+  x.send.assign(world, slots[rank]);
+  x.recv = slots;
+  x.send[rank] = nullptr;
+  x.recv[rank] = nullptr;
+  x.bytes = bytes;
+  x.same_for_all = true;
+  return x;
+}
 
 c10::intrusive_ptr<c10d::Work> exchange_through_shared_memory(SharedMemoryChannel& channel,
                                                              SharedMemoryExchange exchange,
