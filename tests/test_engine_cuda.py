@@ -211,13 +211,17 @@ def test_a_steady_state_step_syncs_the_host_once(stage):
 
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_write_through_data_is_kept_on_cuda(stage):
+@pytest.mark.parametrize("stage, offload", [(1, "none"), (3, "none"), (1, "cpu"), (2, "nvme")])
+def test_a_write_through_data_is_kept_on_cuda(stage, offload, tmp_path):
     """Note [Writes through .data]: on the device the master takes such writes without a host sync (the
     steady-state test above counts the syncs with these merges in place). Stage 3: a parameter of a unit
-    kept whole between backward and step; the sharded ones refuse .data by name."""
+    kept whole between backward and step; the sharded ones refuse .data by name. Offloaded, the master on the
+    host takes them from the host copy of the shard the step makes anyway."""
     model = build("transformer").cuda()
-    engine = zerocore.initialize(model, make_config(stage, bf16={"enabled": True}))
+    config = make_config(stage, bf16={"enabled": True})
+    if offload != "none":
+        config["zero_optimization"]["offload_optimizer"] = {"device": offload, "nvme_path": str(tmp_path)}
+    engine = zerocore.initialize(model, config)
     generator = torch.Generator().manual_seed(0)
     inputs, target = (t.cuda() for t in batch("transformer", generator, size=16))
     for _ in range(2):

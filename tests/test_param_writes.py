@@ -24,9 +24,11 @@ class Net(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-def _config(stage: int, dtype: str, lr: float) -> dict:
+def _config(stage: int, dtype: str, lr: float, offload: str = "none", nvme_path: str = "") -> dict:
     config = {"optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10**9}}
+    if offload != "none":
+        config["zero_optimization"]["offload_optimizer"] = {"device": offload, "nvme_path": nvme_path}
     if dtype != "fp32":
         config[dtype] = {"enabled": True}
     return config
@@ -175,13 +177,14 @@ def test_changes_inside_gathered_without_modifier_rank_are_discarded(stage, dtyp
     assert all(run_ranks(discard_worker, 2, stage, dtype))
 
 
-def data_write_worker(rank: int, world: int, stage: int, dtype: str, when: str) -> bool:
+def data_write_worker(rank: int, world: int, stage: int, dtype: str, when: str, offload: str = "none",
+                      nvme_path: str = "") -> bool:
     """A write through ``.data`` alone (no version counter moves: Note [Writes through .data]), between steps
     or between backward and step, as EMA swaps and weight clamps do it, is kept and trained from."""
     torch.manual_seed(0)
     model = Net()
     target = torch.linspace(-1, 1, model.fc1.weight.numel()).view_as(model.fc1.weight)
-    engine = zerocore.initialize(model, _config(stage, dtype, lr=1e-2))
+    engine = zerocore.initialize(model, _config(stage, dtype, 1e-2, offload, nvme_path))
     _train(engine, rank, 2)
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0
@@ -211,6 +214,15 @@ def data_write_worker(rank: int, world: int, stage: int, dtype: str, when: str) 
 @pytest.mark.parametrize("when", ["between steps", "before step"])
 def test_a_write_through_data_is_kept(stage, dtype, when):
     assert all(run_ranks(data_write_worker, 2, stage, dtype, when))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_a_write_through_data_is_kept_with_the_optimizer_state_offloaded(stage, dtype, offload, tmp_path):
+    """The master lives in host memory or in a file: the write still reaches it (on NVMe, inside the step's
+    read-update-write pipeline) instead of being reverted by the update."""
+    assert all(run_ranks(data_write_worker, 2, stage, dtype, "before step", offload, str(tmp_path)))
 
 
 class WritesInForward(nn.Module):

@@ -273,21 +273,16 @@ class OptimizerState:
         element that no longer equals its own rounding (the others keep their fp32 bits)."""
         if shard.separate_master:
             with self.resident(shard, write=True) as state:
-                master = state["master"]
-                params = shard.params.to(master.device)
-                # in blocks: temporaries of a block, not of the shard (several GB at a 7B model's shard)
-                block = _WRITE_CHECK_BLOCK if master.device.type == "cpu" else 64 * _WRITE_CHECK_BLOCK
-                for lo in range(0, master.numel(), block):
-                    m, p = master[lo : lo + block], params[lo : lo + block]
-                    m.copy_(torch.where(m.to(p.dtype) == p, m, p.to(torch.float32)))
+                _merge_written(state["master"], shard.params.to(state["master"].device))
 
     def absorb_untracked_writes(self, shard: Shard) -> None:
         """Writes through ``p.data`` (``p.data.copy_(ema)``) move no version counter (Note [Writes through
         .data] in _step.py): where the master lives beside the compute-dtype parameters, an element that no
         longer equals its master's rounding was written, and the master takes it. On the CPU a comparison
         first (one read of each, in blocks), so the master is rewritten only when something changed; on a GPU
-        the merge itself (no host sync). Not checked with the state on NVMe or on another device than the
-        parameters (a read of the whole state per step)."""
+        the merge itself (no host sync). With the state on NVMe or on the host beside a GPU's parameters,
+        ``step()`` does it as each piece of state comes to hand (a read of the whole state here would double
+        the step's I/O)."""
         if not shard.separate_master or self.store is not None or shard.params.device != shard.master.device:
             return
         if shard.params.device.type == "cpu" and _matches_rounding(shard.params, shard.master):
@@ -349,8 +344,13 @@ class OptimizerState:
                     grads = grads.to(self.placement)
                 out = None
                 if shard.separate_master and params.dtype != torch.float32:
-                    out = params if on_host else (torch.empty(params.shape, dtype=params.dtype) if plan is None
-                                                  else params.to(self.placement))
+                    # the 16-bit values as they are now; the update rewrites them from the master, which first
+                    # takes what was written through .data since the last step (Note [Writes through .data]).
+                    # Offloaded stage-3 shards were loaded for the step, not as written: their writes were taken
+                    # when their units were released.
+                    out = params if on_host else params.to(self.placement)
+                    if shard.param_home is None:
+                        _take_untracked_writes(master, out)
                 calls = self._group_slices([(shard, group.start, group.end, master, grads,
                                              views["exp_avg"], views["exp_avg_sq"], out)], plan)
                 self._update(calls, param_groups, grad_scale)
@@ -371,8 +371,9 @@ class OptimizerState:
             staging = self._staged.get(index)
             if staging is not None:  # offloaded from a GPU: the gradients come over, the parameters go back
                 staging[0].copy_(shard.grads)
-                if staging[1] is not None and plan is not None:  # what the kernel leaves alone goes back as it was
-                    staging[1].copy_(shard.params)
+                if staging[1] is not None:  # what the kernel leaves alone goes back as it was; .data writes
+                    staging[1].copy_(shard.params)  # reach the master (Note [Writes through .data])
+                    _take_untracked_writes(shard.master, staging[1])
             self._update(calls, param_groups, grad_scale)
             if staging is not None:
                 shard.params.copy_(staging[1] if staging[1] is not None else shard.master, non_blocking=True)
@@ -479,6 +480,22 @@ def _matches_rounding(params: torch.Tensor, master: torch.Tensor) -> bool:
         if not bitwise_equal(params[lo:hi], rounded):
             return False
     return True
+
+
+def _merge_written(master: torch.Tensor, params: torch.Tensor) -> None:
+    """The fp32 ``master`` takes every element of the 16-bit ``params`` (same device) that no longer equals its
+    rounding; the others keep their fp32 bits. In blocks: temporaries of a block, not of the shard (several GB
+    at a 7B model's shard)."""
+    block = _WRITE_CHECK_BLOCK if master.device.type == "cpu" else 64 * _WRITE_CHECK_BLOCK
+    for lo in range(0, master.numel(), block):
+        m, p = master[lo : lo + block], params[lo : lo + block]
+        m.copy_(torch.where(m.to(p.dtype) == p, m, p.to(torch.float32)))
+
+
+def _take_untracked_writes(master: torch.Tensor, params: torch.Tensor) -> None:
+    """On the host: a comparison first (one read of each, in blocks), a merge only where something changed."""
+    if not _matches_rounding(params, master):
+        _merge_written(master, params)
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

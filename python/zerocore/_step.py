@@ -23,12 +23,14 @@ new tensor with its own), and ``p.data = t`` gives the parameter other storage. 
 storage (``ShardedBuffer.reattach_rebound``). The first needs the values: where the parameters are the
 master (fp32 at stages 1-2) nothing is lost; where 16-bit parameters sit beside an fp32 master (stages 1-2),
 every element of this rank's shard that no longer equals its master's rounding was written, and each step
-the master takes those (``OptimizerState.absorb_untracked_writes``), as it takes version-tracked writes; a
-stage-3 unit kept gathered is compared with its shard, bit for bit. Every rank checks its own shard, so such
-writes do not enter the some-ranks-only verdict above. Not seen: writes through ``.data`` to a stage-3 unit
-gathered through qwZ (its values are quantized) or whose shard is on NVMe, and to 16-bit parameters whose
-optimizer state is on NVMe or on another device; write those under ``torch.no_grad()`` without ``.data``, or
-inside ``zerocore.gathered(..., modifier_rank=0)``.
+the master takes those (``OptimizerState.absorb_untracked_writes``), as it takes version-tracked writes; with
+the master on NVMe or in host memory beside a GPU's parameters, the step does the same as each piece of
+state comes to hand (inside the NVMe pipeline, after a sub-group's read; on the host copy of a GPU shard), so
+no extra pass over the state. A stage-3 unit kept gathered is compared with its shard, bit for bit. Every rank
+checks its own shard, so such writes do not enter the some-ranks-only verdict above. Not seen: writes through
+``.data`` to a stage-3 unit gathered through qwZ (its values are quantized) or whose shard is on NVMe
+(``offload_param``); write those under ``torch.no_grad()`` without ``.data``, or inside
+``zerocore.gathered(..., modifier_rank=0)``.
 """
 
 from __future__ import annotations
