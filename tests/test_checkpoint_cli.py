@@ -88,6 +88,18 @@ def test_a_bad_max_shard_size_is_a_usage_error(size, checkpoint, tmp_path, capsy
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("size", [0, -5, 2.5, True, None, "abc", "0.1B"])
+def test_to_hf_from_python_refuses_a_bad_max_shard_size_before_writing(size, checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="max_shard_size"):
+        zerocore.checkpoint.to_hf(str(checkpoint), str(tmp_path / "hf"), max_shard_size=size)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_to_hf_from_python_takes_a_size_string_as_save_pretrained_does(checkpoint, tmp_path):
+    written = zerocore.checkpoint.to_hf(str(checkpoint), str(tmp_path / "hf"), max_shard_size="100B")
+    assert "model.safetensors.index.json" in written and len(written) > 2
+
+
 def _copy_with_latest(checkpoint: Path, tmp_path: Path, latest: bytes) -> Path:
     import shutil
 

@@ -220,6 +220,7 @@ def test_the_cost_does_not_grow_with_the_world_size(capsys):
     (["--world", "99999999999999999999999"], "world_size must be an int in [1, 2**63 - 1]"),
     (["--world", "144115188075855872"], "world_size * alignment overflows"),
     (["--device", "tpu"], "device must be 'cuda', 'cuda:N' or 'cpu', got 'tpu'"),
+    (["--hidden-size", "-5"], "hidden_size must be an int in [1, 2**63 - 1], got -5"),  # even with no "auto" key
 ])
 def test_cli_bad_arguments_are_one_error_line_and_exit_code_2(args, message, capsys):
     """Finding: these ended in OverflowError, pybind11's TypeError or torch's RuntimeError tracebacks."""

@@ -348,3 +348,58 @@ def test_ready_tracker_construction_is_a_value_error_or_a_valid_tracker(param_bu
     launched = [b for p in range(len(param_bucket)) for b in tracker.mark_ready(p)]
     rest, unmarked = tracker.finalize()
     assert launched + rest == launch_order and unmarked == []
+
+
+# ---- the low-level API's plain arguments (zerocore._arguments) ---------------------------------------------
+
+_X = torch.randn(64)
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda: ops.quantize(_X, 8.0), "bits"),
+    (lambda: ops.quantize(_X, True), "bits"),
+    (lambda: ops.quantize(_X, 8, 2.5), "group_size"),
+    (lambda: ops.dequantize(*ops.quantize(_X, 8, 4), 64.0, 8, 4), "numel"),
+    (lambda: ops.dequantize(*ops.quantize(_X, 4, 4), 64, 4, False), "group_size"),
+    (lambda: ops.set_num_threads(2.5), "num_threads"),
+    (lambda: ops.set_num_threads(10**9), "num_threads"),
+    (lambda: ops.adam_step(*_adam_args(), step=True, lr=1e-3), "step"),
+    (lambda: ops.multi_tensor_adam_step(*([t] for t in _adam_args()), step=True, lr=1e-3), "step"),
+    (lambda: zerocore.layout.FlatLayout([3, 2], 2.0, 1, 8), "world_size"),
+    (lambda: zerocore.layout.FlatLayout([3, 2], 2, True, 8), "alignment"),
+    (lambda: zerocore.layout.FlatLayout([3, 2], 2, 1, 8.5), "bucket_cap"),
+    (lambda: zerocore.layout.FlatLayout(None, 2, 1, 8), "sizes"),
+    (lambda: zerocore.layout.FlatLayout([3, 2], 2, 1, 8).pieces(0.0), "rank"),
+])
+def test_a_float_or_bool_where_an_int_belongs_is_refused_by_name_not_truncated(call, named):
+    before = ops.get_num_threads()
+    with pytest.raises(ValueError, match=rf"\b{named} must be"):
+        call()
+    assert ops.get_num_threads() == before
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda: ops.quantize(None), "x"),
+    (lambda: ops.dequantize(None, torch.ones(1), 4, 8, 4), "q"),
+    (lambda: ops.dequantize(torch.zeros(4, dtype=torch.int8), None, 4, 8, 4), "scales"),
+    (lambda: ops.dequantize(*ops.quantize(_X, 8, 4), 64, 8, 4, out=[0.0] * 64), "out"),
+    (lambda: ops.all_finite(None), "grad"),
+    (lambda: ops.multi_tensor_all_finite([_X, None]), r"grads\[1\]"),
+    (lambda: ops.multi_tensor_all_finite(_X), "grads"),
+    (lambda: ops.adam_step(None, *_adam_args()[1:], step=1, lr=1e-3), "param"),
+    (lambda: ops.adam_step(*_adam_args(), step=1, lr=1e-3, param_out=[0]), "param_out"),
+    (lambda: ops.multi_tensor_adam_step([_X.clone()], [None], [torch.zeros(64)], [torch.zeros(64)], step=1, lr=1e-3),
+     r"grads\[0\]"),
+    (lambda: ops.multi_tensor_adam_step([_X.clone()], [_X], [torch.zeros(64)], [torch.zeros(64)], step=1, lr=1e-3,
+                                        param_outs=["x"]), r"param_outs\[0\]"),
+])
+def test_none_or_a_non_tensor_where_a_tensor_belongs_is_a_type_error_naming_it(call, named):
+    with pytest.raises(TypeError, match=rf"^{named} must be"):
+        call()
+
+
+def test_integer_like_arguments_are_accepted():
+    q, scales = ops.quantize(_X, torch.tensor(8), torch.tensor(16))
+    assert torch.equal(ops.dequantize(q, scales, torch.tensor(64), 8, 16), ops.dequantize(q, scales, 64, 8, 16))
+    layout = zerocore.layout.FlatLayout(torch.tensor([3, 2]), torch.tensor(2), 1, 8)
+    assert layout.world_size == 2 and layout.shard_range(torch.tensor(0), 1) == layout.shard_range(0, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import numbers
 import os
 import re
 
@@ -22,10 +23,10 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
-          max_shard_size: int = 5 * 10**9, overwrite: bool = False) -> list[str]:
+          max_shard_size: int | str = 5 * 10**9, overwrite: bool = False) -> list[str]:
     """Writes the checkpoint's model (fp32 masters in ``dtype``; buffers and frozen parameters as saved) as
     Hugging Face safetensors: ``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
-    ``max_shard_size`` bytes. One tensor at a time: each is assembled from the ranks' pieces (reading only
+    ``max_shard_size`` (bytes, or a string as ``save_pretrained`` takes it: ``"5GB"``, ``"500MB"``). One tensor at a time: each is assembled from the ranks' pieces (reading only
     the blocks that hold them, each checked), written and dropped, so the peak memory is a small multiple of
     the largest tensor. Tied parameters are written once. A checkpoint saved with
     ``exclude_frozen_parameters`` holds no frozen parameters, so neither does the output (load it over the
@@ -37,6 +38,7 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
     would be loaded in its place). Both are refused before anything is written."""
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    max_shard_size = _shard_size(max_shard_size)
     path = os.path.join(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
     _check_out_dir(out_dir, [checkpoint_dir, path])
     index = read_index(path)
@@ -167,6 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:  # a refusal or a damaged checkpoint: one line, as argparse does
         parser.error(str(error))
     return 0
+
+
+def _shard_size(value: int | str) -> int:
+    """``to_hf``'s ``max_shard_size`` from Python: what the command line takes, or an int of bytes >= 1."""
+    if isinstance(value, str):
+        try:
+            return _parse_size(value)
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"max_shard_size: {error}") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value < 2**63:
+        raise ValueError(f"max_shard_size must be a number of bytes >= 1 or a size such as '5GB', got {value!r}")
+    return int(value)
 
 
 def _parse_size(text: str) -> int:

@@ -82,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 config.zero_optimization, stage=args.stage))
         if args.bf16:
             config = dataclasses.replace(config, bf16=True)
-        result = estimate_memory(args.params, config, args.world, args.rank, device=args.device)
+        result = estimate_memory(args.params, config, args.world, args.rank, device=args.device,
+                                 hidden_size=args.hidden_size)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

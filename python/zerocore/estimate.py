@@ -145,6 +145,8 @@ def estimate_memory(
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral)
                              or not 0 <= rank < world):
         raise ValueError(f"rank must be None or an int in [0, {world}), got {rank!r}")
+    if hidden_size is not None:  # checked even where no "auto" value uses it: a typo must not pass unseen
+        hidden_size = _positive_int(hidden_size, "hidden_size")
     plan = _plan(model_or_param_count, config, world, device, param_groups, units, strict, hidden_size)
     # Every rank holds the same bytes (equal shards, Note [Memory estimate]), so one rank is planned: a loop over
     # the ranks made --world 1000000000 run for hours to repeat one answer.

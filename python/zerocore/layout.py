@@ -9,12 +9,12 @@ the concatenation of its bucket shards.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from ._arguments import as_int
 from ._native import _C
 
 
@@ -57,11 +57,11 @@ class FlatLayout:
 
     def __init__(self, sizes: Sequence[int] | torch.Tensor, world_size: int, alignment: int, bucket_cap: int):
         if not isinstance(sizes, torch.Tensor):
-            sizes = list(sizes)
-            for index, size in enumerate(sizes):
-                if isinstance(size, bool) or not isinstance(size, int) and not hasattr(size, "__index__"):
-                    raise ValueError(f"sizes[{index}] must be an int, got {size!r}")
-        self._native = _C.FlatLayout(sizes, int(world_size), int(alignment), int(bucket_cap))
+            if not hasattr(sizes, "__iter__"):
+                raise ValueError(f"sizes must be a sequence of ints or a tensor, got {sizes!r}")
+            sizes = [as_int(f"sizes[{index}]", size) for index, size in enumerate(sizes)]
+        self._native = _C.FlatLayout(sizes, as_int("world_size", world_size), as_int("alignment", alignment),
+                                     as_int("bucket_cap", bucket_cap))
         self._buckets: list[Bucket] | None = None
 
     @property
@@ -119,8 +119,8 @@ class FlatLayout:
     def pieces_tensor(self, rank: int, bucket: int | None = None) -> torch.Tensor:
         """``[pieces, 6]`` int64 with the fields of :class:`Piece` for ``rank`` (in one bucket if given)."""
         if bucket is None:
-            return self._native.rank_pieces(int(rank))
-        return self._native.bucket_rank_pieces(int(bucket), int(rank))
+            return self._native.rank_pieces(as_int("rank", rank))
+        return self._native.bucket_rank_pieces(as_int("bucket", bucket), as_int("rank", rank))
 
     def pieces(self, rank: int, bucket: int | None = None) -> list[Piece]:
         """The places where tensors meet ``rank``'s shard, in shard order."""
@@ -133,10 +133,7 @@ class FlatLayout:
             IndexError: ``bucket`` outside ``[0, num_buckets)`` (a negative one does not count from the end).
             ValueError: ``rank`` outside ``[0, world_size)``, or either is not an int.
         """
-        for name, value in (("bucket", bucket), ("rank", rank)):
-            if isinstance(value, bool) or not hasattr(value, "__index__"):
-                raise ValueError(f"{name} must be an int, got {value!r}")
-        bucket, rank = operator.index(bucket), operator.index(rank)
+        bucket, rank = as_int("bucket", bucket), as_int("rank", rank)
         if not 0 <= bucket < self.num_buckets:
             raise IndexError(f"bucket must be in [0, {self.num_buckets}), got {bucket}")
         if not 0 <= rank < self.world_size:

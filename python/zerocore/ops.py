@@ -7,11 +7,16 @@ The kernels are torch ops (``torch.ops.zerocore.adam_step_``) with fake kernels,
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 
 import torch
 
+from ._arguments import as_int, as_tensor, as_tensors
 from ._native import _C
+
+# A kernel pool larger than the machine's hardware threads only adds switching; far larger is a typo
+_MAX_THREADS = max(1024, os.cpu_count() or 1)
 
 __all__ = [
     "adam_step",
@@ -80,12 +85,14 @@ def adam_step(
             mode, or a hyper-parameter out of range (lr, eps, weight_decay and grad_scale must be finite).
         RuntimeError: a written tensor requires grad while grad mode is on (step under ``torch.no_grad()``).
     """
+    if isinstance(step, bool):
+        raise ValueError(f"step must be a whole number >= 1, got {step!r}")
     skipped = torch.ops.zerocore.adam_step_(
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        param_out,
+        as_tensor("param", param),
+        as_tensor("grad", grad),
+        as_tensor("exp_avg", exp_avg),
+        as_tensor("exp_avg_sq", exp_avg_sq),
+        None if param_out is None else as_tensor("param_out", param_out),
         step=float(step),
         lr=float(lr),
         beta1=float(beta1),
@@ -102,7 +109,7 @@ def adam_step(
 
 def all_finite(grad: torch.Tensor) -> bool:
     """True when every element of ``grad`` is finite; on the CPU it reads only ``grad``, once."""
-    if grad.device.type == "cpu":
+    if as_tensor("grad", grad).device.type == "cpu":
         return _C.all_finite(grad.contiguous())
     return bool(torch.isfinite(grad).all().item())
 
@@ -148,12 +155,19 @@ def multi_tensor_adam_step(
             or naming the offending element (e.g. ``grads[3]``) for a wrong dtype, device, size, layout,
             a lazily negated view or overlapping buffers.
     """
+    if isinstance(step, bool):
+        raise ValueError(f"step must be a whole number >= 1, got {step!r}")
+    if param_outs is not None:
+        param_outs = list(param_outs)
+        for index, out in enumerate(param_outs):
+            if out is not None:
+                as_tensor(f"param_outs[{index}]", out)
     _C.multi_tensor_adam_step(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        None if param_outs is None else list(param_outs),
+        as_tensors("params", params),
+        as_tensors("grads", grads),
+        as_tensors("exp_avgs", exp_avgs),
+        as_tensors("exp_avg_sqs", exp_avg_sqs),
+        param_outs,
         step=float(step),
         lr=float(lr),
         beta1=float(beta1),
@@ -177,7 +191,7 @@ def multi_tensor_all_finite(grads: Sequence[torch.Tensor]) -> bool | torch.Tenso
     Raises:
         ValueError: naming the offending element (e.g. ``grads[2]``) for a wrong dtype or device.
     """
-    return _C.multi_tensor_all_finite([g.contiguous() for g in grads])
+    return _C.multi_tensor_all_finite([g.contiguous() for g in as_tensors("grads", grads)])
 
 
 def quantize(x: torch.Tensor, bits: int = 8, group_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,11 +216,12 @@ def quantize(x: torch.Tensor, bits: int = 8, group_size: int = 2048) -> tuple[to
         ValueError: if ``x`` holds inf or NaN (naming how many and the flat index of the first; nothing is
             quantized silently), or for a bad ``bits``, ``group_size``, dtype or device.
     """
-    flat = x.contiguous().view(-1)
+    bits, group_size = as_int("bits", bits), as_int("group_size", group_size)
+    flat = as_tensor("x", x).contiguous().view(-1)
     n = flat.numel()
-    q = torch.empty(_C.quantized_bytes(n, int(bits)), dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device)
-    scales = torch.empty(_C.quantize_num_groups(n, int(group_size)), dtype=torch.float32, device=x.device)
-    count, first = _C.quantize(flat, int(bits), int(group_size), q, scales)
+    q = torch.empty(_C.quantized_bytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device)
+    scales = torch.empty(_C.quantize_num_groups(n, group_size), dtype=torch.float32, device=x.device)
+    count, first = _C.quantize(flat, bits, group_size, q, scales)
     if count:
         raise ValueError(
             f"quantize: the input holds {count} non-finite value(s) (inf or NaN), the first at flat index {first} "
@@ -244,13 +259,15 @@ def dequantize(
         ValueError: for sizes that do not match ``numel``/``bits``/``group_size``, a wrong dtype or device, a
             non-contiguous ``out``, or ``dtype`` different from ``out.dtype``.
     """
-    if int(numel) < 0:
+    numel, bits, group_size = as_int("numel", numel), as_int("bits", bits), as_int("group_size", group_size)
+    as_tensor("q", q), as_tensor("scales", scales)
+    if numel < 0:
         raise ValueError(f"dequantize: numel must be >= 0, got {numel}")
     if out is None:
-        out = torch.empty(int(numel), dtype=torch.float32 if dtype is None else dtype, device=q.device)
-    elif dtype is not None and dtype != out.dtype:
+        out = torch.empty(numel, dtype=torch.float32 if dtype is None else dtype, device=q.device)
+    elif dtype is not None and dtype != as_tensor("out", out).dtype:
         raise ValueError(f"dequantize: dtype is {dtype} but out is {out.dtype}; pass one of them, or make them agree")
-    _C.dequantize(q, scales, int(numel), int(bits), int(group_size), out)
+    _C.dequantize(q, scales, numel, bits, group_size, as_tensor("out", out))
     return out
 
 
@@ -269,8 +286,16 @@ def force_simd_path(path: str) -> Iterator[None]:
 
 
 def set_num_threads(num_threads: int) -> None:
-    """Threads used by the CPU kernels; 0 (the default) follows ``torch.get_num_threads()``."""
-    _C.set_num_threads(int(num_threads))
+    """Threads used by the CPU kernels; 0 (the default) follows ``torch.get_num_threads()``.
+
+    Raises:
+        ValueError: for a count that is not an int in ``[0, max(1024, os.cpu_count())]``.
+    """
+    num_threads = as_int("num_threads", num_threads)
+    if num_threads > _MAX_THREADS:
+        raise ValueError(f"num_threads must be at most {_MAX_THREADS} (this machine has {os.cpu_count()} "
+                         f"hardware threads), got {num_threads}")
+    _C.set_num_threads(num_threads)
 
 
 def get_num_threads() -> int:
