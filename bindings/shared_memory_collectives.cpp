@@ -209,6 +209,7 @@ std::shared_ptr<SharedMemoryChannel> open_shared_memory_channel(c10d::ProcessGro
   constexpr int64_t kNameBytes = 120;
   at::Tensor announce = at::zeros({1 + kNameBytes}, at::kByte);  // [created, name bytes...] from rank 0
   if (rank == 0 && wanted) {
+    SharedMemoryChannel::remove_stale_segments();  // a rank 0 killed during an earlier rendezvous left its own
     const std::string name = SharedMemoryChannel::fresh_name();
     try {
       channel = std::make_shared<SharedMemoryChannel>(name, rank, world, slot_bytes, kDepth, timeout);

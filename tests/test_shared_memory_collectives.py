@@ -187,3 +187,33 @@ def _dropped_in_flight_worker(rank: int, world: int) -> list[float]:
 def test_a_comm_dropped_with_a_collective_in_flight_lets_it_finish():
     for result in run_ranks(_dropped_in_flight_worker, 2, timeout=RUN_TIMEOUT):
         assert result == [50000.0, 100000.0]
+
+
+def _stale_segments_worker(rank: int, world: int, stale: str, live: str) -> bool:
+    _C.Comm(dist.group.WORLD)  # rank 0 sweeps before creating its own segment
+    dist.barrier()
+    return not os.path.exists(stale) and os.path.exists(live)
+
+
+def test_a_segment_left_by_a_rank_0_killed_in_the_rendezvous_is_removed_by_the_next():
+    """A process killed between creating its segment and the rendezvous's unlink leaves a 4 MiB file in /dev/shm;
+    the next rank 0 on the host removes it, and only it: a segment whose creator lives is left alone."""
+    import subprocess
+    import sys
+
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process (pid reuse within this test is not a concern)
+    stale = f"/dev/shm/zerocore-{namespace}-{gone.pid}-0-{os.urandom(8).hex()}"
+    live = f"/dev/shm/zerocore-{namespace}-{os.getpid()}-0-{os.urandom(8).hex()}"
+    other = f"/dev/shm/zerocore-{namespace + 1}-{gone.pid}-0-{os.urandom(8).hex()}"  # another pid namespace
+    for path in (stale, live, other):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    try:
+        assert run_ranks(_stale_segments_worker, 2, stale, live, timeout=RUN_TIMEOUT) == [True, True]
+        assert os.path.exists(other)
+    finally:
+        for path in (stale, live, other):
+            if os.path.exists(path):
+                os.unlink(path)

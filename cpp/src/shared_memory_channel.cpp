@@ -1,6 +1,7 @@
 // Note [Shared-memory transport] in zerocore/shared_memory_channel.hpp.
 #include "zerocore/shared_memory_channel.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <climits>
 #include <condition_variable>
 #include <cstring>
@@ -85,6 +87,10 @@ bool is_zombie(pid_t pid) {
   return close && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
 }
 
+bool process_gone(pid_t pid) { return (::kill(pid, 0) != 0 && errno == ESRCH) || is_zombie(pid); }
+
+constexpr const char* kNamePrefix = "zerocore-";
+
 }  // namespace
 
 struct SharedMemoryChannel::Impl {
@@ -138,9 +144,7 @@ struct SharedMemoryChannel::Impl {
   bool alive(int r) const {
     const RankState& s = states[r];
     if (s.pid_namespace.load() == 0 || s.pid_namespace.load() != states[rank].pid_namespace.load()) return true;
-    const pid_t pid = static_cast<pid_t>(s.pid.load());
-    if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
-    return !is_zombie(pid);
+    return !process_gone(static_cast<pid_t>(s.pid.load()));
   }
 
   [[noreturn]] void fail(const std::string& message) {
@@ -280,10 +284,34 @@ std::string SharedMemoryChannel::fresh_name() {
   static std::atomic<uint64_t> counter{0};
   std::random_device device;
   const uint64_t bits = (static_cast<uint64_t>(device()) << 32) ^ device();
-  char out[96];
-  std::snprintf(out, sizeof(out), "/zerocore-%ld-%llu-%016llx", static_cast<long>(::getpid()),
+  char out[128];
+  std::snprintf(out, sizeof(out), "/%s%llu-%ld-%llu-%016llx", kNamePrefix,
+                static_cast<unsigned long long>(pid_namespace_inode()), static_cast<long>(::getpid()),
                 static_cast<unsigned long long>(counter.fetch_add(1)), static_cast<unsigned long long>(bits));
   return out;
+}
+
+int SharedMemoryChannel::remove_stale_segments(const std::string& directory) {
+  const uint64_t namespace_inode = pid_namespace_inode();
+  if (namespace_inode == 0) return 0;  // no /proc: liveness cannot be told, so nothing is removed
+  DIR* dir = ::opendir(directory.c_str());
+  if (dir == nullptr) return 0;
+  int removed = 0;
+  while (const dirent* entry = ::readdir(dir)) {
+    unsigned long long inode = 0, counter = 0, bits = 0;
+    long pid = 0;
+    int consumed = 0;
+    const std::string format = std::string(kNamePrefix) + "%llu-%ld-%llu-%llx%n";
+    if (std::sscanf(entry->d_name, format.c_str(), &inode, &pid, &counter, &bits, &consumed) != 4 ||
+        entry->d_name[consumed] != '\0' || inode != namespace_inode || pid <= 0 || pid == ::getpid()) {
+      continue;  // not ours, or made in another pid namespace (its pid means nothing here)
+    }
+    if (process_gone(static_cast<pid_t>(pid)) && ::shm_unlink(("/" + std::string(entry->d_name)).c_str()) == 0) {
+      ++removed;
+    }
+  }
+  ::closedir(dir);
+  return removed;
 }
 
 SharedMemoryChannel::SharedMemoryChannel(const std::string& name, int rank, int world, size_t slot_bytes, int depth,

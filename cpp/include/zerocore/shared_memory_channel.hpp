@@ -66,8 +66,13 @@ struct SharedMemoryExchange {
 
 class SharedMemoryChannel {
  public:
-  // A fresh segment name: unique on this host (pid, a per-process counter and random bits).
+  // A fresh segment name: unique on this host (the pid namespace, the pid, a per-process counter and random
+  // bits).
   static std::string fresh_name();
+  // Removes the segments in `directory` (where shm_open's names live) that a process of this pid namespace
+  // created and died holding: killed between creating a segment and the rendezvous's unlink, it leaves one
+  // behind. Rank 0 calls it before creating its own. Returns how many it removed.
+  static int remove_stale_segments(const std::string& directory = "/dev/shm");
   // Rank 0 creates the segment `name` (exclusively) and initialises it; every other rank must call this after
   // rank 0's call returned, and opens it. Throws SharedMemoryUnavailable with the reason when that fails.
   SharedMemoryChannel(const std::string& name, int rank, int world, size_t slot_bytes, int depth,
