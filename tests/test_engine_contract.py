@@ -355,3 +355,52 @@ def two_forwards_worker(rank: int, world: int, stage: int) -> list[float]:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_two_forwards_before_one_backward_with_buffers(stage):
     run_ranks(two_forwards_worker, 2, stage)
+
+
+def stale_graph_worker(rank: int, world: int, stage: int, directory: str) -> list[str]:
+    """A graph recorded before the engine rewrote the parameters (step(), load_checkpoint(), a modifier rank's
+    gathered()) cannot be back-propagated, as after a torch optimizer's in-place step: it would combine the new
+    weights with the old activations. Each raises on every rank, and the engine trains on afterwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    engine = zerocore.initialize(model, _config(stage))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    engine.save_checkpoint(directory)
+    errors = []
+
+    def rewrite_between_forward_and_backward(rewrite) -> None:
+        loss = engine(x).square().mean()
+        rewrite()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
+            engine.backward(loss)
+        errors.append(" ".join(info.value.__notes__))
+        engine.backward(engine(x).square().mean())  # a fresh forward trains as usual
+        engine.step()
+
+    rewrite_between_forward_and_backward(lambda: engine.load_checkpoint(directory))
+
+    def modify() -> None:
+        with zerocore.gathered(list(model.parameters()), modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    model[0].weight.mul_(0.5)
+
+    rewrite_between_forward_and_backward(modify)
+    # retain_graph: a second backward of the same graph after step() raises as with torch.optim.AdamW
+    loss = engine(x).square().mean()
+    engine.backward(loss, retain_graph=True)
+    engine.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        engine.backward(loss)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    assert all(torch.isfinite(v).all() for v in engine.full_state_dict(rank0_only=False).values())
+    return errors
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_graph_recorded_before_the_parameters_were_rewritten_cannot_be_back_propagated(stage, tmp_path):
+    for errors in run_ranks(stale_graph_worker, 2, stage, str(tmp_path)):
+        assert len(errors) == 2 and all("run the forward again" in e for e in errors), errors

@@ -92,6 +92,7 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
                 buffer.reattach_rebound()  # ``p.data = t`` inside the block: t's values are broadcast
             engine.comm.broadcast(buffer.full, modifier_rank).wait()
             buffer.take_shard_from_full()
+            buffer.mark_rewritten()  # a graph recorded with the values before the block is stale
     else:  # only parameters that stay whole need undoing; which ones do is the same on every rank
         stay = [b for b in buffers if stage3 is None or stage3.unit_of_buffer(b).persistent]
         if stay:
@@ -100,6 +101,7 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
             if written.item() > 0:
                 for buffer in stay:
                     buffer.discard_param_writes(engine.comm)
+                    buffer.mark_rewritten()
     for buffer in buffers:
         buffer.forget_own_values()
         if stage3 is not None:

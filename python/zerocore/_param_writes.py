@@ -36,6 +36,15 @@ class ParamWrites:
         and its views (other counters), so a parameter whose counter moved was written by the user."""
         self._versions = [param._version for param in self.params]
 
+    def mark_rewritten(self) -> None:
+        """The engine gave the parameters new values behind autograd's back (an update, a load, a modifier
+        rank's broadcast): their version counters move, as a torch optimizer's in-place update moves them, so a
+        backward through a graph recorded before raises autograd's "modified by an inplace operation" instead
+        of combining the new weights with the old activations (a forward, ``load_checkpoint``, then its
+        backward). Noted again at once: the move is not the user's write."""
+        torch.autograd.graph.increment_version(self.params)
+        self.note_param_versions()
+
     def params_written(self) -> bool:
         return self.gathered and (any(param._version != seen for param, seen in zip(self.params, self._versions))
                                   or bool(self._rebound()))

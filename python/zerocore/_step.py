@@ -179,15 +179,17 @@ def update_and_gather(engine: Engine, grad_scale: float, without_grad: frozenset
     if engine.policy.params_sharded:
         engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale,
                                     after_shard=engine.stage3.gathers_in_step(), without_grad=without_grad)
-        return
-    (buffer,) = engine.buffers  # stages 1-2: the whole model is one buffer, its shard i is bucket i
-    cap = engine.buckets.allgather_in_flight
+    else:
+        (buffer,) = engine.buffers  # stages 1-2: the whole model is one buffer, its shard i is bucket i
+        cap = engine.buckets.allgather_in_flight
 
-    def gather(bucket: int) -> None:
-        buffer.gather_in_background(engine.comm, bucket, "all_gather", cap)
+        def gather(bucket: int) -> None:
+            buffer.gather_in_background(engine.comm, bucket, "all_gather", cap)
 
-    engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale, after_shard=gather,
-                                without_grad=without_grad)
+        engine.optimizer_state.step(engine.optimizer.param_groups, grad_scale, after_shard=gather,
+                                    without_grad=without_grad)
+    for updated in engine.buffers:  # as torch's optimizers do: a graph recorded before the update is stale
+        updated.mark_rewritten()
 
 
 def log_progress(engine: Engine) -> None:

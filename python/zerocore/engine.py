@@ -242,6 +242,10 @@ class Engine(DeepSpeedAccessors):
             raise
         except BaseException as error:
             self._abandon_backward(no_sync, failed_here=True)
+            if "modified by an inplace operation" in str(error):
+                error.add_note("zerocore: step(), load_checkpoint() and gathered(modifier_rank=...) give the "
+                               "parameters new values in place, as torch's optimizers do; run the forward again "
+                               "after them, then its backward")
             error.add_note("zerocore: this accumulation window's gradients were dropped and the engine is ready "
                            "for the window's first forward again")
             raise
@@ -488,9 +492,11 @@ class Engine(DeepSpeedAccessors):
             for unit in self.stage3.units:
                 unit.pinned = False
                 self.stage3.release(unit)
-            return
-        for buffer in self.buffers:
-            buffer.regather_in_background(self.comm, "all_gather_load", self.buckets.allgather_in_flight)
+        else:
+            for buffer in self.buffers:
+                buffer.regather_in_background(self.comm, "all_gather_load", self.buckets.allgather_in_flight)
+        for buffer in self.buffers:  # a forward's graph from before the load cannot be back-propagated
+            buffer.mark_rewritten()
 
     # ---- zerocore.gathered --------------------------------------------------------------------------
     def gather_for_user(self, params: list[nn.Parameter]) -> None:
