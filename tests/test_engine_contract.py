@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 
@@ -355,6 +356,69 @@ def two_forwards_worker(rank: int, world: int, stage: int) -> list[float]:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_two_forwards_before_one_backward_with_buffers(stage):
     run_ranks(two_forwards_worker, 2, stage)
+
+
+def buffers_between_forwards_worker(rank: int, world: int, stage: int) -> bool:
+    """Note [Buffers follow rank 0]: DDP broadcasts rank 0's buffers before a forward that follows a grad-enabled
+    forward outside no_sync(). So on every rank the buffers at rest, an evaluation forward right after training
+    (BatchNorm in eval mode reads the running statistics), and training after evaluation and inside no_sync()
+    are DDP's."""
+    torch.manual_seed(0)
+    model = WithBatchNorm()
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    config = _config(stage)
+    config["optimizer"]["params"]["weight_decay"] = 0.0
+    engine = zerocore.initialize(model, config)
+    ours, theirs = model.net[1], reference.module.net[1]
+    seen = 0
+
+    def same(where: str) -> None:
+        for name in ("running_mean", "running_var"):
+            torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{where}, {name}: {m}")
+
+    def data() -> torch.Tensor:
+        nonlocal seen
+        seen += 1
+        return torch.randn(6, 12, generator=torch.Generator().manual_seed(100 * seen + rank)) * (1 + rank)
+
+    def train(window: list[bool]) -> None:  # one accumulation window; True: that micro-step inside no_sync()
+        for inside in window:
+            x = data()
+            with engine.no_sync() if inside else contextlib.nullcontext():
+                engine.backward(engine(x).square().mean() / len(window))
+            with reference.no_sync() if inside else contextlib.nullcontext():
+                (reference(x).square().mean() / len(window)).backward()
+        engine.step()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+
+    def evaluate(where: str) -> None:
+        for net in (model, reference):
+            net.eval()
+        with torch.no_grad():
+            x = data()
+            torch.testing.assert_close(engine(x), reference(x), rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {m}")
+        for net in (model, reference):
+            net.train()
+        same(where)
+
+    train([False])
+    same("after a step")
+    evaluate("evaluation after training")
+    train([True, True, False])  # no_sync() forwards: the forward after one is not synced
+    same("after a window with no_sync")
+    evaluate("evaluation after a no_sync window")
+    evaluate("a second evaluation")
+    train([False])
+    same("training after evaluation")
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_buffers_between_forwards_follow_ddp_on_every_rank(stage):
+    assert all(run_ranks(buffers_between_forwards_worker, 2, stage))
 
 
 def stale_graph_worker(rank: int, world: int, stage: int, directory: str) -> list[str]:

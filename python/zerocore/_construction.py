@@ -1,6 +1,6 @@
 """What the engine does once when it takes over a model (its process group and collective algorithms, rank
 0's state everywhere, dtypes, where the optimizer state and parameter shards live, stages 1-2's one buffer,
-the reducer's geometry), DDP's buffer broadcast before each forward and auto_cast's input cast."""
+the reducer's geometry) and auto_cast's input cast."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from ._nvme_params import check_param_offload, param_file_for
 from ._optimizer_state import NvmePlacement, OptimizerState
 from ._policy import StagePolicy
 from ._topology import Topology, build_topology
-from ._transforms import outside_transforms
 
 if TYPE_CHECKING:
     from ._sharded_buffer import ShardedBuffer
@@ -179,26 +178,6 @@ def broadcast_module_state(comm: Any, module: nn.Module) -> None:
                 dense = tensor.data.contiguous()
                 comm.broadcast(dense, 0).wait()
                 tensor.data.copy_(dense)
-
-
-@outside_transforms  # the broadcast writes the module's own buffers (Note [torch.func transforms])
-def sync_buffers(comm: Any, module: nn.Module, world_size: int) -> None:
-    """Rank 0's buffers (BatchNorm running statistics, ...) before every training forward, as DDP's
-    default ``broadcast_buffers=True`` does: one broadcast per buffer dtype."""
-    buffers = [b for b in module.buffers() if b.numel()]
-    if world_size == 1 or not buffers:
-        return
-    with torch.no_grad():
-        for dtype in sorted({b.dtype for b in buffers}, key=str):
-            same = [b for b in buffers if b.dtype == dtype]
-            flat = torch.cat([b.reshape(-1) for b in same])
-            comm.broadcast(flat, 0, -1).wait()
-            offset = 0
-            for b in same:
-                # through .data, as DDP's C++ broadcast writes: the buffer's autograd version stays, so a second
-                # forward before the backward (contrastive pairs) does not invalidate the first one's graph
-                b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
-                offset += b.numel()
 
 
 def cast_untracked_tensors(module: nn.Module, dtype: torch.dtype) -> None:

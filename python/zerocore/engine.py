@@ -34,9 +34,10 @@ from torch import nn
 
 from ._backward import GradientRouting, exchange_backward_outcome, exchanges_outcome, outcome_problem
 from ._buckets import BucketSizes
+from ._buffer_sync import BufferSync
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
                             cast_untracked_tensors, default_process_group, optimizer_state_for,
-                            param_file_for_config, sync_buffers, training_device, whole_model_buffer)
+                            param_file_for_config, training_device, whole_model_buffer)
 from ._deepspeed_api import DeepSpeedAccessors
 from ._divergence import RanksDivergedError
 from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
@@ -162,7 +163,7 @@ class Engine(DeepSpeedAccessors):
         self.gradients = GradientRouting(self.lifecycle, policy, self.stage3, self.reducer, param_slots)
 
         self._update_due = False  # engine.step() is calling optimizer.step()
-        self.broadcast_buffers = True  # as DDP's default; set False to keep buffers rank-local
+        self.buffer_sync = BufferSync(self.comm, model, self.world_size)
         self._comm_reset_at_step = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -175,6 +176,16 @@ class Engine(DeepSpeedAccessors):
     def state(self) -> EngineState:
         """Where the engine is in its training cycle (Note [Engine states])."""
         return self.lifecycle.state
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Rank 0's buffers before each forward, as DDP's default (Note [Buffers follow rank 0]); set False
+        to keep buffers rank-local."""
+        return self.buffer_sync.enabled
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.buffer_sync.enabled = bool(value)
 
     @property
     def global_steps(self) -> int:
@@ -202,9 +213,9 @@ class Engine(DeepSpeedAccessors):
             args = cast_floating(args, torch.float16)
         training = torch.is_grad_enabled()
         life.forwards += training  # counted before the module runs: a forward that raises counts (Note [Backward outcome])
-        if self.broadcast_buffers and training:
-            sync_buffers(self.comm, self.module, self.world_size)
+        self.buffer_sync.before_forward()
         out = self.module(*args, **kwargs)
+        self.buffer_sync.after_forward(training and life.state is not EngineState.NO_SYNC)
         if training:
             life.forward_pending = True
             if life.state is EngineState.IDLE:
