@@ -9,10 +9,12 @@ it never filled, so the bucket sequences match) and then sends its flag; so when
 the batch while its peers succeed, every rank learns it at the same point, all drop the accumulation
 window (micro-step counters stay equal), and the peers raise naming the rank, instead of the next
 collectives mismatching (Gloo aborts the process on that) or the accumulation boundaries drifting apart.
-The same all-reduce carries each rank's count of training forwards since the last exchange: a forward that
-raised on some ranks only (caught there, the batch skipped) leaves the others' backward paired with the
-next batch's, a silent mix of two batches' gradients (and, when the ranks later skip alike, no error ever);
-unequal counts make that backward raise on every rank, dropping its window, and the counts start over.
+The same all-reduce carries each rank's count of training forwards since the last exchange and whether one
+of them raised: a forward that raised on some ranks only (caught there, the batch skipped) leaves the others'
+backward paired with the next batch's, a silent mix of two batches' gradients (and, when the ranks later skip
+alike, no error ever); unequal counts with a raised forward make that backward raise on every rank, dropping
+its window, and the counts start over. Unequal counts alone are no error: a rank may run extra forwards that
+it never back-propagates (a loss term of its own, a forward logged with grad enabled), as under DDP.
 On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward. Stage 3 has
 its unit tags instead (Note [Divergence tags]).
 """
@@ -222,30 +224,35 @@ def exchanges_outcome(policy: StagePolicy, no_sync: bool) -> bool:
     return not no_sync and not policy.params_sharded
 
 
-def exchange_backward_outcome(engine: Engine, failed_here: bool) -> tuple[list[int], list[int]]:
-    """One tiny all-reduce of which ranks raised in this backward and how many training forwards each ran
-    since the last exchange (Note [Backward outcome]); returns those ranks, and the counts by rank."""
+def exchange_backward_outcome(engine: Engine, failed_here: bool) -> tuple[list[int], list[int], list[int]]:
+    """One tiny all-reduce of which ranks raised in this backward, how many training forwards each ran since
+    the last exchange and which ranks had one of them raise (Note [Backward outcome]); returns the ranks
+    that raised in the backward, the counts by rank, and the ranks whose forward raised."""
     world = engine.world_size
-    flags = torch.zeros(2 * world, dtype=torch.float64, device=engine.device)
+    life = engine.lifecycle
+    flags = torch.zeros(3 * world, dtype=torch.float64, device=engine.device)
     if failed_here:
         flags[engine.rank] = 1.0
-    flags[world + engine.rank] = float(engine.lifecycle.forwards)
-    engine.lifecycle.forwards = 0
+    flags[world + engine.rank] = float(life.forwards)
+    flags[2 * world + engine.rank] = float(life.forward_raised)
+    life.forwards, life.forward_raised = 0, False
     engine.comm.all_reduce(flags, False).wait()
     if engine.device.type != "cpu":
         engine.host_syncs += 1
     values = flags.tolist()
-    return [rank for rank, flag in enumerate(values[:world]) if flag > 0], [int(v) for v in values[world:]]
+    return ([rank for rank, flag in enumerate(values[:world]) if flag > 0], [int(v) for v in values[world:2 * world]],
+            [rank for rank, flag in enumerate(values[2 * world:]) if flag > 0])
 
 
-def outcome_problem(failed: list[int], forwards: list[int]) -> str | None:
+def outcome_problem(failed: list[int], forwards: list[int], forward_raised: list[int]) -> str | None:
     """What a backward outcome exchange found wrong (Note [Backward outcome]), or None."""
     if failed:
         what = f"rank(s) {failed} raised an exception in this backward, so their gradients are missing"
-    elif len(set(forwards)) > 1:
+    elif forward_raised and len(set(forwards)) > 1:
         counts = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(forwards))
-        what = (f"the ranks ran different numbers of training forwards since their last backward ({counts}), so this "
-                "backward paired different batches across ranks (a forward that raised on some ranks only?)")
+        what = (f"a training forward raised on rank(s) {forward_raised} and the ranks ran different numbers of "
+                f"training forwards since their last backward ({counts}), so this backward paired different "
+                "batches across ranks")
     else:
         return None
     return (f"{what}: this accumulation window's gradients were dropped on every rank and the engine is ready for "

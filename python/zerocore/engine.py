@@ -214,7 +214,11 @@ class Engine(DeepSpeedAccessors):
         training = torch.is_grad_enabled()
         life.forwards += training  # counted before the module runs: a forward that raises counts (Note [Backward outcome])
         self.buffer_sync.before_forward()
-        out = self.module(*args, **kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+        except BaseException:
+            life.forward_raised |= training
+            raise
         self.buffer_sync.after_forward(training and life.state is not EngineState.NO_SYNC)
         if training:
             life.forward_pending = True
