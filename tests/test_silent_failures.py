@@ -140,6 +140,28 @@ def test_a_module_with_sparse_gradients_is_refused_at_initialize(stage):
     assert all(run_ranks(sparse_worker, 2, stage))
 
 
+def test_an_unmaterialized_lazy_module_is_refused_by_name():
+    """Before, torch's "Can't access the shape of an uninitialized parameter" came from zerocore's model check."""
+    model = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is not materialized yet.*run one forward"):
+        zerocore.initialize(model, _config(1))
+
+
+def mixed_dtypes_worker(rank: int, world: int, stage: int) -> list[str]:
+    model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 2).bfloat16())
+    with pytest.warns(UserWarning, match=r"several dtypes \(float32: 2 \(0.weight, 0.bias\); bfloat16: 2 .*cast"):
+        engine = zerocore.initialize(model, _config(stage))
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    engine.close()
+    return dtypes
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_parameters_of_several_dtypes_are_cast_with_a_warning_not_silently(stage):
+    """A bf16 layer in an fp32 model (or an fp32 router kept in a bf16 one) trains in the one compute dtype."""
+    assert run_ranks(mixed_dtypes_worker, 1, stage) == [["torch.float32"]]
+
+
 def cast_worker(rank: int, world: int, stage: int) -> bool:
     torch.manual_seed(0)
     model = Net()

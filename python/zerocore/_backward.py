@@ -140,8 +140,9 @@ class GradientRouting:
                        "load_state_dict(assign=True)): the engine trains the one it was built with. Write new values "
                        "into the existing parameter instead (load_state_dict without assign, or copy_ under "
                        "torch.no_grad())" if name in self._managed_names else
-                       "did not require grad when zerocore.initialize ran, so the engine holds no optimizer state for "
-                       "it. Unfreeze it before initialize (or build a new engine) to train it")
+                       "did not require grad when zerocore.initialize ran, or was added to the model after it, so the "
+                       "engine holds no optimizer state for it. Unfreeze (or add) it before initialize, or build a "
+                       "new engine, to train it")
                 warnings.warn(f"parameter {name!r} has a gradient but is not trained: it {why}", RuntimeWarning,
                               stacklevel=4)
 

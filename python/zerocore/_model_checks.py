@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -163,11 +164,27 @@ def check_trainable_dtypes(model: nn.Module) -> None:
     complex) trainable parameter would be silently cast to fp32, so it is refused before anything changes; so is a
     module producing sparse gradients (nn.Embedding(sparse=True)), which would fail inside the first backward."""
     for name, param in model.named_parameters():
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"parameter {name!r} is not materialized yet (a lazy module such as nn.LazyLinear): its shape is "
+                "unknown until a forward runs; run one forward with a sample batch before zerocore.initialize()")
+    trainable_dtypes: dict[torch.dtype, list[str]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            trainable_dtypes.setdefault(param.dtype, []).append(name)
         if param.requires_grad and param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"parameter {name!r} is {param.dtype}: zerocore trains fp32 master weights (bf16/fp16 compute when "
                 "the config enables it) and would silently cast it to fp32; call model.float() before "
                 "zerocore.initialize(), or freeze it (requires_grad=False)")
+    if len(trainable_dtypes) > 1:  # e.g. a router or LayerNorm kept in fp32 in a bf16 model (_keep_in_fp32_modules)
+        found = "; ".join(f"{str(dtype).removeprefix('torch.')}: {len(names)} ({', '.join(names[:3])}"
+                          f"{', ...' if len(names) > 3 else ''})" for dtype, names in trainable_dtypes.items())
+        warnings.warn(
+            f"the model's trainable parameters have several dtypes ({found}): zerocore trains every one in the "
+            "same compute dtype (fp32, or bf16/fp16 when the config enables it) over fp32 master weights, so the "
+            "others are cast to it; cast the model to one dtype before zerocore.initialize() to silence this",
+            UserWarning, stacklevel=3)
     for name, module in model.named_modules():
         if getattr(module, "sparse", False) is True and any(p.requires_grad for p in module.parameters(recurse=False)):
             raise ValueError(
