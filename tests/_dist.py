@@ -6,7 +6,9 @@ killed, so a hang becomes a fast failure instead of a stuck CI.
 
 Ranks are forked from a forkserver that has imported torch and zerocore once, instead of spawned: a fresh
 interpreter spends ~1.8 s of CPU importing torch, which on two cores was most of a small multi-rank test.
-The forkserver never runs a torch op, so no OpenMP or other worker threads exist when it forks, and every
+torch._dynamo is preloaded too: torch.optim.Optimizer imports it on first construction, another ~1.2 s of CPU
+per rank in every test that builds an optimizer (nearly all of them). The forkserver never runs a torch op
+(and these imports start no thread), so no OpenMP or other worker threads exist when it forks, and every
 rank still starts from the same clean state (a process of its own, its own process group). The ranks see the
 environment the forkserver started with (the first run_ranks call's): a test that needs a variable set for
 its ranks sets it inside the rank function, as _worker sets MASTER_ADDR and RANK.
@@ -52,7 +54,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
                 pass
 
 
-_PRELOAD = ["torch", "torch.distributed", "zerocore", "hypothesis"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zerocore", "hypothesis"]
 _context: Any = None
 
 
