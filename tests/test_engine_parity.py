@@ -205,3 +205,43 @@ def param_groups_worker(rank: int, world: int, stage: int) -> bool:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_param_groups_and_lr_scheduler_match_torch(stage):
     assert all(run_ranks(param_groups_worker, 2, stage))
+
+
+def empty_group_worker(rank: int, world: int, stage: int, save_dir: str) -> bool:
+    """HF's create_optimizer on a LoRA-like model: the no-decay group is empty (its biases and norms are
+    frozen). torch keeps the empty group, so group 2 stays group 2 for per-group lambdas and index writes."""
+    model = build("transformer")
+    for p in model.parameters():
+        if p.dim() < 2:
+            p.requires_grad_(False)
+
+    def groups(m):
+        matrices = [p for p in m.parameters() if p.dim() >= 2]
+        return [{"params": matrices[::2], "weight_decay": 0.1},
+                {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
+                {"params": matrices[1::2], "weight_decay": 0.0, "lr": 1e-3}]
+
+    reference = ReferencePair(
+        model, lambda m: torch.optim.AdamW(groups(m), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, foreach=False), wrap=DDP)
+    engine = zerocore.initialize(model, _config(Case("transformer", stage)), param_groups=groups(model))
+    assert [len(g["params"]) for g in engine.optimizer.param_groups][1] == 0
+    lambdas = [lambda s: 1.0, lambda s: 0.0, lambda s: 0.5 ** s]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambdas) for o in (*reference.optimizers, engine.optimizer)]
+    for step in range(4):
+        x, y = batch("transformer", torch.Generator().manual_seed(10_000 * step + rank))
+        engine.backward(loss_fn("transformer", engine(x), y))
+        engine.step()
+        reference.train_step(lambda module, dtype: loss_fn("transformer", module(x), y))
+        for s in schedulers:
+            s.step()
+        for o in (*reference.optimizers, engine.optimizer):
+            o.param_groups[2]["weight_decay"] = 0.05 * step  # a callback writing one group by index
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"empty group, stage {stage}")
+    engine.save_checkpoint(save_dir, tag="t")
+    engine.load_checkpoint(save_dir, tag="t")  # the saved groups, the empty one included, match the engine's
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_empty_param_group_keeps_its_place_as_in_torch(stage, tmp_path):
+    assert all(run_ranks(empty_group_worker, 2, stage, str(tmp_path)))

@@ -580,7 +580,8 @@ def accessors_worker(rank: int, world: int, config: dict) -> list:
 
 
 @pytest.mark.parametrize("given", [{"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
-                                   {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}])
+                                   {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3},
+                                   {"train_batch_size": 12, "gradient_accumulation_steps": 2}])
 def test_deepspeed_engine_accessors(given):
     config = {"optimizer": {"params": {"lr": 1e-3, "betas": [0.8, 0.9]}}, "zero_optimization": {"stage": 2},
               "bf16": {"enabled": True}, "gradient_clipping": 0.5, **given}

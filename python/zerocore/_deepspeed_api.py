@@ -48,7 +48,8 @@ class DeepSpeedAccessors:
         return self.config.gradient_accumulation_steps
 
     def train_micro_batch_size_per_gpu(self) -> int | None:
-        """The config's per-rank micro-batch size (None when the config gives no batch size)."""
+        """The per-rank micro-batch size: the config's, or derived from ``train_batch_size`` as DeepSpeed does
+        (None when the config gives no batch size)."""
         return self.config.train_micro_batch_size_per_gpu
 
     def train_batch_size(self) -> int | None:

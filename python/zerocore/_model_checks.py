@@ -117,7 +117,8 @@ def collect_trainable(
 ) -> list[dict[str, Any]]:
     """Optimizer groups of unique trainable parameters, each completed with the config's defaults.
 
-    Tied parameters appear once. Frozen parameters are left out (they stay replicated and untouched).
+    Tied parameters appear once. Frozen parameters are left out (they stay replicated and untouched); a group
+    of frozen parameters only stays, empty, so the groups' indices are the caller's.
     """
     names = {id(p): name for name, p in model.named_parameters()}
     base = {
@@ -148,8 +149,10 @@ def collect_trainable(
             if param.requires_grad and id(param) not in taken:
                 taken.add(id(param))
                 unique.append(param)
-        if unique:
-            groups.append({**base, **{k: v for k, v in group.items() if k != "params"}, "params": unique})
+        # A group left with no trainable parameter (HF's no-decay group of a LoRA model whose biases and
+        # norms are frozen) is kept, as torch's optimizers keep it: dropped, every later group's index would
+        # shift, and a scheduler's per-group lambdas or a param_groups[i]["lr"] callback would act on another.
+        groups.append({**base, **{k: v for k, v in group.items() if k != "params"}, "params": unique})
     missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
     if missing:
         raise ValueError(

@@ -327,7 +327,8 @@ class ZeroConfig:
     def for_world_size(self, world_size: int) -> ZeroConfig:
         """This config with DeepSpeed's batch-size rule applied for ``world_size`` ranks: the derived
         ``gradient_accumulation_steps`` filled in (see ``derive_accumulation_steps``), and the batch sizes given
-        as ``"auto"`` (see ``auto_batch_sizes``), then checked.
+        as ``"auto"`` (see ``auto_batch_sizes``), then checked; a ``train_micro_batch_size_per_gpu`` left out
+        is ``train_batch_size / (gradient_accumulation_steps * world_size)``, as DeepSpeed derives it.
 
         Raises:
             ValueError: when the batch sizes do not fit ``world_size`` (see :meth:`check_batch_sizes`).
@@ -344,6 +345,12 @@ class ZeroConfig:
             config = dataclasses.replace(config, gradient_accumulation_steps=batch // (micro * world),
                                          derive_accumulation_steps=False)
         config.check_batch_sizes(world_size)
+        if config.train_batch_size is not None and config.train_micro_batch_size_per_gpu is None:
+            # DeepSpeed derives the micro-batch from the other two, and scripts multiply by it
+            # (engine.train_micro_batch_size_per_gpu() * n): None there would be a TypeError mid-training.
+            world = as_int(world_size, "world_size", 1)
+            micro = config.train_batch_size // (config.gradient_accumulation_steps * world)
+            config = dataclasses.replace(config, train_micro_batch_size_per_gpu=micro)
         return config
 
     @property
