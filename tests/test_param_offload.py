@@ -112,6 +112,29 @@ def test_max_in_cpu_keeps_the_first_shards_in_memory(tmp_path):
     assert got[0]["nvme"]["param_file_bytes"] >= sum(shards[2:]) > 0
 
 
+def state_off_memory_worker(rank: int, world: int, path: str, optimizer: str | None) -> list[str]:
+    engine = zerocore.initialize(build("transformer"), _config("fp32", path, optimizer))
+    _train(engine, rank, 0, 1)
+    refused = []
+    for shard, piece in engine.optimizer_state.pieces():
+        names = ["master"] + (["exp_avg", "exp_avg_sq"] if optimizer == "nvme" else [])
+        for name in names:  # a parameter shard on NVMe has no storage between steps: torch would read freed memory
+            with pytest.raises(RuntimeError, match=r"resident\(shard\)"):
+                getattr(shard, name)
+            refused.append(name)
+        with engine.optimizer_state.resident(shard) as values:
+            start = piece.shard_offset
+            assert torch.isfinite(values["master"][start : start + piece.length]).all()
+    engine.close()
+    return refused
+
+
+@pytest.mark.parametrize("optimizer", [None, "nvme"])
+def test_state_on_nvme_is_read_through_resident_and_never_through_freed_memory(optimizer, tmp_path):
+    for refused in run_ranks(state_off_memory_worker, 2, str(tmp_path), optimizer):
+        assert refused and set(refused) == ({"master"} if optimizer is None else {"master", "exp_avg", "exp_avg_sq"})
+
+
 def checkpoint_worker(rank: int, world: int, path: str, directory: str, save_offload: bool,
                       load_offload: bool) -> list[float]:
     engine = zerocore.initialize(build("transformer"), _config("bf16", path if save_offload else None))

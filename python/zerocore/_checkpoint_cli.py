@@ -13,7 +13,7 @@ import torch
 
 from . import _safetensors_io as stio
 from ._checkpoint_format import (CHECKPOINT_IO, covering, open_file, piece_sources, read_bytes, read_index,
-                                 resolve_tag, write_durably)
+                                 resolve_tag, tag_path, write_durably)
 
 # --help's description: the first line of checkpoint.py's docstring, as when main() was defined there.
 _DESCRIPTION = ("Sharded checkpoints: ``engine.save_checkpoint`` / ``engine.load_checkpoint``, safetensors and JSON "
@@ -39,7 +39,7 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     max_shard_size = _shard_size(max_shard_size)
-    path = os.path.join(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
+    path = tag_path(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
     _check_out_dir(out_dir, [checkpoint_dir, path])
     index = read_index(path)
     sources = piece_sources(index)
@@ -130,7 +130,7 @@ def _check_out_dir(out_dir: str, checkpoint_paths: list[str]) -> None:
 def _info(path: str, tag: str | None) -> None:
     if tag is not None or os.path.exists(os.path.join(path, "latest")):
         tag = resolve_tag(path, tag)  # latest's content is checked as a tag is: "../../etc" is not followed
-    directory = os.path.join(path, tag) if tag else path
+    directory = tag_path(path, tag) if tag else path
     index = read_index(directory)
     total = sum(sum(s["numel"] for s in r["shards"]) for r in index["ranks"])
     held = "buffers (frozen parameters excluded)" if index.get("frozen_excluded") else "buffers/frozen tensors"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import warnings
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -87,9 +88,25 @@ def resolve_tag(directory: str, tag: str | None) -> str:
     return tag
 
 
+def tag_path(directory: str, tag: str) -> str:
+    """Where the checkpoint ``tag`` is: ``directory/tag``, or, when a re-save of that tag was killed between
+    its two renames (the old copy moved aside to ``.tag.old``, the new one not yet in place), that previous
+    copy, which is complete: a process killed at any moment of a save leaves the previous checkpoint loadable."""
+    path = os.path.join(directory, tag)
+    previous = os.path.join(directory, f".{tag}.old")
+    if not os.path.lexists(path) and os.path.isfile(os.path.join(previous, "index.json")):
+        warnings.warn(f"checkpoint {path} is missing but its previous copy {previous} is complete (a save of "
+                      f"tag {tag!r} was interrupted): loading that copy", RuntimeWarning, stacklevel=3)
+        return previous
+    return path
+
+
 def check_tag(tag: str, source: str = "checkpoint tag") -> None:
     if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"{source} {tag!r} must be a plain directory name (no '/', not starting with '.')")
+    if tag in ("latest", "latest.tmp"):  # the pointer file and its temporary: a directory there would replace it
+        raise ValueError(f"{source} {tag!r} is the name of the file that names the newest checkpoint; choose "
+                         "another tag")
 
 
 def read_bytes(path: str) -> bytes:

@@ -49,9 +49,9 @@ class Shard:
         self.grads = grads
         self.runs = tuple(runs)
         self.pieces = tuple(pieces)
-        self.master: torch.Tensor = params
-        self.exp_avg: torch.Tensor = torch.empty(0)
-        self.exp_avg_sq: torch.Tensor = torch.empty(0)
+        self._master: torch.Tensor | None = params
+        self._exp_avg: torch.Tensor | None = torch.empty(0)
+        self._exp_avg_sq: torch.Tensor | None = torch.empty(0)
         self.initial_master: torch.Tensor | None = None  # 16-bit training: fp32 values until build()
         self.separate_master = params.dtype != torch.float32  # settled by OptimizerState.build()
         self.flat_offsets: dict[str, int] = {}  # where the views start in the owner's flat tensors
@@ -75,6 +75,45 @@ class Shard:
     @property
     def numel(self) -> int:
         return self.params.numel()
+
+    # The state is read through properties because it is not always in memory: on NVMe the moments (and a
+    # separate master) live only in the file, and a parameter shard on NVMe has no storage between steps, where
+    # torch would read freed memory (a segfault) instead of raising. OptimizerState.resident() is the way in.
+    @property
+    def master(self) -> torch.Tensor:
+        if self._master is None or (self.param_home is not None and self.params.numel()
+                                    and self.params.untyped_storage().nbytes() == 0):
+            raise self._not_in_memory("master")
+        return self._master
+
+    @master.setter
+    def master(self, value: torch.Tensor | None) -> None:
+        self._master = value
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        if self._exp_avg is None:
+            raise self._not_in_memory("exp_avg")
+        return self._exp_avg
+
+    @exp_avg.setter
+    def exp_avg(self, value: torch.Tensor | None) -> None:
+        self._exp_avg = value
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        if self._exp_avg_sq is None:
+            raise self._not_in_memory("exp_avg_sq")
+        return self._exp_avg_sq
+
+    @exp_avg_sq.setter
+    def exp_avg_sq(self, value: torch.Tensor | None) -> None:
+        self._exp_avg_sq = value
+
+    def _not_in_memory(self, name: str) -> RuntimeError:
+        return RuntimeError(
+            f"shard {self.label!r}: its {name} is on NVMe, not in memory; read it inside "
+            f"`with engine.optimizer_state.resident(shard) as values: values[{name!r}]`")
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,15 @@ _IN_FLIGHT = 8  # reads in flight while loading
 ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the device's block
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
+             torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL",
+             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+             torch.complex64: "C64"}  # Llama's rotary freqs_cis buffer
 _TORCH_DTYPE = {v: k for k, v in _ST_DTYPE.items()}
+
+
+def writable(dtype: torch.dtype) -> bool:
+    """Whether safetensors has a name for ``dtype`` (complex128, for one, has none)."""
+    return dtype in _ST_DTYPE
 
 Entry = tuple[str, Sequence[int], torch.dtype]
 

@@ -40,7 +40,6 @@ _checkpoint_format.py reads and writes the directory itself, and _checkpoint_cli
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -50,11 +49,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _json_state as json_state
 from . import _safetensors_io as stio
 from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_hf, python -m zerocore.checkpoint)
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
                                  index_identity,
-                                 open_file, piece_sources, read_index, resolve_tag, write_durably)
+                                 open_file, piece_sources, read_index, resolve_tag, tag_path, write_durably)
 from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, persistent_names,
                                 trainable_shapes, untracked_state)
 from ._model_checks import all_gather_json
@@ -70,15 +70,22 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
                     exclude_frozen_parameters: bool = False) -> str:
     """See :meth:`Engine.save_checkpoint`."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's str(tag) too
-    client = dict(client_state or {})
     problem: str | None = None
+    client: dict[str, Any] = {}
+    scheduler: Any = None
     try:
         check_tag(tag)
-        json.dumps(client)
-    except ValueError as error:
+        if client_state is not None and not isinstance(client_state, Mapping):
+            raise TypeError(f"save_checkpoint(client_state=...) must be a dict, not {type(client_state).__name__}")
+        client = json_state.encode(dict(client_state or {}), "save_checkpoint(client_state=...)")
+        if engine.lr_scheduler is not None:
+            scheduler = json_state.encode(engine.lr_scheduler.state_dict(), "engine.lr_scheduler.state_dict()")
+        for name, value in untracked_state(engine).items():
+            if not stio.writable(value.dtype):
+                raise TypeError(f"buffer or frozen parameter {name!r} is {value.dtype}, which safetensors cannot "
+                                "store")
+    except (ValueError, TypeError) as error:
         problem = str(error)
-    except TypeError as error:
-        problem = f"save_checkpoint(client_state=...) must be JSON-serializable (nothing is pickled): {error}"
     # every rank learns every rank's tag and argument check before any rank writes or raises, so a rank that
     # raises never leaves the others waiting in the save's collectives
     verdicts = all_gather_json(engine.comm, [tag, problem], engine.device)
@@ -139,9 +146,9 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
         checksums = stio.write(os.path.join(tmp, rank_file), entries, tensor)
         mine = {"file": rank_file, "checksums": checksums, "shards": ranks_pieces,
                 "python_rng": _json_rng(random.getstate())}
-    except OSError as error:  # every rank learns it from the exchange below (_fail_together), instead of waiting
+    except Exception as error:  # noqa: BLE001 - every rank learns it from the exchange below (_fail_together)
         mine = {"error": f"{type(error).__name__}: {error}"}
-        failure: OSError | None = error
+        failure: Exception | None = error
     else:
         failure = None
     current.clear()
@@ -154,7 +161,8 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     persistent = persistent_names(engine)
     with _agreed(engine, "write the model file and the index", tmp):
         if engine.rank == 0:
-            _write_index(engine, tmp, untracked, shapes, persistent, everyone, client, exclude_frozen_parameters)
+            _write_index(engine, tmp, untracked, shapes, persistent, everyone, client, scheduler,
+                         exclude_frozen_parameters)
         fsync_file(os.path.join(tmp, rank_file))  # every rank's file is durable before the rename
     final = os.path.join(save_dir, tag)
     with _agreed(engine, "move the checkpoint into place", tmp):
@@ -174,20 +182,22 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
 
 @contextlib.contextmanager
 def _agreed(engine: Engine, what: str, tmp: str) -> Iterator[None]:
-    """Runs the block on every rank, then every rank learns whether it raised an OSError anywhere and all
-    raise alike (the partial checkpoint under ``tmp`` removed), so none is left waiting in a collective for a
-    rank that failed (Note [Checkpoint format])."""
-    failure: OSError | None = None
+    """Runs the block on every rank, then every rank learns whether it raised anywhere and all raise alike
+    (the partial checkpoint under ``tmp`` removed), so none is left waiting in a collective for a rank that
+    failed (Note [Checkpoint format]). Any exception, not only an OSError: rank 0 alone writes the index, and
+    a ValueError there must not leave the other ranks in the next collective until the timeout."""
+    failure: Exception | None = None
     try:
         yield
-    except OSError as error:
+    except Exception as error:  # noqa: BLE001 - re-raised below, on this rank and (named) on the others
         failure = error
     verdicts = all_gather_json(engine.comm, None if failure is None else f"{type(failure).__name__}: {failure}",
                                engine.device)
     _fail_together(engine, verdicts, failure, what, tmp)
 
 
-def _fail_together(engine: Engine, verdicts: list[str | None], failure: OSError | None, what: str, tmp: str) -> None:
+def _fail_together(engine: Engine, verdicts: list[str | None], failure: Exception | None, what: str,
+                   tmp: str) -> None:
     """Given every rank's error message (None: it succeeded), raises on every rank if any failed: the failing
     rank its own error, the others one naming it; the partial checkpoint under ``tmp`` is removed."""
     failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
@@ -202,7 +212,8 @@ def _fail_together(engine: Engine, verdicts: list[str | None], failure: OSError 
 
 
 def _write_index(engine: Engine, tmp: str, untracked: dict[str, torch.Tensor], shapes: Mapping[str, Any],
-                 persistent: set[str], everyone: list[Any], client: dict[str, Any], frozen_excluded: bool) -> None:
+                 persistent: set[str], everyone: list[Any], client: Any, scheduler: Any,
+                 frozen_excluded: bool) -> None:
     """Rank 0: the model file (buffers, frozen parameters) and the JSON index naming every rank's file."""
     model_checksums = stio.write_tensors(os.path.join(tmp, "model.safetensors"), untracked)
     index = {
@@ -225,7 +236,7 @@ def _write_index(engine: Engine, tmp: str, untracked: dict[str, torch.Tensor], s
         "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                          for g in engine.optimizer.param_groups],
         "param_group_names": group_names(engine),  # which parameters each group holds, checked at load
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "lr_scheduler": scheduler,  # both through _json_state: a Counter of milestones stays one
         "client_state": client,
     }
     write_durably(os.path.join(tmp, "index.json"), index_bytes(index))
@@ -277,18 +288,22 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
             tensor.copy_(staged.untracked_values[name])
     engine.reload_params_from_shards()
     if load_module_only:  # DeepSpeed's: the weights change, the training state (moments, counters, ...) stays
-        return staged.path, dict(index["client_state"])
+        return staged.path, json_state.decode(index["client_state"])
     counters = index["counters"]
     engine.restore_counters(counters["global_steps"] if load_optimizer_states else 0,
                             counters["skipped_steps"], counters["micro_steps"],
                             counters.get("idle_steps", {}) if load_optimizer_states else {})
     if load_optimizer_states:
-        engine.loss_scaler.load_state_dict(index["loss_scaler"])
+        # Only a dynamic fp16 scale resumes, and only from fp16 training: a bf16 or fp32 engine's scale is 1
+        # (given an fp16 checkpoint's 32768, every gradient would be 32768x too large: norms, clipping and Adam's
+        # eps all wrong), and a static scale is the config's.
+        if engine.loss_scaler.dynamic and index["compute_dtype"] == "float16":
+            engine.loss_scaler.load_state_dict(index["loss_scaler"])
         for group, saved in zip(engine.optimizer.param_groups, index["param_groups"]):
             for key, value in saved.items():
                 group[key] = tuple(value) if key == "betas" else value
     if load_lr_scheduler_states and engine.lr_scheduler is not None and index["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(index["lr_scheduler"])
+        engine.lr_scheduler.load_state_dict(json_state.decode(index["lr_scheduler"]))
     if staged.rng is not None:  # RNG streams continue (another world size has other streams)
         torch.set_rng_state(staged.rng["rng.cpu"])
         if engine.device.type == "cuda" and "rng.cuda" in staged.rng:
@@ -296,7 +311,7 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
         random.setstate(_python_rng(index["ranks"][engine.rank]["python_rng"]))
     # no barrier: every rank read everything before the verdicts, and a barrier here would wait for the
     # parameter all-gathers that reload_params_from_shards leaves in flight for the next forward to overlap
-    return staged.path, dict(index["client_state"])
+    return staged.path, json_state.decode(index["client_state"])
 
 
 class _Staged:
@@ -319,7 +334,7 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
     """Reads and checks the index, the model's names and shapes and every byte this rank needs; changes
     nothing and issues no collective."""
     tag = resolve_tag(load_dir, None if tag is None else str(tag))
-    path = os.path.join(load_dir, tag)
+    path = tag_path(load_dir, tag)
     index = read_index(path)
     check_model(engine, index)
     if load_optimizer_states:
