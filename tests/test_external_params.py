@@ -4,6 +4,10 @@ replicated model within the fp32 reference's rounding noise."""
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,3 +86,82 @@ def external_worker(rank: int, world: int, units: str, checkpointed: bool) -> bo
                                                  ("every", True)])
 def test_parameters_used_outside_their_unit_match_a_replicated_model(units, checkpointed):
     assert all(run_ranks(external_worker, 2, units, checkpointed))
+
+
+# ---- a pending backward's pinned units, and unit outputs pytree does not see ----------------------------------
+@dataclasses.dataclass
+class BlockOutput:  # not registered with pytree: a leaf to it
+    hidden: torch.Tensor
+    extra: torch.Tensor
+
+
+class MappingOutput(dict):  # a dict subclass: a leaf to pytree too
+    pass
+
+
+class OutputBlock(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(8, 8)
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> Any:
+        out = torch.tanh(self.fc(h))
+        if self.kind == "dataclass":
+            return BlockOutput(out, out * 0.5)
+        if self.kind == "mapping":
+            return MappingOutput(hidden=out)
+        self.cache = out  # a side channel: the unit returns nothing
+        return None
+
+
+class OutputNet(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(OutputBlock(kind) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for block in self.blocks:
+            out = block(h)
+            h = {"dataclass": lambda: out.hidden + out.extra, "mapping": lambda: out["hidden"],
+                 "side channel": lambda: block.cache}[block.kind]()
+        return h + F.linear(h, self.blocks[0].fc.weight)  # an external parameter read as well
+
+
+def flows_worker(rank: int, world: int, flow: str) -> bool:
+    torch.manual_seed(0)
+    kind = flow if flow in ("dataclass", "mapping", "side channel") else "dataclass"
+    model = OutputNet(kind)
+    reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01,
+                                                                 foreach=False))
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "gradient_accumulation_steps": 2 if flow == "retain_graph" else 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine = zerocore.initialize(model, config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x, y = _data(step, rank)
+            loss = F.mse_loss(engine(x), y)
+            if flow == "eval between":  # a no-grad forward (a logged metric) before the training backward
+                with torch.no_grad():
+                    engine(x)
+            if flow == "retain_graph":  # the same graph back-propagated twice in one window
+                engine.backward(loss, retain_graph=True)
+                engine.step()
+            engine.backward(loss)
+            engine.step()
+            reference.train_step(lambda module, dtype: sum(F.mse_loss(module(_data(step, r)[0].to(dtype)),
+                                                                      _data(step, r)[1].to(dtype))
+                                                           for r in range(world)) / world)
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=flow)
+    unseen = [str(w.message) for w in caught if "returned no tensor that requires grad" in str(w.message)]
+    assert len(unseen) == (3 if flow == "side channel" else 0), unseen  # once per unit
+    return True
+
+
+@pytest.mark.parametrize("flow", ["eval between", "retain_graph", "dataclass", "mapping", "side channel"])
+def test_pinned_units_outlive_an_eval_forward_and_a_retained_graph_and_any_output_type(flow):
+    assert all(run_ranks(flows_worker, 2, flow))

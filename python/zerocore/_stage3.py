@@ -66,7 +66,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ._buckets import stage3_prefetch_budget
 from ._divergence import DivergenceCheck
@@ -77,6 +76,7 @@ from ._sharded_param import mark_whole
 from ._stage3_access import install_access_checks, remove_external_access
 from ._stage3_unit import Unit, UnitState
 from ._transforms import outside_transforms, wrapped_values
+from ._unit_outputs import output_leaves
 from ._units import UnitSpec
 
 if TYPE_CHECKING:
@@ -127,6 +127,8 @@ class Stage3Runtime:
         self._unit_of_param = {id(p): unit for unit in self.units for p in unit.params}
         self.in_forward = False  # between the model's forward pre-hook and its forward hook
         self._any_pinned = False
+        self._retain_graph = False  # the backward running keeps its graph for another (Stage3Runtime.end_backward)
+        self._warned_unseen: set[int] = set()  # units named once for returning no tensor that requires grad
         self._forward_done = False
         self.step = 0
         self.recorded_order: list[int] | None = None
@@ -190,7 +192,7 @@ class Stage3Runtime:
         self._prefetch_next()
 
     def post_forward(self, unit: Unit, output: Any) -> Any:
-        outputs = tree_flatten(output)[0]
+        outputs = output_leaves(output)
         if any(id(t) in self._unit_of_param for t in outputs if isinstance(t, nn.Parameter)):
             for t in outputs:  # a parameter handed out: its parent uses it later (Note [External parameters])
                 if isinstance(t, nn.Parameter) and id(t) in self._unit_of_param:
@@ -204,6 +206,8 @@ class Stage3Runtime:
                     tensors, lambda grads, unit=unit: self.pre_backward(unit), mode="any"
                 )
                 backward_follows = True
+            elif not self._in_backward() and not unit.pinned and any(p.requires_grad for p in unit.params):
+                self._pin_unseen_output(unit, output)
         if not self._in_backward() and not unit.persistent and not unit.pinned:
             if not (backward_follows and self._ends_recorded_forward(unit)):
                 self.release(unit)
@@ -224,23 +228,43 @@ class Stage3Runtime:
 
     def _pin(self, unit: Unit) -> None:
         unit.pinned = True
+        if torch.is_grad_enabled():
+            unit.pinned_for_backward = True
         self._any_pinned = True
 
-    def _unpin_all(self) -> None:
+    def _pin_unseen_output(self, unit: Unit, output: Any) -> None:
+        """The unit's forward ran with grad, but no output tensor requires grad: its result reached autograd
+        some way the walk cannot see (an attribute the module set, a container of its own), so no hook can
+        gather the unit again for its backward, which would read freed storage. It stays gathered until the
+        backward ends, as a unit whose parameters are read outside its forward."""
+        self._pin(unit)
+        if unit.index not in self._warned_unseen:
+            self._warned_unseen.add(unit.index)
+            warnings.warn(
+                f"zerocore stage 3: module {unit.name!r} ran with grad enabled but returned no tensor that "
+                f"requires grad (it returned {type(output).__name__}); it stays gathered until the backward "
+                "ends, using its whole parameters' memory meanwhile. Return the tensors its backward needs (in "
+                "a tuple, dict, dataclass or pytree), or run it under torch.no_grad() if none is needed",
+                RuntimeWarning, stacklevel=3)
+
+    def _unpin_no_grad_forward(self) -> None:
+        """A forward without grad ended: the units it pinned are released; those a grad-enabled forward
+        pinned stay for the backward still to come (an evaluation between a forward and its backward)."""
         if self._any_pinned:
             self._any_pinned = False
             for unit in self.units:
-                if unit.pinned:
+                if unit.pinned and not unit.pinned_for_backward:
                     unit.pinned = False
                     if not unit.persistent and not unit.in_backward:
                         self.release(unit)
+                self._any_pinned |= unit.pinned
 
     def _end_forward(self) -> None:
         if not self._in_backward():
             self.in_forward = False
             self._forward_done = True
-            if not torch.is_grad_enabled():  # no backward will need the pinned units
-                self._unpin_all()
+            if not torch.is_grad_enabled():  # no backward will need what this forward pinned
+                self._unpin_no_grad_forward()
 
     def pre_backward(self, unit: Unit) -> None:
         self.ensure_gathered(unit, "all_gather_backward")
@@ -415,17 +439,25 @@ class Stage3Runtime:
         return self._by_index[index]
 
     # ---- step boundaries ------------------------------------------------------------------------------
-    def begin_backward(self) -> None:
+    def begin_backward(self, retain_graph: bool = False) -> None:
+        self._retain_graph = retain_graph
         for unit in self.units:
             unit.grads_left = len(unit.params)
 
-    def end_backward(self) -> None:
+    def end_backward(self, abandoned: bool = False) -> None:
+        """Releases what the backward used. After a ``retain_graph`` backward the units pinned for it stay
+        gathered: a second backward through the same graph reads their parameters again, and nothing else
+        would gather them (no hook of theirs is in that graph)."""
+        keep = self._retain_graph and not abandoned
+        self._any_pinned = False
         for unit in self.units:
             unit.in_backward = False
-            unit.pinned = False
+            if keep and unit.pinned_for_backward:
+                self._any_pinned = True
+                continue
+            unit.pinned = unit.pinned_for_backward = False
             if not unit.persistent:
                 self.release(unit)
-        self._any_pinned = False
 
     def gathers_in_step(self) -> Callable[[int], None] | None:
         """The optimizer step's ``after_shard``: the gathers the next forward would issue at its start (its
@@ -460,7 +492,7 @@ class Stage3Runtime:
         """After the optimizer step: shards changed, so every gathered copy is stale (except those gathered
         after the update, Note [Gathers started in the step])."""
         for unit in self.units:
-            unit.pinned = False
+            unit.pinned = unit.pinned_for_backward = False
             if unit.index not in self._started_in_step:
                 self.release(unit)
                 unit.calls = 0

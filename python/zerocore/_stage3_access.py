@@ -11,8 +11,9 @@ parent adds (DeepSpeed calls these external parameters). Every module that owns 
 a parameter whose unit is not gathered gathers that unit on the spot (every rank runs the same forward, so
 every rank gathers it at the same point) and pins it; so does a unit whose forward returns one of its own
 parameters. A pinned unit stays gathered through the backward, which needs the same values, and is
-released when the backward ends (at the end of the forward when it runs without grad). Reads outside a
-forward gather nothing (Note [Sharded placeholders]).
+released when the backward ends (at the end of the forward when it runs without grad: units pinned by an
+earlier grad-enabled forward stay, since its backward is still to come; after a ``retain_graph`` backward
+they stay for the next one). Reads outside a forward gather nothing (Note [Sharded placeholders]).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ class Unit:
         self.grads_left = 0  # parameters of this unit still waiting for their gradient in this backward
         self.persistent = False
         self.pinned = False  # used outside its own forward: gathered until the backward ends (Note [External parameters])
+        self.pinned_for_backward = False  # pinned in a grad-enabled forward: a no-grad forward's end keeps it
         self.in_backward = False
         self.user_holds = 0  # zerocore.gathered() blocks holding it whole: no hook releases it meanwhile
         self._tag_check: Any = None

@@ -247,7 +247,7 @@ class Engine(DeepSpeedAccessors):
         gradients = self.gradients
         gradients.begin(not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary()))
         if self.stage3 is not None:
-            self.stage3.begin_backward()
+            self.stage3.begin_backward(retain_graph)
         scale = self.loss_scaler.scale / (self.config.gradient_accumulation_steps if scale_wrt_gas else 1)
         life.to(EngineState.BACKWARD)
         try:
@@ -284,7 +284,7 @@ class Engine(DeepSpeedAccessors):
         if failed_here and exchanges_outcome(self.policy, no_sync):
             exchange_backward_outcome(self, failed_here=True)  # the peers' backward waits for this
         if self.stage3 is not None:
-            self.stage3.end_backward()
+            self.stage3.end_backward(abandoned=True)
         gradients.finalized = True
         self.zero_grad()
         self.micro_steps -= self.micro_steps % self.config.gradient_accumulation_steps
