@@ -468,3 +468,36 @@ def stale_graph_worker(rank: int, world: int, stage: int, directory: str) -> lis
 def test_a_graph_recorded_before_the_parameters_were_rewritten_cannot_be_back_propagated(stage, tmp_path):
     for errors in run_ranks(stale_graph_worker, 2, stage, str(tmp_path)):
         assert len(errors) == 2 and all("run the forward again" in e for e in errors), errors
+
+
+class TwiceCheckpointed(nn.Module):
+    """One block run twice per loss under reentrant activation checkpointing (R-Drop, a shared layer with
+    Hugging Face's gradient_checkpointing_enable()): its parameters' gradients arrive in two autograd passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        run = lambda h: torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)  # noqa: E731
+        return self.head(torch.tanh(run(x)) + torch.tanh(run(x * 2)))
+
+
+def reentrant_twice_worker(rank: int, world: int, stage: int) -> str:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(TwiceCheckpointed(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                                       "zero_optimization": {"stage": stage}})
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError) as raised:
+        engine.backward(engine(x).square().mean())
+    engine.backward(engine(x.detach()).square().mean())  # the engine is ready for the next batch
+    engine.step()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_gradient_arriving_twice_names_the_parameter_and_use_reentrant(stage):
+    for message in run_ranks(reentrant_twice_worker, 2, stage):
+        assert "'block.weight'" in message or "'block.bias'" in message, message
+        assert "use_reentrant=False" in message, message

@@ -186,9 +186,24 @@ class GradientRouting:
     def _reduce(self, index: int, param: torch.Tensor) -> None:
         """Hands parameter ``index``'s gradient to the reducer; the first one of a backward also queues the
         end-of-backward finalize."""
+        buffer, local = self.param_slots[index]
         if self.finalized:
-            raise RuntimeError(f"parameter {index} produced a gradient after the backward was finalized")
-        self.reducer.mark_ready(index, param.grad)
+            raise RuntimeError(f"parameter {buffer.names[local]!r} produced a gradient after the backward was "
+                               "finalized")
+        try:
+            self.reducer.mark_ready(index, param.grad)
+        except RuntimeError as error:
+            if "marked ready twice" not in str(error):
+                raise
+            # DDP refuses this too ("mark a variable ready only once"); the index alone names nothing
+            raise RuntimeError(
+                f"parameter {buffer.names[local]!r} got its gradient twice in one backward: its gradient "
+                "accumulator ran in two separate autograd passes. The usual cause is activation checkpointing "
+                "with use_reentrant=True (what Hugging Face's gradient_checkpointing_enable() uses unless "
+                "told otherwise) around a module that runs more than once per step (a shared layer, two forwards summed into one loss): use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
+            ) from error
 
     def finalize(self) -> None:
         if self.finalized:
