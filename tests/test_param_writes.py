@@ -271,3 +271,34 @@ def test_writes_inside_a_stage3_units_forward_are_kept_as_at_stage_2():
     for name, values in replicated.items():
         ours, theirs = torch.tensor(sharded[name]), torch.tensor(values)
         assert (ours - theirs).norm() <= 1e-5 * theirs.norm(), (name, float((ours - theirs).norm() / theirs.norm()))
+
+
+def rank_dependent_writes_worker(rank: int, world: int, stage: int) -> str:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = WritesInForward()
+        model.embed.weight.mul_(3.0)
+    engine = zerocore.initialize(model, {"optimizer": {"params": {"lr": 1e-2}}, "zero_optimization": {
+        "stage": stage, "stage3_param_persistence_threshold": 0}}, units=[nn.Embedding, nn.Linear])
+    g = torch.Generator().manual_seed(rank)  # each rank's own batch: max_norm renormalizes other rows on each
+    tokens = torch.arange(10).reshape(2, 5) + 10 * rank
+    engine.backward(nn.functional.mse_loss(engine(tokens), torch.randn(2, 3, generator=g)))
+    with pytest.raises(RuntimeError) as raised:
+        engine.step()
+    same = torch.arange(10).reshape(2, 5)  # the same batch everywhere: the same writes, accepted
+    engine.backward(nn.functional.mse_loss(engine(same), torch.ones(2, 3)))
+    engine.step()
+    with zerocore.gathered([model.embed.weight]):  # every rank's copy is the same again
+        held = model.embed.weight.detach().double().flatten().tolist()
+    return str(raised.value), held
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_writes_that_differ_between_ranks_raise_on_every_rank_naming_the_parameter(stage):
+    """Each rank keeps only its shard of a write: the ranks' different renormalized rows would otherwise mix,
+    silently, in a way that depends on the sharding (stage 3's per-unit shards keep other rows than stage 2's)."""
+    results = run_ranks(rank_dependent_writes_worker, 2, stage)
+    for message, _ in results:
+        assert "different values on different ranks ('embed.weight')" in message, message
+        assert "max_norm" in message
+    assert results[0][1] == results[1][1]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ._native import _C
 from ._optimizer_state import OptimizerState, Shard, bitwise_equal
 from ._sharded_param import mark_whole
 
@@ -27,6 +28,7 @@ class ParamWrites:
     optimizer_shards: list[Shard]
     _optimizer_state: OptimizerState
     _versions: list[int]
+    write_fingerprints: dict[str, int]
     _own_values: list[torch.Tensor] | None
     gathered: bool
     shard_offloaded: bool
@@ -69,16 +71,29 @@ class ParamWrites:
             param.data = view
             mark_whole(param)
 
-    def absorb_param_writes(self) -> None:
+    def absorb_param_writes(self, fingerprint: bool = True) -> None:
         """The user wrote to parameters in place (``load_state_dict``, ``nn.init``, ``fill_``) or gave them
         other storage (``p.data = t``): this rank's shard and its fp32 master take the written values, so the
         next step updates them instead of reverting them. Elements whose value still equals the master's
-        rounding keep the master's bits."""
+        rounding keep the master's bits. ``fingerprint``: a write every rank sees (its version counters moved),
+        compared across ranks at the step; not one found by comparing this rank's region alone."""
         self.reattach_rebound()
+        if fingerprint:
+            self._fingerprint_written()
         self._shard_from_full()
         for shard in self.optimizer_shards:
             self._optimizer_state.absorb_written(shard)
         self.note_param_versions()
+
+    def _fingerprint_written(self) -> None:
+        """Every rank takes only its own shard of a write, so ranks that wrote different values (an
+        ``nn.Embedding(max_norm=)`` renormalizing the rows each rank's batch looked up) would keep a mix of
+        them, which one depending on the sharding, silently. The CRC-32C of each parameter's written values is
+        kept until the step compares them across ranks (Note [Writes to parameters] in _step.py). The last
+        write before the step counts, as it is the one the shards hold."""
+        for name, param, view in zip(self.names, self.params, self.views):
+            if view.numel():
+                self.write_fingerprints[name] = _C.crc32c(view.detach().cpu().contiguous())
 
     def absorb_untracked_writes(self, exact_gather: bool = True) -> None:
         """Writes through ``p.data``, which the version counters miss, reach the master (Note [Writes through
@@ -92,7 +107,7 @@ class ParamWrites:
             # on an accelerator the merge itself, unconditionally: a comparison read on the host would sync
             if self.full.device.type != "cpu" or not all(
                     bitwise_equal(self._own_region(self.full, b), self.param_shard(b)) for b in range(len(self.buckets))):
-                self.absorb_param_writes()
+                self.absorb_param_writes(fingerprint=False)  # another rank's region may hold the write
 
     def _shard_from_full(self) -> None:
         """Parameters sharded: this rank's shard takes its region of ``full`` (otherwise it is that region)."""

@@ -69,6 +69,7 @@ class ShardedBuffer(ParamWrites):
         self._optimizer_state = optimizer_state
         self.optimizer_shards: list[Shard] = []
         self._versions: list[int] = []
+        self.write_fingerprints: dict[str, int] = {}  # parameters the user wrote since the step (ParamWrites)
         self._own_values: list[torch.Tensor] | None = None  # see keep_own_values
         # Note [NVMe parameter shards]: the ParamShardFile, this shard's offset in it (None: kept in memory),
         # how many blocks hold the shard in memory now, and whether one of them wrote it

@@ -14,7 +14,14 @@ takes the written values into its shard and fp32 master (``ShardedBuffer.absorb_
 update, so the write is trained from instead of reverted. Whether any rank absorbed a write travels with the
 norm all-reduce: a write made on some ranks only (``if rank == 0: model.load_state_dict(...)``) would leave
 the ranks' shards inconsistent, so it raises on every rank, naming ``zerocore.gathered(..., modifier_rank=)``.
-A sharded stage-3 parameter cannot be written (Note [Sharded placeholders]).
+A write every rank makes must also be the same write: each rank keeps only its own shard of it, so ranks
+writing different values (``nn.Embedding(max_norm=)`` renormalizing the rows each rank's batch looked up)
+would leave a mix whose makeup depends on the sharding. Each write's values are fingerprinted (CRC-32C per
+parameter, ``ParamWrites._fingerprint_written``: at the step for stages 1-2, when a stage-3 unit is released
+for its forward's writes), and when every rank wrote, a second exchange (on such steps only) compares them:
+a difference raises on every rank, naming the parameters, after the parameters are gathered again from the
+shards so that every rank holds the same values. A sharded stage-3 parameter cannot be written (Note
+[Sharded placeholders]).
 
 Note [Writes through .data]
 ---------------------------
@@ -43,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._model_checks import check_group_hyperparameters
+from ._model_checks import all_gather_json, check_group_hyperparameters
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -60,7 +67,8 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     # The gradients were produced with the scale in effect now: unscale with it before update() moves it.
     grad_scale = 1.0 / engine.loss_scaler.scale if fp16 else 1.0
     engine.gradients.warn_untrained(engine.module)
-    written = engine.absorb_param_writes()
+    engine.absorb_param_writes()
+    written = engine.take_write_fingerprints()  # stage 3 units released mid-forward absorbed theirs already
     for buffer in engine.buffers:
         buffer.settle_grads()  # a step with no backward since zero_grad reads zeros (Note [Gradient slots start stale])
     sum_of_squares = engine.optimizer_state.grad_sum_of_squares()
@@ -98,6 +106,19 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
             f"{engine.world_size} ranks only (this rank: {'yes' if written else 'no'}): their shards now disagree. "
             "Write on every rank, or write on one inside `with zerocore.gathered(params, modifier_rank=r):`, "
             "which sends rank r's values to every rank; then reload the model's state on every rank.")
+    if values[1] > 1:  # every rank wrote: the same values? (only then: a second collective on write steps alone)
+        differ = _differently_written(engine, written)
+        if differ:
+            if engine.stage3 is not None:  # the window's forward/backward is over
+                engine.stage3.end_forward_backward_step()
+            engine.reload_params_from_shards()  # every rank holds the same values again: each shard's owner's
+            raise RuntimeError(
+                f"parameters were written in place with different values on different ranks ({differ}): each "
+                "rank keeps only its own shard of a write, so the model now holds a mix of the ranks' values "
+                "(the same on every rank; the update was not applied). nn.Embedding(max_norm=...) does this: it "
+                "renormalizes the rows each rank's batch looked up. Renormalize on every rank alike instead (e.g. "
+                "the whole weight after the step), or write on one rank inside `with zerocore.gathered(params, "
+                "modifier_rank=r):`; load a checkpoint to undo the writes.")
     total = values[0]
     overflow = (fp16 or engine.config.reduce_dtype == torch.float16) and not math.isfinite(total)
     if fp16:
@@ -167,6 +188,14 @@ def check_offload_io(engine: Engine, store: Any) -> None:
                       f"{engine.world_size} ranks during step {engine.global_steps}, so the parameters are now "
                       "partly updated; load the last checkpoint to go on. This rank: "
                       f"{here or 'its I/O succeeded'}")
+
+
+def _differently_written(engine: Engine, written: dict[str, int]) -> str:
+    """The parameters whose written values differ between ranks, as text ('' when none)."""
+    everyone = all_gather_json(engine.comm, written, engine.device)
+    names = sorted({name for prints in everyone for name in prints
+                    if len({str(p.get(name)) for p in everyone}) > 1})
+    return ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def update_and_gather(engine: Engine, grad_scale: float, without_grad: frozenset[str] = frozenset()) -> None:

@@ -490,6 +490,15 @@ class Engine(DeepSpeedAccessors):
                 buffer.absorb_untracked_writes(self.stage3 is None or not self.stage3.unit_of_buffer(buffer).quantized)
         return written
 
+    def take_write_fingerprints(self) -> dict[str, int]:
+        """The parameters the user wrote since the last step, with their values' CRC-32C (Note [Writes to
+        parameters]); the buffers start over."""
+        prints: dict[str, int] = {}
+        for buffer in self.buffers:
+            prints.update(buffer.write_fingerprints)
+            buffer.write_fingerprints = {}
+        return prints
+
     def restore_counters(self, global_steps: int, skipped_steps: int, micro_steps: int,
                          idle_steps: dict[str, int]) -> None:
         self.optimizer_state.step_count = global_steps
