@@ -174,3 +174,43 @@ def frozen_worker(rank: int, world: int, stage: int) -> bool:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_gathered_passes_frozen_parameters_over(stage):
     assert all(run_ranks(frozen_worker, 2, stage))
+
+
+class SkipsLastBlockOnRank1(nn.Module):
+    """A rank-dependent branch past the first step: rank 1 skips the last block, whose gather was prefetched on
+    both ranks, so the ranks' backward collectives differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if not (i == 2 and torch.distributed.get_rank() == 1 and self.calls >= 1):
+                x = torch.tanh(block(x))
+        self.calls += 1
+        return x
+
+
+def failed_collective_worker(rank: int, world: int) -> list[str]:
+    import os
+    os.environ["ZEROCORE_SHARED_MEMORY"] = "1"  # the transport that sees the mismatch
+    torch.manual_seed(0)
+    engine = zerocore.initialize(SkipsLastBlockOnRank1(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    states = []
+    for step in range(3):
+        try:
+            engine.backward(engine(_x(step, rank)).square().mean())
+            engine.step()
+        except RuntimeError:
+            states.append(str(engine.state))
+    return states
+
+
+def test_a_backward_whose_collective_failed_leaves_the_engine_idle_not_in_backward():
+    """Its cleanup waited for the failed collectives again and raised before the state machine moved on, so
+    every later call said 'backward in progress' instead of the failure."""
+    for states in run_ranks(failed_collective_worker, 2, timeout=120, pg_timeout=20):
+        assert states and all(s == "EngineState.IDLE" for s in states), states

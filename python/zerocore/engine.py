@@ -280,18 +280,22 @@ class Engine(DeepSpeedAccessors):
         started complete (every rank that raised at the same point issued the same ones, in the same order),
         and the accumulation window starts over."""
         gradients = self.gradients
-        gradients.land_started_reductions()
-        if failed_here and exchanges_outcome(self.policy, no_sync):
-            exchange_backward_outcome(self, failed_here=True)  # the peers' backward waits for this
-        if self.stage3 is not None:
-            self.stage3.end_backward(abandoned=True)
-        gradients.finalized = True
-        self.zero_grad()
-        self.micro_steps -= self.micro_steps % self.config.gradient_accumulation_steps
-        life = self.lifecycle
-        life.forward_pending = False
-        life.local_grads = False
-        life.to(EngineState.NO_SYNC if no_sync else EngineState.IDLE)
+        try:  # a collective that failed (a peer gone, a transport error) raises again here: the state resets anyway
+            gradients.land_started_reductions()
+            if failed_here and exchanges_outcome(self.policy, no_sync):
+                exchange_backward_outcome(self, failed_here=True)  # the peers' backward waits for this
+        finally:
+            try:
+                if self.stage3 is not None:
+                    self.stage3.end_backward(abandoned=True)  # waits for gathers in flight: may raise the same
+            finally:
+                gradients.finalized = True
+                self.zero_grad()
+                self.micro_steps -= self.micro_steps % self.config.gradient_accumulation_steps
+                life = self.lifecycle
+                life.forward_pending = False
+                life.local_grads = False
+                life.to(EngineState.NO_SYNC if no_sync else EngineState.IDLE)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
