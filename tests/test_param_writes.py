@@ -302,3 +302,43 @@ def test_writes_that_differ_between_ranks_raise_on_every_rank_naming_the_paramet
         assert "different values on different ranks ('embed.weight')" in message, message
         assert "max_norm" in message
     assert results[0][1] == results[1][1]
+
+
+def _masters(engine: zerocore.Engine) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for shard, piece in engine.optimizer_state.pieces():
+        with engine.optimizer_state.resident(shard) as values:
+            part = values["master"][piece.shard_offset : piece.shard_offset + piece.length]
+            out.setdefault(piece.name, []).extend(part.tolist())
+    return out
+
+
+def modifier_masters_worker(rank: int, world: int, stage: int) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    engine = zerocore.initialize(model, {"optimizer": {"params": {"lr": 1e-2}}, "bf16": {"enabled": True},
+                                         "zero_optimization": {"stage": stage,
+                                                               "stage3_param_persistence_threshold": 0}},
+                                 units=[nn.Linear])
+    for step in range(2):  # masters hold bits below bf16's precision
+        g = torch.Generator().manual_seed(10 * step + rank)
+        engine.backward(engine(torch.randn(4, 8, generator=g).bfloat16()).float().square().mean())
+        engine.step()
+    before = _masters(engine)
+    with zerocore.gathered([model[4].bias, model[4].weight], modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                model[4].bias.fill_(0.5)
+    return before, _masters(engine)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_modifier_rank_block_changes_only_the_masters_of_what_it_wrote(stage):
+    """The broadcast values are 16-bit: copied whole into the fp32 masters, they cut every master of the
+    buffer (the whole model at stages 1-2) to its bf16 rounding, even in a block that wrote nothing."""
+    written = []
+    for before, after in run_ranks(modifier_masters_worker, 2, stage):  # each rank's masters: its shard's
+        written += after.pop("4.bias", [])
+        before.pop("4.bias", None)
+        assert after == before
+    assert written == [0.5] * 4

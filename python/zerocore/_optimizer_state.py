@@ -301,12 +301,6 @@ class OptimizerState:
                 self.store.write_shard(shard.index,
                                        {k: v for k, v in values.items() if k != "master" or shard.separate_master})
 
-    def reload_master(self, shard: Shard) -> None:
-        """The compute-dtype parameters of ``shard`` were overwritten: the master follows them."""
-        if shard.separate_master:
-            with self.resident(shard, write=True) as state:
-                state["master"].copy_(shard.params)
-
     def absorb_written(self, shard: Shard) -> None:
         """Some compute-dtype parameters of ``shard`` were written by the user: the master takes every
         element that no longer equals its own rounding (the others keep their fp32 bits)."""

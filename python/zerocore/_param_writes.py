@@ -121,11 +121,13 @@ class ParamWrites:
 
     def take_shard_from_full(self) -> None:
         """``full`` was overwritten (``zerocore.gathered`` with a modifier rank): this rank's shard and the
-        fp32 master follow it."""
+        fp32 master follow it, where the values changed: an element still equal to its master's rounding keeps
+        the master's fp32 bits (copied whole, a 16-bit model's masters would all be cut to 16 bits by a block
+        that changed one parameter, or none)."""
         self.reattach_rebound(keep_values=False)  # the modifier's values came in ``full``
         self._shard_from_full()
         for shard in self.optimizer_shards:
-            self._optimizer_state.reload_master(shard)
+            self._optimizer_state.absorb_written(shard)
         self.note_param_versions()
 
     def keep_own_values(self) -> None:
