@@ -111,6 +111,22 @@ def test_an_fp16_reduction_overflow_skips_the_update_instead_of_writing_nan(stag
     assert run_ranks(fp16_reduce_worker, 2, stage) == [(1, True), (1, True)]
 
 
+def nan_loss_worker(rank: int, world: int, stage: int) -> bool:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
+                                 _config(stage, bf16={"enabled": True}))
+    loss = engine(_x(0, rank, torch.bfloat16)).float().mean()
+    engine.backward(loss * float("nan") if rank == 1 else loss)  # one rank's batch held a NaN
+    with pytest.warns(RuntimeWarning, match="global gradient norm is nan"):
+        engine.step()
+    return engine.was_step_applied()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_nan_gradient_on_one_rank_is_named_on_every_rank(stage):
+    assert run_ranks(nan_loss_worker, 2, stage) == [True, True]  # applied, as torch's AdamW would: but said
+
+
 # ---- item 10 ----------------------------------------------------------------------------------------
 def float64_worker(rank: int, world: int, stage: int) -> bool:
     model = Net().double()

@@ -134,6 +134,12 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     else:
         norm = math.sqrt(total) * grad_scale
         record_norm(norm)
+        if not math.isfinite(norm):  # the norm is on the host already: saying so costs nothing
+            warnings.warn(
+                f"step {engine.global_steps + engine.skipped_steps + 1}: the global gradient norm is {norm} (a "
+                "NaN or inf loss or gradient on some rank); the update is applied, as torch's AdamW applies it, "
+                "so the parameters become non-finite. Skip such batches before backward(), or lower the "
+                "learning rate", RuntimeWarning, stacklevel=4)
         clip = engine.config.gradient_clipping
         if clip > 0:
             grad_scale *= min(1.0, clip / (norm + 1e-6))
