@@ -107,6 +107,15 @@ def test_a_forward_error_on_one_rank_makes_the_mismatched_backward_raise_on_ever
     assert len(seen[1]) == 2 and "mat1 and mat2" in seen[1][0] and mismatch in seen[1][1], seen
 
 
+def test_at_stage_3_a_forward_error_on_one_rank_makes_the_mismatched_step_raise_on_every_rank():
+    """Stage 3's unit tags catch the mismatch only where a gather follows; this model's units are all under
+    the persistence threshold (never gathered again), so the step's verdict compares the forward counts."""
+    seen = run_ranks(forward_fails_worker, 2, 3, timeout=120)
+    mismatch = "a training forward raised on 1 rank(s) and the ranks ran different numbers of training forwards"
+    assert len(seen[0]) == 1 and mismatch in seen[0][0], seen
+    assert len(seen[1]) == 2 and "mat1 and mat2" in seen[1][0] and mismatch in seen[1][1], seen
+
+
 def extra_forward_worker(rank: int, world: int, stage: int, extra: bool) -> dict[str, list[float]]:
     torch.manual_seed(0)
     engine = zerocore.initialize(Net(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},

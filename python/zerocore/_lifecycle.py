@@ -47,7 +47,7 @@ class Lifecycle:
         self.state = EngineState.IDLE
         self.local_grads = False  # gradients accumulated inside no_sync() and not reduced yet
         self.forward_pending = False  # a training forward ran and no backward followed yet
-        self.forwards = 0  # training forwards started since the last backward outcome exchange (stages 1-2)
+        self.forwards = 0  # training forwards since the last backward outcome exchange (stage 3: the last step)
         self.forward_raised = False  # and whether one of them raised
 
     def require(self, action: str, *allowed: EngineState, fix: str | None = None) -> None:
