@@ -342,3 +342,45 @@ def test_a_modifier_rank_block_changes_only_the_masters_of_what_it_wrote(stage):
         before.pop("4.bias", None)
         assert after == before
     assert written == [0.5] * 4
+
+
+def writes_before_gathered_worker(rank: int, world: int, stage: int) -> bool:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    engine = zerocore.initialize(model, {"optimizer": {"params": {"lr": 1e-2}}, "bf16": {"enabled": True},
+                                         "zero_optimization": {"stage": stage}})
+    engine.backward(engine(torch.randn(4, 8).bfloat16()).float().square().mean())
+    engine.step()
+    loaded = {k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded)  # on every rank, in place: the model's from here on
+    with zerocore.gathered(list(model.parameters())):  # only a read
+        pass
+    state = engine.full_state_dict(rank0_only=False)
+    return all(torch.equal(state[k].to(v.dtype), v) for k, v in loaded.items())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_read_only_gathered_block_keeps_writes_made_before_it(stage):
+    """Leaving the block without a modifier rank undid every write since the step, the load before it too."""
+    assert all(run_ranks(writes_before_gathered_worker, 2, stage))
+
+
+def rebound_at_rest_worker(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    engine = zerocore.initialize(model, {"optimizer": {"params": {"lr": 1e-2}}, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}}, units=[nn.Linear])
+    x = torch.randn(4, 8)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    model[2].bias.data = torch.full((4,), 0.5)  # an EMA swap at rest: the gather would drop it silently
+    with pytest.raises(RuntimeError) as raised:
+        engine(x)
+    engine.backward(engine(x).square().mean())  # the model's own values again: trains on
+    engine.step()
+    return str(raised.value)
+
+
+def test_a_stage3_parameter_given_a_tensor_at_rest_is_refused_at_its_gather_naming_it():
+    for message in run_ranks(rebound_at_rest_worker, 2):
+        assert "['2.bias']" in message and "modifier_rank" in message, message

@@ -51,6 +51,9 @@ class ParamWrites:
         return self.gathered and (any(param._version != seen for param, seen in zip(self.params, self._versions))
                                   or bool(self._rebound()))
 
+    def rebound_params(self) -> list[int]:
+        return self._rebound()
+
     def _rebound(self) -> list[int]:
         """Parameters the user pointed at other storage (``p.data = t``, ``vector_to_parameters``): left so,
         they would be cut off from the engine's buffer, their value frozen while training goes on."""

@@ -334,10 +334,24 @@ class ShardedBuffer(ParamWrites):
         self.note_param_versions()
 
     def attach_views(self) -> None:
-        for param, view in zip(self.params, self.views):
+        dropped = []
+        for i, (param, view) in enumerate(zip(self.params, self.views)):
+            if self.policy.params_sharded:
+                with torch._C.DisableTorchFunctionSubclass():  # a sharded parameter refuses data_ptr() itself
+                    held = param.data_ptr()
+                if held not in (self.placeholders[i].data_ptr(), view.data_ptr()):
+                    dropped.append(self.names[i])  # the user gave it a tensor while it was sharded (p.data = t)
             param.data = view
             mark_whole(param)
         self.note_param_versions()
+        if dropped:
+            # Kept, the tensor would be taken into the shard at release, making a swap meant to be undone (an
+            # EMA swap) permanent; replaced silently, the user's values would be lost without a word.
+            raise RuntimeError(
+                f"parameters {dropped} were given other tensors (p.data = ...) while stage 3 held them sharded; "
+                "the gather replaced them with the model's values. Change sharded parameters inside `with "
+                "zerocore.gathered(params, modifier_rank=0):` (values written there reach the shards), or swap "
+                "values in and out inside `with zerocore.gathered(params):` (discarded on exit)")
 
     # ---- storage -------------------------------------------------------------------------------------
     @property

@@ -37,7 +37,9 @@ no extra pass over the state. A stage-3 unit kept gathered is compared with its 
 checks its own shard, so such writes do not enter the some-ranks-only verdict above. Not seen: writes through
 ``.data`` to a stage-3 unit gathered through qwZ (its values are quantized) or whose shard is on NVMe
 (``offload_param``); write those under ``torch.no_grad()`` without ``.data``, or inside
-``zerocore.gathered(..., modifier_rank=0)``.
+``zerocore.gathered(..., modifier_rank=0)``. ``p.data = t`` on a stage-3 parameter at rest is refused when its
+unit is next gathered (``ShardedBuffer.attach_views``): kept, the release would make a swap meant to be undone
+permanent; replaced, the values would be lost without a word.
 """
 
 from __future__ import annotations

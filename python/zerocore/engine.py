@@ -531,6 +531,13 @@ class Engine(DeepSpeedAccessors):
         """Entering ``zerocore.gathered(params)``: the parameters hold their full values."""
         self.lifecycle.require("gathered()", *_USABLE)
         self.land_param_gathers()
+        # in-place writes made before the block (load_state_dict on every rank) are the model's, which the step
+        # would take: taken now, so that leaving the block without a modifier rank undoes only what was
+        # written inside it. A parameter given another tensor (p.data = t: an EMA swap, to be swapped back) is
+        # not taken before the step, as at any time.
+        for buffer in self.buffers:
+            if buffer.params_written() and not buffer.rebound_params():
+                buffer.absorb_param_writes()
         gather_for_user(self, params)
 
     def release_for_user(self, params: list[nn.Parameter], modifier_rank: int | None) -> None:
