@@ -320,6 +320,8 @@ def subgroup_worker(rank: int, world: int, stage: int) -> bool:
 
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = groups[rank // 2]
+    with pytest.raises(ValueError, match="not a member of the process_group"):  # not "world_size -1"
+        zerocore.initialize(build("mlp"), _config(stage), process_group=groups[1 - rank // 2])
     torch.manual_seed(rank // 2)  # a different model per group
     model = build("mlp", seed=rank // 2)
     replica = copy.deepcopy(model)

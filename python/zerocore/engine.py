@@ -128,6 +128,10 @@ class Engine(DeepSpeedAccessors):
         self.device, meta = training_device(model, policy, device)
         self.process_group = process_group if process_group is not None else default_process_group(self.device)
         self.rank = dist.get_rank(self.process_group)
+        if self.rank < 0:  # torch answers -1 for a group this process is not in
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process_group "
+                             "passed to zerocore.initialize: call it only on the group's ranks, each with the group "
+                             "it belongs to (dist.new_group returns a group on every rank)")
         self.world_size = dist.get_world_size(self.process_group)
         self.config = config = config.for_world_size(self.world_size)
         self.comms = build_comms(self.process_group, comm_algorithms, config)
