@@ -248,6 +248,26 @@ def test_zeropp_config_errors_name_the_key(zeropp, message):
         zerocore.ZeroConfig.from_deepspeed(config)
 
 
+@pytest.mark.parametrize("zeropp,message", [
+    ({"zero_hpz_partition_size": 3, "zero_node_size": 2}, r"zero_hpz_partition_size \(3\) must divide .* 4 ranks"),
+    ({"zero_quantized_gradients": True, "zero_node_size": 3}, "a node of 3 ranks does not divide"),
+])
+def test_the_estimate_refuses_partitions_that_do_not_divide_the_world_as_initialize_does(zeropp, message):
+    with pytest.raises(ValueError, match=message):
+        zerocore.estimate_memory(Net(), _config(3, "bf16", **zeropp), 4)
+
+
+def hpz_not_dividing_worker(rank: int, world: int) -> str:
+    with pytest.raises(ValueError) as raised:
+        zerocore.initialize(Net(), _config(3, "bf16", zero_hpz_partition_size=3, zero_node_size=2))
+    return str(raised.value)
+
+
+def test_an_hpz_partition_that_does_not_divide_the_world_is_named_at_initialize():
+    for message in run_ranks(hpz_not_dividing_worker, 4):  # it named the node size, which was fine
+        assert "zero_hpz_partition_size (3) must divide" in message, message
+
+
 def hpz_memory_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     config = _config(3, "bf16", zero_hpz_partition_size=2)

@@ -20,7 +20,7 @@ from ._native import _C
 from ._nvme_params import check_param_offload, param_file_for
 from ._optimizer_state import NvmePlacement, OptimizerState
 from ._policy import StagePolicy
-from ._topology import Topology, build_topology
+from ._topology import Topology, build_topology, check_zeropp_partitions
 
 if TYPE_CHECKING:
     from ._sharded_buffer import ShardedBuffer
@@ -146,12 +146,13 @@ def build_comms(process_group: Any, explicit: Mapping[str, str] | None, config: 
     if hierarchical and world != dist.get_world_size():
         raise ValueError("ZeRO++ hpZ and qgZ build process groups of nodes, which every rank of the job must take part "
                          f"in; the engine's process group has {world} of the job's {dist.get_world_size()} ranks")
+    node_size = zo.zero_node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    check_zeropp_partitions(zo, world, node_size)  # every rank alike, before any group is built
     options: dict[str, Any] = {"quantization_group_size": zo.zero_quantization_group_size}
     if zo.zero_quantized_gradients:
         if (explicit or {}).get("reduce_scatter", "auto") not in ("auto", "hierarchical"):
             raise ValueError(f"zero_optimization.zero_quantized_gradients asks for the 'hierarchical' reduce-scatter, "
                              f"but comm_algorithms asks for {explicit['reduce_scatter']!r}; drop one of them")
-        node_size = zo.zero_node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         topology = build_topology(process_group, node_size)
         reduce_scatter = "hierarchical"
         options.update(node_size=node_size, node_group=topology.node_group, cross_group=topology.cross_group)

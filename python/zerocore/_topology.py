@@ -25,6 +25,20 @@ class Topology:
     cross_group: Any  # None where there is one node
 
 
+def check_zeropp_partitions(zero: Any, world: int, node_size: int | None) -> None:
+    """What hpZ and qgZ need of the world size, checked before any process group is built (and by the
+    estimate, which builds none): ``node_size`` is qgZ's (the config's, LOCAL_WORLD_SIZE or the world)."""
+    hpz = zero.zero_hpz_partition_size
+    if hpz > 1 and world % hpz:
+        raise ValueError(f"zero_optimization.zero_hpz_partition_size ({hpz}) must divide the data-parallel group of "
+                         f"{world} ranks: each partition of {hpz} consecutive ranks keeps a secondary copy (usually "
+                         "the ranks of one node)")
+    if zero.zero_quantized_gradients and node_size is not None and world % node_size:
+        raise ValueError(f"zero_optimization: a node of {node_size} ranks does not divide the data-parallel group "
+                         f"of {world} ranks (zero_quantized_gradients reduces within nodes first); set "
+                         "LOCAL_WORLD_SIZE (torchrun does) or zero_optimization.zero_node_size to the ranks per node")
+
+
 def build_topology(process_group: Any, node_size: int) -> Topology:
     """The nodes of ``process_group`` (collective: every rank of it calls this with the same ``node_size``)."""
     ranks = dist.get_process_group_ranks(process_group)

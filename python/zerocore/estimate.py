@@ -52,6 +52,7 @@ from ._nvme_state import pipeline_buffers, plan_sub_groups
 from ._policy import StagePolicy
 from ._sharded_buffer import ALIGNMENT
 from ._stage3 import NO_BUCKET_CAP
+from ._topology import check_zeropp_partitions
 from ._units import UnitSpec, resolve_units
 from .config import ZeroConfig, hidden_size_of
 from .layout import FlatLayout
@@ -209,6 +210,8 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
         hidden = hidden_size if hidden_size is not None or count is not None else hidden_size_of(model)
         config = ZeroConfig.from_deepspeed(config, strict=strict, hidden_size=hidden)
     config = config.for_world_size(world)  # as Engine.__init__
+    # as build_comms (LOCAL_WORLD_SIZE describes this machine, not the one planned for: the config's node size)
+    check_zeropp_partitions(config.zero_optimization, world, config.zero_optimization.zero_node_size or None)
     policy = StagePolicy.for_stage(config.zero_optimization.stage)
     if count is None:
         check_trainable_dtypes(model)
