@@ -13,8 +13,11 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import zerocore
+from zerocore._nvme_state import pipeline_buffers, plan_sub_groups, sub_group_totals
 from _dist import run_ranks
 from _models import batch, build, loss_fn
 
@@ -254,3 +257,21 @@ def test_cli_prints_a_table_and_json(tmp_path):
     run = subprocess.run([sys.executable, "-m", "zerocore.estimate", "--params", "7e9", "--world", "0"],
                          capture_output=True, text=True, env=env, timeout=120, check=False)
     assert run.returncode == 2 and "world_size" in run.stderr
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=6), st.booleans(), st.integers(1, 3000))
+def test_sub_group_totals_count_what_the_store_plans(shards, separate, sub_group_size):
+    """The estimate counts the NVMe file's sub-groups arithmetically; the store builds them one by one."""
+    groups, size = plan_sub_groups(shards, [separate] * len(shards), sub_group_size)
+    count, largest = pipeline_buffers(groups)
+    totals = sub_group_totals(shards, [separate] * len(shards), sub_group_size)
+    assert totals == (len(groups), largest, size)
+    assert (3 if totals[0] > 1 else 1) == count
+
+
+def test_one_element_sub_groups_of_a_7b_model_are_planned_without_building_them():
+    config = {"zero_optimization": {"stage": 3, "sub_group_size": 1,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}
+    report = zerocore.estimate_memory(7e9, config, 8)  # billions of sub-groups: built one by one, it ran for hours
+    assert report["nvme_file_bytes"] >= 7e9 / 8 * 2 * 4096  # each state of each element 4 KiB aligned

@@ -85,6 +85,24 @@ def plan_sub_groups(shard_sizes: Sequence[int], separate_master: Sequence[bool],
     return sub_groups, offset
 
 
+def sub_group_totals(shard_sizes: Sequence[int], separate_master: Sequence[bool],
+                     sub_group_size: int) -> tuple[int, int, int]:
+    """What :func:`plan_sub_groups` gives, counted without a SubGroup per sub-group (the estimate plans
+    launches of any size: ``sub_group_size: 1`` at 7e9 parameters is billions of them): (sub-groups, bytes of
+    the largest, the file's size)."""
+    count = largest = size = 0
+    for numel, separate in zip(shard_sizes, separate_master):
+        states = 3 if separate else 2
+        whole, rest = divmod(numel, sub_group_size)
+        for n, elements in ((whole, sub_group_size), (1 if rest else 0, rest)):
+            if n:
+                stride = -(-elements * _F32 // ALIGN) * ALIGN
+                count += n
+                largest = max(largest, stride * states)
+                size += n * stride * states
+    return count, largest, size
+
+
 def pipeline_buffers(sub_groups: Sequence[SubGroup]) -> tuple[int, int]:
     """(count, bytes each) of the step's rotating I/O buffers: three when there is more than one sub-group."""
     return 3 if len(sub_groups) > 1 else 1, max((g.nbytes for g in sub_groups), default=0)

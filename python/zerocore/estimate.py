@@ -8,9 +8,10 @@ It reads the config the way ``initialize`` does (``ZeroConfig.from_deepspeed``, 
 trainable parameters and their order the way the engine does (``collect_trainable``; stage 3:
 ``resolve_units``), lays every flat buffer out with the C++ ``FlatLayout`` at the engine's alignment and bucket
 cap (``BucketSizes.resolve``; stage 3: one bucket per unit), and asks the engine's ``OptimizerState`` where the
-fp32 state lives and which shards keep a separate master or go through host staging; on NVMe it cuts the
-state file into sub-groups with the store's own ``plan_sub_groups``. From those plans it counts the bytes of
-the tensors the engine would allocate, category by category, under the keys of ``memory_report()["bytes"]``.
+fp32 state lives and which shards keep a separate master or go through host staging; on NVMe it counts the
+state file's sub-groups as the store's ``plan_sub_groups`` cuts them (``sub_group_totals``, without an object
+per sub-group). From those plans it counts the bytes of the tensors the engine would allocate, category by
+category, under the keys of ``memory_report()["bytes"]``.
 ``tests/test_estimate.py`` checks it against ``memory_report()`` right after ``initialize``, byte for byte.
 
 Those are the bytes held between steps. A step also allocates, and frees again, gradient bucket buffers (the
@@ -48,7 +49,7 @@ from ._gather_spares import spare_capacity
 from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
 from ._native import _C
 from ._nvme_params import check_param_offload, plan_param_file
-from ._nvme_state import pipeline_buffers, plan_sub_groups
+from ._nvme_state import sub_group_totals
 from ._policy import StagePolicy
 from ._sharded_buffer import ALIGNMENT
 from ._stage3 import NO_BUCKET_CAP
@@ -317,9 +318,8 @@ def _state_bytes(plan: _Plan, shards: list[int]) -> tuple[dict[str, int], int]:
     separate = state.keeps_separate_master(compute, plan.device)  # every shard: compute dtype, engine's device
     out = {"master_params": 0, "optimizer_moments": 0, "offload_staging": 0, "nvme_buffers": 0}
     if state.nvme is not None:
-        groups, size = plan_sub_groups(shards, [separate] * len(shards), state.nvme.sub_group_size)
-        count, largest = pipeline_buffers(groups)
-        out["nvme_buffers"] = count * largest
+        groups, largest, size = sub_group_totals(shards, [separate] * len(shards), state.nvme.sub_group_size)
+        out["nvme_buffers"] = (3 if groups > 1 else 1) * largest  # pipeline_buffers' rule
         return out, size
     total = sum(shards)
     out["master_params"] = 4 * total if separate else 0
