@@ -373,3 +373,24 @@ def scheduler_to_inf_worker(rank: int, world: int) -> list[str]:
 
 def test_a_scheduler_driving_lr_to_inf_leaves_the_engine_usable():
     assert run_ranks(scheduler_to_inf_worker, 2, timeout=90) == [["idle"] * 4] * 2
+
+
+def recast_worker(rank: int, world: int, stage: int) -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    engine = zerocore.initialize(model, _config(stage))
+    engine.backward(engine(torch.randn(2, 8)).square().mean())
+    engine.step()
+    model.half()  # stage 2 trained a step in fp16, then cast back silently; stage 1 failed inside torch
+    with pytest.raises(RuntimeError) as raised:
+        engine(torch.randn(2, 8).half())
+    model.float()  # cast back: trains on
+    engine.backward(engine(torch.randn(2, 8)).square().mean())
+    engine.step()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_model_cast_after_initialize_is_refused_at_the_next_forward_naming_the_config_keys(stage):
+    for message in run_ranks(recast_worker, 2, stage):
+        assert "'0.weight' is torch.float16" in message and "bf16.enabled" in message, message

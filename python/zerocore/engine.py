@@ -215,6 +215,7 @@ class Engine(DeepSpeedAccessors):
         life.require("forward()", *_USABLE)
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args = cast_floating(args, torch.float16)
+        self._refuse_recast_params()
         training = torch.is_grad_enabled()
         life.forwards += training  # counted before the module runs: a forward that raises counts (Note [Backward outcome])
         self.buffer_sync.before_forward()
@@ -278,6 +279,19 @@ class Engine(DeepSpeedAccessors):
                 raise RuntimeError(problem)
         life.forward_pending = False
         life.local_grads = no_sync or (life.local_grads and not gradients.reducing)
+
+    def _refuse_recast_params(self) -> None:
+        """``model.half()`` / ``.to(dtype)`` after initialize gives the parameters new tensors of another dtype:
+        stage 1's backward then failed inside torch, stage 2 trained one step in the new dtype and silently cast
+        back. The dtype is the config's (bf16 / fp16) and fixed at initialize."""
+        for buffer in self.buffers:
+            for name, param in zip(buffer.names, buffer.params):
+                if param.dtype != buffer.dtype:
+                    raise RuntimeError(
+                        f"parameter {name!r} is {param.dtype} but zerocore holds it in {buffer.dtype}, the compute "
+                        "dtype fixed at initialize (was the model cast with .half(), .bfloat16(), .float() or "
+                        ".to(dtype)?): set bf16.enabled or fp16.enabled in the config instead, and cast the model "
+                        "back (or build it anew) before the next forward")
 
     def _abandon_backward(self, no_sync: bool, failed_here: bool) -> None:
         """A backward raised part-way (here, or on another rank: Note [Backward outcome]): the reductions it
