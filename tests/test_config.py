@@ -446,6 +446,9 @@ def test_aliases_and_ignored_keys():
                        z.stage3_param_persistence_threshold) == (7, 8, 9)
     with pytest.raises(ValueError, match=r"zero_optimization\.stage3_prefetch_bucket_size: given twice"):
         ZeroConfig.from_deepspeed(ds(zero_optimization={"prefetch_bucket_size": 7, "stage3_prefetch_bucket_size": 7}))
+    for value in ("4", -1, {}, [1]):  # an ignored key is still checked: a typo in it is not silent
+        with pytest.raises(ValueError, match="wall_clock_breakdown: expected true or false"):
+            ZeroConfig.from_deepspeed(ds(wall_clock_breakdown=value))
 
 
 def test_users_dict_not_mutated():

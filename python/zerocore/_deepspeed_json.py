@@ -165,7 +165,10 @@ def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
             like_zerocore = _LIKE_ZEROCORE.get(prefix + key)
             if like_zerocore is None or not like_zerocore(value):  # Note [DeepSpeed keys at what zerocore does]
                 unsupported.append(prefix + key)
-        elif key not in ignored:
+        elif key in ignored:  # wall_clock_breakdown, zerocore's reports cover it: its value still a bool
+            if not isinstance(value, bool):
+                fail(prefix + key, f"expected true or false, got {value!r}")
+        else:
             known = sorted(supported | set(aliases) | ignored | not_yet)
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
