@@ -200,8 +200,8 @@ class GradientRouting:
                 f"parameter {buffer.names[local]!r} got its gradient twice in one backward: its gradient "
                 "accumulator ran in two separate autograd passes. The usual cause is activation checkpointing "
                 "with use_reentrant=True (what Hugging Face's gradient_checkpointing_enable() uses unless "
-                "told otherwise) around a module that runs more than once per step (a shared layer, two forwards summed into one loss): use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                "told otherwise) around a module that runs more than once per step (a shared layer, two "
+                "forwards summed into one loss): use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
                 "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
             ) from error
 

@@ -103,9 +103,14 @@ def sub_group_totals(shard_sizes: Sequence[int], separate_master: Sequence[bool]
     return count, largest, size
 
 
+def pipeline_depth(sub_groups: int) -> int:
+    """The step's rotating I/O buffers: three (read, update, write) when there is more than one sub-group."""
+    return 3 if sub_groups > 1 else 1
+
+
 def pipeline_buffers(sub_groups: Sequence[SubGroup]) -> tuple[int, int]:
-    """(count, bytes each) of the step's rotating I/O buffers: three when there is more than one sub-group."""
-    return 3 if len(sub_groups) > 1 else 1, max((g.nbytes for g in sub_groups), default=0)
+    """(count, bytes each) of the step's rotating I/O buffers (:func:`pipeline_depth`)."""
+    return pipeline_depth(len(sub_groups)), max((g.nbytes for g in sub_groups), default=0)
 
 
 class NamelessFile:

@@ -37,6 +37,29 @@ _NORM_CHUNK = 32 * _NORM_BLOCK  # 16-bit gradients: elements widened to fp32 at 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
+class _StateInMemory:
+    """A shard's ``master``, ``exp_avg`` or ``exp_avg_sq``, read through a check because it is not always in
+    memory: on NVMe the moments (and a separate master) live only in the file (None here), and a parameter shard
+    on NVMe has no storage between steps, where torch would read freed memory (a segfault) instead of raising.
+    ``OptimizerState.resident()`` is the way in."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, shard: Shard | None, owner: type | None = None) -> Any:
+        if shard is None:
+            return self
+        value = getattr(shard, self.slot)
+        if value is None or (self.name == "master" and shard.holds_no_values()):
+            raise RuntimeError(
+                f"shard {shard.label!r}: its {self.name} is on NVMe, not in memory; read it inside "
+                f"`with engine.optimizer_state.resident(shard) as values: values[{self.name!r}]`")
+        return value
+
+    def __set__(self, shard: Shard, value: torch.Tensor | None) -> None:
+        setattr(shard, self.slot, value)
+
+
 class Shard:
     """One shard's optimizer state. ``params`` and ``grads`` belong to the parameter storage; ``master``,
     ``exp_avg`` and ``exp_avg_sq`` are views of the owner's flat tensors (``master`` is ``params`` itself in
@@ -76,44 +99,13 @@ class Shard:
     def numel(self) -> int:
         return self.params.numel()
 
-    # The state is read through properties because it is not always in memory: on NVMe the moments (and a
-    # separate master) live only in the file, and a parameter shard on NVMe has no storage between steps, where
-    # torch would read freed memory (a segfault) instead of raising. OptimizerState.resident() is the way in.
-    @property
-    def master(self) -> torch.Tensor:
-        if self._master is None or (self.param_home is not None and self.params.numel()
-                                    and self.params.untyped_storage().nbytes() == 0):
-            raise self._not_in_memory("master")
-        return self._master
+    master = _StateInMemory()
+    exp_avg = _StateInMemory()
+    exp_avg_sq = _StateInMemory()
 
-    @master.setter
-    def master(self, value: torch.Tensor | None) -> None:
-        self._master = value
-
-    @property
-    def exp_avg(self) -> torch.Tensor:
-        if self._exp_avg is None:
-            raise self._not_in_memory("exp_avg")
-        return self._exp_avg
-
-    @exp_avg.setter
-    def exp_avg(self, value: torch.Tensor | None) -> None:
-        self._exp_avg = value
-
-    @property
-    def exp_avg_sq(self) -> torch.Tensor:
-        if self._exp_avg_sq is None:
-            raise self._not_in_memory("exp_avg_sq")
-        return self._exp_avg_sq
-
-    @exp_avg_sq.setter
-    def exp_avg_sq(self, value: torch.Tensor | None) -> None:
-        self._exp_avg_sq = value
-
-    def _not_in_memory(self, name: str) -> RuntimeError:
-        return RuntimeError(
-            f"shard {self.label!r}: its {name} is on NVMe, not in memory; read it inside "
-            f"`with engine.optimizer_state.resident(shard) as values: values[{name!r}]`")
+    def holds_no_values(self) -> bool:
+        """A parameter shard on NVMe between its loads: storage of zero bytes behind a non-empty tensor."""
+        return self.param_home is not None and bool(self.params.numel()) and self.params.untyped_storage().nbytes() == 0
 
 
 @dataclass(frozen=True)

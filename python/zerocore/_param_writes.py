@@ -49,12 +49,9 @@ class ParamWrites:
 
     def params_written(self) -> bool:
         return self.gathered and (any(param._version != seen for param, seen in zip(self.params, self._versions))
-                                  or bool(self._rebound()))
+                                  or bool(self.rebound_params()))
 
     def rebound_params(self) -> list[int]:
-        return self._rebound()
-
-    def _rebound(self) -> list[int]:
         """Parameters the user pointed at other storage (``p.data = t``, ``vector_to_parameters``): left so,
         they would be cut off from the engine's buffer, their value frozen while training goes on."""
         return [i for i, (param, view) in enumerate(zip(self.params, self.views))
@@ -63,7 +60,7 @@ class ParamWrites:
     def reattach_rebound(self, keep_values: bool = True) -> None:
         """Every rebound parameter is the engine's view again, holding the value the user gave it
         (``keep_values``) or the engine's (a write being discarded)."""
-        for i in self._rebound():
+        for i in self.rebound_params():
             param, view = self.params[i], self.views[i]
             if keep_values:
                 if param.shape != view.shape:
@@ -94,7 +91,7 @@ class ParamWrites:
         them, which one depending on the sharding, silently. The CRC-32C of each parameter's written values is
         kept until the step compares them across ranks (Note [Writes to parameters] in _step.py). The last
         write before the step counts, as it is the one the shards hold."""
-        for name, param, view in zip(self.names, self.params, self.views):
+        for name, view in zip(self.names, self.views):
             if view.numel():
                 self.write_fingerprints[name] = _C.crc32c(view.detach().cpu().contiguous())
 

@@ -105,15 +105,14 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     if engine.stage3 is not None:
         engine.stage3.divergence.end_step(values[4] > 0, engine.stage3.step)
     if engine.stage3 is not None and values[5] > 0 and engine.world_size * values[7] != values[6] ** 2:
-        engine.stage3.end_forward_backward_step()  # shards unchanged, but the window's forward/backward is over
+        _end_window(engine)
         raise RuntimeError(
             f"a training forward raised on {int(values[5])} rank(s) and the ranks ran different numbers of training "
             "forwards in this accumulation window, so its backwards paired different batches across ranks: the "
             "window's gradients were dropped on every rank and nothing was updated. If a rank skips a batch "
             "after an error, every rank must skip it (catch the error on every rank).")
     if values[3] > 0:  # before anything moves (the loss scale included); engine.step() drops the gradients
-        if engine.stage3 is not None:  # shards unchanged, but the window's forward/backward is over
-            engine.stage3.end_forward_backward_step()
+        _end_window(engine)
         raise ValueError(f"the step was refused on every rank, nothing changed: "
                          f"{bad_group or f'{int(values[3])} other rank(s) hold an unusable hyperparameter'}")
     if values[2] > 0:
@@ -128,8 +127,7 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     if values[1] > 1:  # every rank wrote: the same values? (only then: a second collective on write steps alone)
         differ = _differently_written(engine, written)
         if differ:
-            if engine.stage3 is not None:  # the window's forward/backward is over
-                engine.stage3.end_forward_backward_step()
+            _end_window(engine)
             engine.reload_params_from_shards()  # every rank holds the same values again: each shard's owner's
             raise RuntimeError(
                 f"parameters were written in place with different values on different ranks ({differ}): each "
@@ -165,9 +163,15 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
         update_and_gather(engine, grad_scale, without_grad)
         if store is not None or engine.param_file is not None:
             check_offload_io(engine, store)
+    _end_window(engine)
+    log_progress(engine)
+
+
+def _end_window(engine: Engine) -> None:
+    """The accumulation window's forward/backward is over, updated or refused: stage 3's gathered copies go
+    (the shards may have changed)."""
     if engine.stage3 is not None:
         engine.stage3.end_forward_backward_step()
-    log_progress(engine)
 
 
 def hyperparameter_problem(engine: Engine) -> str | None:

@@ -73,6 +73,9 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     problem: str | None = None
     client: dict[str, Any] = {}
     scheduler: Any = None
+    # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
+    # parameters are replicated), rank 0 writes it
+    untracked = untracked_state(engine, frozen=not exclude_frozen_parameters)
     try:
         check_tag(tag)
         if client_state is not None and not isinstance(client_state, Mapping):
@@ -80,7 +83,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
         client = json_state.encode(dict(client_state or {}), "save_checkpoint(client_state=...)")
         if engine.lr_scheduler is not None:
             scheduler = json_state.encode(engine.lr_scheduler.state_dict(), "engine.lr_scheduler.state_dict()")
-        for name, value in untracked_state(engine).items():
+        for name, value in untracked.items():
             if not stio.writable(value.dtype):
                 raise TypeError(f"buffer or frozen parameter {name!r} is {value.dtype}, which safetensors cannot "
                                 "store")
@@ -154,9 +157,6 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     current.clear()
     everyone = all_gather_json(engine.comm, mine, engine.device)
     _fail_together(engine, [entry.get("error") for entry in everyone], failure, "write its file", tmp)
-    # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
-    # parameters are replicated), rank 0 writes it
-    untracked = untracked_state(engine, frozen=not exclude_frozen_parameters)
     shapes = trainable_shapes(engine)
     persistent = persistent_names(engine)
     with _agreed(engine, "write the model file and the index", tmp):

@@ -49,7 +49,7 @@ from ._gather_spares import spare_capacity
 from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
 from ._native import _C
 from ._nvme_params import check_param_offload, plan_param_file
-from ._nvme_state import sub_group_totals
+from ._nvme_state import pipeline_depth, sub_group_totals
 from ._policy import StagePolicy
 from ._sharded_buffer import ALIGNMENT
 from ._stage3 import NO_BUCKET_CAP
@@ -319,7 +319,7 @@ def _state_bytes(plan: _Plan, shards: list[int]) -> tuple[dict[str, int], int]:
     out = {"master_params": 0, "optimizer_moments": 0, "offload_staging": 0, "nvme_buffers": 0}
     if state.nvme is not None:
         groups, largest, size = sub_group_totals(shards, [separate] * len(shards), state.nvme.sub_group_size)
-        out["nvme_buffers"] = (3 if groups > 1 else 1) * largest  # pipeline_buffers' rule
+        out["nvme_buffers"] = pipeline_depth(groups) * largest
         return out, size
     total = sum(shards)
     out["master_params"] = 4 * total if separate else 0
