@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -177,27 +178,37 @@ def test_fp16_dynamic_scale_growth_unscales_with_the_scale_in_effect(stage):
     run_ranks(fp16_window_worker, 2, stage)
 
 
-def param_groups_worker(rank: int, world: int, stage: int) -> bool:
-    """Two param groups (no weight decay on biases and norms, another lr) and an lr scheduler."""
-    model = build("transformer")
-
-    def groups(m):
-        decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in m.named_parameters() if p.dim() < 2]
-        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3}]
-
+def _train_with_groups(rank: int, stage: int, model: torch.nn.Module, groups: Any, schedule: Any, steps: int,
+                       each_step: Any = None) -> tuple[zerocore.Engine, ReferencePair]:
+    """The engine and a DDP + torch AdamW reference, both with ``groups(model)`` and a ``schedule(optimizer)``
+    lr scheduler each, trained ``steps`` steps on the transformer's batches; ``each_step(optimizers, step)``
+    runs after every step."""
     reference = ReferencePair(
         model, lambda m: torch.optim.AdamW(groups(m), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, foreach=False), wrap=DDP)
     engine = zerocore.initialize(model, _config(Case("transformer", stage)), param_groups=groups(model))
-    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
-                  for o in (*reference.optimizers, engine.optimizer)]
-    for step in range(8):
+    optimizers = (*reference.optimizers, engine.optimizer)
+    schedulers = [schedule(o) for o in optimizers]
+    for step in range(steps):
         x, y = batch("transformer", torch.Generator().manual_seed(10_000 * step + rank))
         engine.backward(loss_fn("transformer", engine(x), y))
         engine.step()
         reference.train_step(lambda module, dtype: loss_fn("transformer", module(x), y))
         for s in schedulers:
             s.step()
+        if each_step is not None:
+            each_step(optimizers, step)
+    return engine, reference
+
+
+def param_groups_worker(rank: int, world: int, stage: int) -> bool:
+    """Two param groups (no weight decay on biases and norms, another lr) and an lr scheduler."""
+    def groups(m):
+        decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in m.named_parameters() if p.dim() < 2]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3}]
+
+    engine, reference = _train_with_groups(rank, stage, build("transformer"), groups,
+                                           lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5), 8)
     reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"param groups, stage {stage}")
     return True
 
@@ -221,21 +232,14 @@ def empty_group_worker(rank: int, world: int, stage: int, save_dir: str) -> bool
                 {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
                 {"params": matrices[1::2], "weight_decay": 0.0, "lr": 1e-3}]
 
-    reference = ReferencePair(
-        model, lambda m: torch.optim.AdamW(groups(m), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, foreach=False), wrap=DDP)
-    engine = zerocore.initialize(model, _config(Case("transformer", stage)), param_groups=groups(model))
-    assert [len(g["params"]) for g in engine.optimizer.param_groups][1] == 0
+    def write_group_2(optimizers, step):  # a callback writing one group by index
+        for o in optimizers:
+            o.param_groups[2]["weight_decay"] = 0.05 * step
+
     lambdas = [lambda s: 1.0, lambda s: 0.0, lambda s: 0.5 ** s]
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambdas) for o in (*reference.optimizers, engine.optimizer)]
-    for step in range(4):
-        x, y = batch("transformer", torch.Generator().manual_seed(10_000 * step + rank))
-        engine.backward(loss_fn("transformer", engine(x), y))
-        engine.step()
-        reference.train_step(lambda module, dtype: loss_fn("transformer", module(x), y))
-        for s in schedulers:
-            s.step()
-        for o in (*reference.optimizers, engine.optimizer):
-            o.param_groups[2]["weight_decay"] = 0.05 * step  # a callback writing one group by index
+    engine, reference = _train_with_groups(rank, stage, model, groups,
+                                           lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambdas), 4, write_group_2)
+    assert [len(g["params"]) for g in engine.optimizer.param_groups][1] == 0
     reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"empty group, stage {stage}")
     engine.save_checkpoint(save_dir, tag="t")
     engine.load_checkpoint(save_dir, tag="t")  # the saved groups, the empty one included, match the engine's
