@@ -85,17 +85,49 @@ def persistent_names(engine: Engine) -> set[str]:
 
 
 def untracked_state(engine: Engine, frozen: bool = True) -> dict[str, torch.Tensor]:
-    """Buffers and (with ``frozen``) frozen parameters by state-dict name (each tensor once)."""
+    """Buffers and (with ``frozen``) frozen parameters by state-dict name (each tensor once). A frozen
+    parameter stage 3 shards is the parameter itself (its shape is right, its values are not here:
+    ``whole_frozen_values`` and ``load_frozen_values``)."""
     trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    sharded = {id(p) for storage in engine.frozen_buffers for p in storage.params}
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, param in engine.module.named_parameters(remove_duplicate=True):
         if id(param) not in trainable and id(param) not in seen:
             seen.add(id(param))
             if frozen:
-                out[name] = param.data
+                out[name] = param if id(param) in sharded else param.data
     for name, buffer in engine.module.named_buffers(remove_duplicate=True):
         if id(buffer) not in seen:
             seen.add(id(buffer))
             out[name] = buffer
     return out
+
+
+def whole_frozen_values(engine: Engine, untracked: Mapping[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
+    """The whole values of the sharded frozen parameters among ``untracked`` (Note [Frozen shards]), by name,
+    where ``keep`` (the writing rank); a collective: stage 3 gathers their units one at a time."""
+    stage3 = engine.stage3
+    name_of = {id(t): name for name, t in untracked.items()}
+    out: dict[str, torch.Tensor] = {}
+    if stage3 is None:
+        return out
+    for unit in stage3.units:
+        mine = [p for storage in unit.frozen for p in storage.params if id(p) in name_of]
+        if not mine:
+            continue
+        stage3.ensure_gathered(unit, "all_gather_state_dict")
+        if keep:
+            out.update({name_of[id(p)]: p.detach().to("cpu", copy=True) for p in mine})
+        if not unit.persistent:
+            stage3.release(unit)
+    return out
+
+
+def load_frozen_values(engine: Engine, untracked: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor]) -> None:
+    """Each sharded frozen parameter among ``untracked`` takes its value in ``values`` (this rank's shard of
+    it); the units are released by the load's ``reload_params_from_shards``."""
+    name_of = {id(t): name for name, t in untracked.items()}
+    for storage in engine.frozen_buffers:
+        if all(id(p) in name_of for p in storage.params):
+            storage.set_shard_from_values([values[name_of[id(p)]] for p in storage.params])

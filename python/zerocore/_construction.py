@@ -119,7 +119,8 @@ def reduction_wire_dtype(config: ZeroConfig, device: torch.device, world: int) -
 class Comms:
     """The engine's collectives (Note [Collective algorithms]): ``main`` for everything but stage 3's
     parameter gathers (gradient reduce-scatters: qgZ's "hierarchical" with ``zero_quantized_gradients``),
-    ``weights`` for those (qwZ's "quantized" all-gather with ``zero_quantized_weights``, else ``main``),
+    ``weights`` for those (qwZ's "quantized" all-gather with ``zero_quantized_weights`` or
+    ``zero_quantized_nontrainable_weights``, else ``main``),
     and ``hpz``, the Comm of this rank's hpZ partition (``zero_hpz_partition_size`` > 1) with its topology."""
 
     main: Any
@@ -158,7 +159,7 @@ def build_comms(process_group: Any, explicit: Mapping[str, str] | None, config: 
         options.update(node_size=node_size, node_group=topology.node_group, cross_group=topology.cross_group)
     main = _C.Comm(process_group, reduce_scatter, all_gather, **options)
     weights = main
-    if zo.zero_quantized_weights:
+    if zo.zero_quantized_weights or zo.zero_quantized_nontrainable_weights:
         weights = _C.Comm(process_group, "auto", "quantized",  # it only gathers
                           quantization_group_size=zo.zero_quantization_group_size)
     comms = Comms(main, weights)
@@ -181,13 +182,14 @@ def broadcast_module_state(comm: Any, module: nn.Module) -> None:
                 tensor.data.copy_(dense)
 
 
-def cast_untracked_tensors(module: nn.Module, dtype: torch.dtype) -> None:
-    """Stage 3: frozen parameters and floating buffers follow the compute dtype (sharded ones already do)."""
+def cast_untracked_tensors(module: nn.Module, dtype: torch.dtype, sharded: set[int]) -> None:
+    """Stage 3: frozen parameters and floating buffers follow the compute dtype (the ``sharded`` ids, the
+    parameters the units hold, already do)."""
     if dtype == torch.float32:
         return
     for child in module.modules():
         for param in child.parameters(recurse=False):
-            if not param.requires_grad and param.is_floating_point():
+            if not param.requires_grad and param.is_floating_point() and id(param) not in sharded:
                 param.data = param.data.to(dtype)
         for name, buffer in child._buffers.items():
             if buffer is not None and buffer.is_floating_point():

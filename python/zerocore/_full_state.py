@@ -41,7 +41,7 @@ def full_state_dict(engine: Engine, dtype: torch.dtype | None, rank0_only: bool)
     if stage3 is not None:
         for unit in stage3.units:
             stage3.ensure_gathered(unit, "all_gather_state_dict")
-            for param in unit.params:
+            for param in unit.all_params:
                 sharded.add(id(param))
                 if keep:
                     for name in names_of.get(id(param), []):
@@ -75,7 +75,7 @@ def gather_for_user(engine: Engine, params: list[nn.Parameter]) -> None:
 
 def _buffers_of(engine: Engine, params: list[nn.Parameter]) -> list[ShardedBuffer]:
     wanted = {id(p) for p in params}
-    return [buffer for buffer in engine.buffers if any(id(p) in wanted for p in buffer.params)]
+    return [buffer for buffer in engine.param_storages if any(id(p) in wanted for p in buffer.params)]
 
 
 def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: int | None) -> None:

@@ -59,8 +59,9 @@ def gathered(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int |
     A collective: every rank of the engine's group must enter it with the same parameters. With
     ``modifier_rank`` set, changes that rank makes inside the block are written back to every rank's
     shard (and fp32 master) on exit; changes on other ranks are discarded. Without it, changes are
-    discarded on every rank. Frozen parameters (``requires_grad=False``) are never sharded and are passed
-    over, so ``zerocore.gathered(model.parameters())`` works as DeepSpeed's ``GatheredParameters`` does.
+    discarded on every rank. Frozen parameters are gathered too where stage 3 shards them (Note [Frozen
+    shards]); those no engine holds (stages 1-2 keep them whole) are passed over, so
+    ``zerocore.gathered(model.parameters())`` works as DeepSpeed's ``GatheredParameters`` does.
 
     Raises:
         ValueError: when a parameter is not managed by a zerocore engine, or modifier_rank is out of range.
@@ -76,7 +77,7 @@ def gathered(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int |
     for param in params:
         engine = _engine_for(param)
         if engine is None and not param.requires_grad:
-            continue  # frozen: never sharded, already whole (DeepSpeed's idiom passes every parameter)
+            continue  # frozen and held whole (DeepSpeed's idiom passes every parameter)
         if engine is None:
             raise ValueError("zerocore.gathered() got a parameter that no zerocore engine manages "
                              f"(shape {list(param.shape)}); pass parameters of a model given to zerocore.initialize()")

@@ -25,7 +25,8 @@ minimum), the call runs, and a unit no later call needs is finished: rank 0's va
 build's broadcast does), checked, and sharded. Units finish in the same order on every rank, so the
 collectives match. A tensor still holding its sentinel (nothing computed it: a buffer such as BERT's
 ``position_ids``, filled by ``torch.arange`` in its constructor) raises, naming it and the way out.
-Buffers and frozen parameters stay whole on every rank; they are broadcast from rank 0 at the end.
+Frozen floating-point parameters are sharded with their units (Note [Frozen shards]); buffers stay whole on
+every rank and are broadcast from rank 0 at the end.
 Nothing in torch or ``nn.Module`` is patched.
 """
 
@@ -306,7 +307,7 @@ def materialize_units(model: nn.Module, units: list[Unit], device: torch.device,
     """See Note [Meta-device materialization]. ``comm`` (the engine's) broadcasts rank 0's values; None
     keeps each rank's own."""
     mat = _Materializer(model, device, comm)
-    owner = {id(p): unit for unit in units for p in unit.params}
+    owner = {id(p): unit for unit in units for p in unit.all_params}
     if init_fn is not None:
         order = _apply_order(model)
         accessed = _dry_run(order, init_fn, device, mat)
@@ -355,14 +356,14 @@ def materialize_units(model: nn.Module, units: list[Unit], device: torch.device,
             elif touched:
                 _reset(module, initialized)
             for unit in finish_at.get(position, []):
-                for param in unit.params:
+                for param in unit.all_params:
                     mat.materialize(id(param))
-                mat.broadcast(list(unit.params))
-                mat.check(list(unit.params), init_fn)
-                for param, name in zip(unit.params, unit.spec.param_names):
+                mat.broadcast(list(unit.all_params))
+                mat.check(list(unit.all_params), init_fn)
+                for param, name in zip(unit.all_params, unit.all_names):
                     log.sharded[id(param)] = name
-                unit.build_from([p.detach() for p in unit.params])  # takes the shard, frees the values
-    # Frozen parameters and buffers: whole on every rank, rank 0's values.
+                unit.build_from({id(p): p.detach() for p in unit.all_params})  # takes the shards, frees the values
+    # Buffers (and frozen parameters no unit shards: integer ones): whole on every rank, rank 0's values.
     rest = [key for key in mat.tensors if key not in owner]
     for key in rest:
         mat.materialize(key)

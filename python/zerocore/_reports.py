@@ -40,8 +40,10 @@ def memory_report(engine: Engine) -> dict[str, Any]:
     items["allgather_buckets"] = 0  # the all-gather fills the parameter buffer in place
     # Nothing else is held between steps: the step's norm and overflow checks allocate scalars only.
     items["temporaries"] = 0
-    frozen = [p for p in engine.module.parameters() if not p.requires_grad]
-    items["frozen_params"] = sum(p.numel() * p.element_size() for p in frozen)
+    # frozen parameters: stage 3's shards (Note [Frozen shards]), and those held whole
+    held = {id(p) for buffer in engine.param_storages for p in buffer.params}
+    items["frozen_params"] = (sum(buffer.memory()["params"] for buffer in engine.frozen_buffers)
+                              + sum(p.numel() * p.element_size() for p in engine.module.parameters() if id(p) not in held))
     psi, psi_padded = _psi(engine)
     n = engine.world_size
     width = torch.empty((), dtype=engine.compute_dtype).element_size()

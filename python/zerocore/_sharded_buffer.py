@@ -19,6 +19,9 @@ the stage policy (Note [Stage policy]) changes is only where things live:
 * optimizer state: every bucket's shard is registered with the OptimizerState (Note [Optimizer state
   ownership]), with the param group of every element (``runs``) and global coordinates (``pieces``).
 
+A buffer without ``optimizer_state`` holds a stage-3 unit's frozen parameters (Note [Frozen shards]): the
+same sharding, gathers and placeholders, but no gradients and no optimizer state.
+
 ``gather(bucket)`` starts the all-gather that fills ``full``'s bucket from every rank's shard (before use in
 stage 3); after a stages 1-2 step ``gather_in_background(bucket)`` does, and leaves it in flight until a
 parameter of the bucket is read or the engine lands it (Note [Gathers land on first read]); ``release()``
@@ -54,7 +57,7 @@ class ShardedBuffer(ParamWrites):
 
     def __init__(self, label: str, params: list[nn.Parameter], names: Sequence[str], groups: Sequence[int], *,
                  bucket_cap: int, world: int, rank: int, policy: StagePolicy, dtype: torch.dtype,
-                 device: torch.device, optimizer_state: OptimizerState, param_file: Any = None) -> None:
+                 device: torch.device, optimizer_state: OptimizerState | None, param_file: Any = None) -> None:
         self.label = label
         self.params = params
         self.names = list(names)
@@ -103,6 +106,9 @@ class ShardedBuffer(ParamWrites):
             for value, offset in zip(values, self.offsets):
                 self.full[offset : offset + value.numel()].copy_(value.detach().reshape(-1))
         self.views = [self.full[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
+        if self._optimizer_state is None:
+            self._build_frozen(values)
+            return
         grads_sharded = self.policy.grads_sharded
         self.grad_buffer = None if grads_sharded else torch.zeros_like(self.full)
         self._grad_stale = [False] * len(self.params)  # Note [Gradient slots start stale]
@@ -131,6 +137,35 @@ class ShardedBuffer(ParamWrites):
                 self._offload_shard()
         else:
             self.attach_views()
+
+    def _build_frozen(self, values: Sequence[torch.Tensor]) -> None:
+        """Note [Frozen shards]
+        ------------------
+        At stage 3 a unit's frozen floating-point parameters (a LoRA model's base, a frozen tower) are sharded
+        like its trainable ones, in a second buffer: this rank keeps its shard in the compute dtype, nothing
+        else (no gradient, no fp32 master, no moments), as DeepSpeed's stage 3 shards them. The unit gathers
+        both buffers together; a backward releases the unit only once its inputs' gradients are computed, since
+        the frozen weights are read to compute them after the unit's last trainable gradient may have arrived
+        (Note [Units with frozen parameters in backward] in _stage3.py). A frozen shard is kept in memory
+        (``offload_param`` moves only trainable shards)."""
+        assert self.policy.params_sharded, "frozen parameters are sharded only at stage 3"
+        self.grad_buffer = self.grad_shard = None
+        self._grad_stale = []
+        self._grad_shard_stale = False
+        self.set_shard_from_values(values)
+        self.placeholders = [torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(p.shape)
+                             for p in self.params]
+        self.free()
+
+    def set_shard_from_values(self, values: Sequence[torch.Tensor]) -> None:
+        """This rank's shard of a frozen buffer from the parameters' full values (a load)."""
+        assert self._optimizer_state is None
+        for b in range(len(self.buckets)):
+            self.param_shard(b).copy_(self._shard_values(values, b, self.dtype))
+
+    @property
+    def frozen(self) -> bool:
+        return self._optimizer_state is None
 
     # ---- parameter shards on NVMe (Note [NVMe parameter shards]) ------------------------------------------
     def _offload_shard(self) -> None:
@@ -196,10 +231,11 @@ class ShardedBuffer(ParamWrites):
                 self._shard_written = False
                 self.shard.untyped_storage().resize_(0)
 
-    def _shard_values(self, values: Sequence[torch.Tensor], bucket: int) -> torch.Tensor:
-        """This rank's shard of ``bucket`` in fp32, from the full values (padding is zero)."""
+    def _shard_values(self, values: Sequence[torch.Tensor], bucket: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """This rank's shard of ``bucket`` in ``dtype``, from the full values (padding is zero)."""
         b = self.buckets[bucket]
-        out = torch.zeros(b.shard_size, dtype=torch.float32, device=self.device)
+        out = torch.zeros(b.shard_size, dtype=dtype, device=self.device)
         for piece in self.layout.pieces(self.rank, bucket):
             source = values[piece.tensor].detach().reshape(-1)
             start = piece.shard_offset - b.shard_offset

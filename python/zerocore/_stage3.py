@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._buckets import stage3_prefetch_budget
 from ._divergence import DivergenceCheck
@@ -77,7 +78,7 @@ from ._stage3_access import install_access_checks, remove_external_access
 from ._stage3_unit import Unit, UnitState
 from ._transforms import outside_transforms, wrapped_values
 from ._unit_outputs import output_leaves
-from ._units import UnitSpec
+from ._units import UnitSpec, frozen_storage_dtype
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -85,6 +86,22 @@ if TYPE_CHECKING:
 NO_BUCKET_CAP = 2**62  # one bucket per unit: one all-gather gathers the whole unit
 # the gathers that feed computation, which qwZ quantizes; state dicts, gathered(), close() get exact values
 _QUANTIZED_LABELS = frozenset({"all_gather_forward", "all_gather_backward", "all_gather_external"})
+_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)  # the quantize kernels' inputs
+
+
+class _InputGradsDone(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward, run once their gradients are computed, calls ``done``
+    (Note [Units with frozen parameters in backward])."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.done = done
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.done()
+        return (None, *grads)
 
 
 class Stage3Runtime:
@@ -95,17 +112,16 @@ class Stage3Runtime:
         self.engine = engine
         self.comm = engine.comm
         self.weight_comm = engine.comms.weights  # parameter gathers (qwZ quantizes them)
-        self.quantizes_weights = self.weight_comm is not self.comm
+        zo = engine.config.zero_optimization
+        self.quantizes_weights = zo.zero_quantized_weights
+        self.quantizes_frozen = zo.zero_quantized_nontrainable_weights
         self.hpz_comm = engine.comms.hpz  # backward gathers inside the hpZ partition
         topology = engine.comms.hpz_topology
         self.hpz_slot = None if topology is None else (topology.node_size, topology.local_rank)
-        zo = engine.config.zero_optimization
         self.max_live = zo.stage3_max_live_parameters
         self.prefetch_elements, self.prefetch_source = stage3_prefetch_budget(zo)
-        self.units = [Unit(s, engine.new_buffer(f"unit {s.name or '<root>'}", s.params, s.param_names,
-                                                [group_of[id(p)] for p in s.params], NO_BUCKET_CAP))
-                      for s in specs if s.params]
-        self._unit_of_buffer = {id(u.buffer): u for u in self.units}
+        self.units = [self._new_unit(s, group_of) for s in specs if s.params or s.frozen]
+        self._unit_of_buffer = {id(storage): u for u in self.units for storage in u.storages}
         self._slot_of = {u.index: slot for slot, u in enumerate(self.units)}  # unit index -> position in units
         self._numels = [u.numel for u in self.units]
         self._recorded_slots: list[int] = []
@@ -116,15 +132,15 @@ class Stage3Runtime:
             materialize_units(engine.module, self.units, engine.device, init_fn, comm=engine.comm)
         else:
             for unit in self.units:
-                unit.build_from([p.detach() for p in unit.params])
+                unit.build_from({id(p): p.detach() for p in unit.all_params})
         for unit in self.units:
             unit.persistent = unit.spec.parent is None or unit.numel < zo.stage3_param_persistence_threshold
         # built and released: from here on, released units' memory serves the next gathers
-        self.spares = GatherSpares(spare_capacity([u.numel for u in self.units],
-                                                  torch.empty((), dtype=engine.compute_dtype).element_size()))
+        self.spares = GatherSpares(spare_capacity([u.nbytes for u in self.units], 1))
         for unit in self.units:
-            unit.buffer.spares = self.spares
-        self._unit_of_param = {id(p): unit for unit in self.units for p in unit.params}
+            for storage in unit.storages:
+                storage.spares = self.spares
+        self._unit_of_param = {id(p): unit for unit in self.units for p in unit.all_params}
         self.in_forward = False  # between the model's forward pre-hook and its forward hook
         self._any_pinned = False
         self._retain_graph = False  # the backward running keeps its graph for another (Stage3Runtime.end_backward)
@@ -139,14 +155,39 @@ class Stage3Runtime:
         self._position = 0
         self._prefetch_enabled = False
         self._warned = False
-        self.live_elements = 0
-        self.peak_live_elements = 0  # since the last optimizer step
-        self.last_step_peak_elements = 0  # the peak of the last completed step
+        self.live_elements = 0  # what the prefetch cap (stage3_max_live_parameters) counts
+        self.live_bytes = 0
+        self.peak_live_bytes = 0  # since the last optimizer step
+        self.last_step_peak_bytes = 0  # the peak of the last completed step
         self.order_changes = 0
         self._started_in_step: set[int] = set()  # units whose gather started after this step's update
         self.reading_state = False  # inside the engine's full_state_dict(): state_dict() may see placeholders
         self.divergence = DivergenceCheck(engine, {u.index: u.name for u in self.units}, strict_spmd)
         self._register_module_hooks()
+
+    def _new_unit(self, spec: UnitSpec, group_of: dict[int, int]) -> Unit:
+        engine, label = self.engine, f"unit {spec.name or '<root>'}"
+        buffer = None
+        if spec.params:
+            buffer = engine.new_buffer(label, spec.params, spec.param_names, [group_of[id(p)] for p in spec.params],
+                                       NO_BUCKET_CAP)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, param in enumerate(spec.frozen):
+            by_dtype.setdefault(frozen_storage_dtype(param, engine.compute_dtype), []).append(i)
+        frozen = [engine.new_frozen_buffer(f"{label} frozen {str(dtype).removeprefix('torch.')}",
+                                           [spec.frozen[i] for i in at], [spec.frozen_names[i] for i in at], dtype)
+                  for dtype, at in by_dtype.items()]
+        return Unit(spec, buffer, frozen)
+
+    def _gather_comms(self, unit: Unit, label: str) -> tuple[list[Any], list[bool]]:
+        """Each storage's all-gather for a gather labelled ``label``: the gathers that feed computation go
+        through qwZ for trainable parameters with ``zero_quantized_weights`` and for frozen ones with
+        ``zero_quantized_nontrainable_weights`` (16- and 32-bit floats only); exact otherwise."""
+        feeds = label in _QUANTIZED_LABELS
+        flags = [feeds and (self.quantizes_weights if storage is unit.buffer
+                            else self.quantizes_frozen and storage.dtype in _QUANTIZABLE)
+                 for storage in unit.storages]
+        return [self.weight_comm if q else self.comm for q in flags], flags
 
     # ---- hooks ----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -159,9 +200,9 @@ class Stage3Runtime:
             unit.pinned = False
             unit.user_holds = 0  # closed inside a gathered() block: the parameters become plain tensors
             self.ensure_gathered(unit, "all_gather_close")
-            whole = [param.detach().clone() for param in unit.params]
+            whole = [param.detach().clone() for param in unit.all_params]
             self.release(unit)
-            for param, value in zip(unit.params, whole):
+            for param, value in zip(unit.all_params, whole):
                 param.data = value
                 mark_whole(param)
         self.spares.clear()
@@ -174,7 +215,8 @@ class Stage3Runtime:
         self.hook_handles.append(self.engine.module.register_forward_hook(lambda m, args, out: self._end_forward()))
         for unit in self.units:
             module = unit.spec.module
-            self.hook_handles.append(module.register_forward_pre_hook(lambda m, args, unit=unit: self.pre_forward(unit)))
+            self.hook_handles.append(module.register_forward_pre_hook(
+                lambda m, args, kwargs, unit=unit: self.pre_forward(unit, args, kwargs), with_kwargs=True))
             self.hook_handles.append(
                 module.register_forward_hook(lambda m, args, out, unit=unit: self.post_forward(unit, out)))
         # Note [External parameters]; running or saving a module whose parameters are sharded raises
@@ -183,13 +225,61 @@ class Stage3Runtime:
     def _in_backward(self) -> bool:
         return torch._C._current_graph_task_id() != -1
 
-    def pre_forward(self, unit: Unit) -> None:
+    def pre_forward(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Gathers the unit; with frozen parameters, returns its inputs wrapped to tell when their gradients
+        are computed (Note [Units with frozen parameters in backward])."""
         if self._in_backward():  # activation-checkpoint recomputation: the unit is needed, nothing else
             self.ensure_gathered(unit, "all_gather_backward")
-            return
+            # a reentrant recomputation's graph is back-propagated (a non-reentrant one's is not: its forward
+            # already wrapped the inputs)
+            return self._await_input_grads(unit, args, kwargs) if unit.frozen and not unit.input_grads_left else None
         self._follow_order(unit)
         self.ensure_gathered(unit, "all_gather_forward")
         self._prefetch_next()
+        return self._await_input_grads(unit, args, kwargs) if unit.frozen else None
+
+    # Note [Units with frozen parameters in backward]
+    # -----------------------------------------------
+    # A unit without frozen parameters is released in backward once each of its parameters got its gradient:
+    # an autograd node that reads a trainable weight also computes that weight's gradient, so no later node
+    # reads it. A frozen weight has no gradient to wait for, and it is read after the unit's trainable
+    # gradients may all be in (``y = W_frozen @ h + b``: b's gradient comes first, then the node computing the
+    # input's gradient reads W). So such a unit's forward passes its inputs that require grad through an
+    # identity autograd function (as FSDP2's post-backward hook does); its backward runs once the gradients
+    # of those inputs are computed, which is after every node of the unit's backward. The unit is released
+    # when both are done (Stage3Runtime._release_after_backward). A forward with no input that requires grad
+    # (the first block after a frozen embedding), or one under a torch.func transform, leaves nothing to
+    # wait for: its unit stays gathered until the backward ends. Activation checkpointing: a non-reentrant
+    # recomputation's graph is never back-propagated, so only the original forward's inputs are wrapped; a
+    # reentrant one's original forward ran without grad, so its recomputation's are.
+    def _await_input_grads(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        if torch._C._are_functorch_transforms_active():
+            unit.held_to_backward_end = True
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        at = [i for i, value in enumerate(flat) if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not at:
+            unit.held_to_backward_end = True
+            return None
+        unit.input_grads_left += 1
+        passed = _InputGradsDone.apply(lambda: self._input_grads_done(unit), *[flat[i] for i in at])
+        for i, tensor in zip(at, passed):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    def _input_grads_done(self, unit: Unit) -> None:
+        unit.input_grads_left = max(0, unit.input_grads_left - 1)
+        self._release_after_backward(unit)
+
+    def _release_after_backward(self, unit: Unit) -> None:
+        """The unit's backward is over once its gradients and its inputs' gradients are in."""
+        if unit.grads_left or unit.input_grads_left or unit.held_to_backward_end:
+            return
+        unit.secondary = None  # its backward is done; the next forward gathers the updated values
+        if not unit.persistent and not unit.pinned:
+            self.release(unit)
 
     def post_forward(self, unit: Unit, output: Any) -> Any:
         outputs = output_leaves(output)
@@ -206,7 +296,7 @@ class Stage3Runtime:
                     tensors, lambda grads, unit=unit: self.pre_backward(unit), mode="any"
                 )
                 backward_follows = True
-            elif not self._in_backward() and not unit.pinned and any(p.requires_grad for p in unit.params):
+            elif not self._in_backward() and not unit.pinned and (unit.params or unit.input_grads_left):
                 self._pin_unseen_output(unit, output)
         if not self._in_backward() and not unit.persistent and not unit.pinned:
             if not (backward_follows and self._ends_recorded_forward(unit)):
@@ -310,10 +400,7 @@ class Stage3Runtime:
         """A parameter of the unit that owns ``buffer`` got its gradient; the last one releases the unit."""
         unit = self.unit_of_buffer(buffer)
         unit.grads_left -= 1
-        if unit.grads_left == 0:
-            unit.secondary = None  # its backward is done; the next forward gathers the updated values
-        if unit.grads_left == 0 and not unit.persistent and not unit.pinned:
-            self.release(unit)
+        self._release_after_backward(unit)
 
     # ---- gather / release -----------------------------------------------------------------------------
     @outside_transforms  # gathers and releases are the engine's, never a transform's (Note [torch.func transforms])
@@ -330,18 +417,18 @@ class Stage3Runtime:
         unit.calls += 1
         partition = self.hpz_slot is not None and label == "all_gather_backward" and unit.secondary is not None
         # this rank's values first (from the parameter file, maybe): a failed read rides on the tag
-        failure = None if partition else unit.buffer.stage_own(0)
+        failure = None if partition else unit.stage_own()
         tag = self.divergence.before_gather(unit.index, unit.calls, self.step if step is None else step, label, failure)
         if partition:
             unit.start_partition_gather(self.hpz_comm, label, self.divergence, tag, self.hpz_slot)
-            unit.quantized = self.quantizes_weights  # the forward's values, as they were gathered
+            unit.quantized_storages = self._gather_comms(unit, label)[1]  # the forward's values, as they were gathered
         else:  # forward gathers refresh the hpZ slice the backward will gather from
-            quantized = self.quantizes_weights and label in _QUANTIZED_LABELS
+            comms, unit.quantized_storages = self._gather_comms(unit, label)
             keep = self.hpz_slot if not unit.in_backward and label in _QUANTIZED_LABELS else None
-            unit.start_gather(self.weight_comm if quantized else self.comm, label, self.divergence, tag, keep)
-            unit.quantized = quantized
+            unit.start_gather(comms, label, self.divergence, tag, keep)
         self.live_elements += unit.numel
-        self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+        self.live_bytes += unit.nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         backward = label == "all_gather_backward"
         if self._reads_ahead and self.recorded_order is not None and not (backward and self.hpz_slot is not None):
             self._read_ahead_after(unit, backward)  # (hpZ's backward gathers read no shard)
@@ -355,7 +442,7 @@ class Stage3Runtime:
         position += -1 if backward else 1
         if 0 <= position < len(self.recorded_order):
             after = self._unit(self.recorded_order[position])
-            if after.state is UnitState.SHARDED:
+            if after.state is UnitState.SHARDED and after.buffer is not None:
                 after.buffer.read_ahead()
 
     @outside_transforms
@@ -365,6 +452,7 @@ class Stage3Runtime:
         if unit.state is not UnitState.SHARDED and not unit.user_holds:
             unit.release()
             self.live_elements -= unit.numel
+            self.live_bytes -= unit.nbytes
 
     # Note [Units held by gathered()]
     # -------------------------------
@@ -452,6 +540,7 @@ class Stage3Runtime:
         self._any_pinned = False
         for unit in self.units:
             unit.in_backward = False
+            unit.input_grads_left, unit.held_to_backward_end = 0, False
             if keep and unit.pinned_for_backward:
                 self._any_pinned = True
                 continue
@@ -471,6 +560,14 @@ class Stage3Runtime:
         ahead = [first, *_C.plan_forward_prefetch(
             recorded_order=self._recorded_slots, position=1, unit_numel=self._numels, unit_sharded=sharded,
             live_elements=self._numels[first], max_live=self.max_live, prefetch_budget=self.prefetch_elements)]
+        for slot in ahead:  # frozen parameters only: the update changes nothing, they go now
+            unit = self.units[slot]
+            if unit.buffer is None:
+                if unit.state is UnitState.SHARDED:
+                    unit.calls = 0
+                    self._gather(unit, "all_gather_forward", self.step + 1)
+                self._started_in_step.add(unit.index)
+        ahead = [slot for slot in ahead if self.units[slot].buffer is not None]
         shards_left = {slot: len(self.units[slot].buffer.optimizer_shards) for slot in ahead}
         slot_of_shard = {shard.index: slot for slot in ahead for shard in self.units[slot].buffer.optimizer_shards}
 
@@ -493,6 +590,7 @@ class Stage3Runtime:
         after the update, Note [Gathers started in the step])."""
         for unit in self.units:
             unit.pinned = unit.pinned_for_backward = False
+            unit.input_grads_left, unit.held_to_backward_end = 0, False
             if unit.index not in self._started_in_step:
                 self.release(unit)
                 unit.calls = 0
@@ -503,15 +601,15 @@ class Stage3Runtime:
         self._warned = False
         self._prefetch_enabled = self.recorded_order is not None
         self.step += 1
-        self.last_step_peak_elements = self.peak_live_elements
-        self.peak_live_elements = self.live_elements
+        self.last_step_peak_bytes = self.peak_live_bytes
+        self.peak_live_bytes = self.live_bytes
 
     def memory(self) -> dict[str, int]:
-        width = torch.empty((), dtype=self.engine.compute_dtype).element_size()
-        return {"gathered_params_live": self.live_elements * width,
-                "gathered_params_peak_last_step": self.last_step_peak_elements * width,
+        return {"gathered_params_live": self.live_bytes,
+                "gathered_params_peak_last_step": self.last_step_peak_bytes,
                 # hpZ: each unit's slice of its forward values, held until its backward is done
-                "hpz_secondary": sum(u.secondary.numel() * width for u in self.units if u.secondary is not None),
+                "hpz_secondary": sum(t.numel() * t.element_size() for u in self.units if u.secondary is not None
+                                     for t in u.secondary),
                 "gather_spares": self.spares.held_bytes}  # Note [Spare gather storage]
 
     def forget_partition_slices(self) -> None:
@@ -523,3 +621,8 @@ class Stage3Runtime:
     # ---- outside forward ------------------------------------------------------------------------------
     def unit_of_buffer(self, buffer: ShardedBuffer) -> Unit:
         return self._unit_of_buffer[id(buffer)]
+
+    def storage_quantized(self, storage: ShardedBuffer) -> bool:
+        """Whether ``storage``'s gathered values are qwZ's dequantized ones."""
+        unit = self.unit_of_buffer(storage)
+        return unit.quantized_storages[next(i for i, s in enumerate(unit.storages) if s is storage)]

@@ -60,7 +60,7 @@ def install_access_checks(model: nn.Module, units: list[Unit], unit_of_param: di
     ``state_dict()`` and ``load_state_dict()`` while they are sharded raise, naming the parameter and the way
     out (computing on the NaN placeholders would be a silent wrong result). Returns the hook handles."""
     handles: list[Any] = []
-    owner = {id(p): (unit, name) for unit in units for p, name in zip(unit.params, unit.spec.param_names)}
+    owner = {id(p): (unit, name) for unit in units for p, name in zip(unit.all_params, unit.all_names)}
     for module in model.modules():
         mine = [owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner]
         if mine:

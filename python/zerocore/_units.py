@@ -10,7 +10,9 @@ instance of a class is a unit) or, by default, from the repeated blocks of the m
 module is always a unit and owns every parameter no other unit owns. Units nest like FSDP2's bottom-up
 ``fully_shard``: a parameter belongs to the innermost unit that contains it. A parameter reachable from
 several units (tied embedding and LM head) belongs to their innermost common ancestor unit, so it is
-gathered whenever any of its users runs.
+gathered whenever any of its users runs. Frozen floating-point parameters (``requires_grad=False`` at
+``initialize``: a LoRA model's base) are assigned the same way, into each unit's second list: they are
+sharded and gathered with the unit, but have no gradient and no optimizer state (Note [Frozen shards]).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 
@@ -29,6 +32,8 @@ class UnitSpec:
     parent: int | None  # index of the enclosing unit
     params: list[nn.Parameter] = field(default_factory=list)
     param_names: list[str] = field(default_factory=list)
+    frozen: list[nn.Parameter] = field(default_factory=list)  # Note [Frozen shards]
+    frozen_names: list[str] = field(default_factory=list)
 
 
 def default_unit_modules(model: nn.Module) -> list[nn.Module]:
@@ -38,14 +43,15 @@ def default_unit_modules(model: nn.Module) -> list[nn.Module]:
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             children = list(module.children())
             if len(children) >= 2 and len({type(c) for c in children}) == 1 and any(
-                p.requires_grad for c in children for p in c.parameters()
+                shardable(p) for c in children for p in c.parameters()
             ):
                 found.extend(children)
     return found
 
 
 def resolve_units(model: nn.Module, units: Sequence[nn.Module | type] | None) -> list[UnitSpec]:
-    """Unit specs in module (pre-)order, the root first; every trainable parameter assigned to one unit."""
+    """Unit specs in module (pre-)order, the root first; every trainable parameter, and every frozen
+    floating-point one, assigned to one unit."""
     if units is None:
         chosen = set(map(id, default_unit_modules(model)))
     else:
@@ -103,7 +109,7 @@ def _assign_params(model: nn.Module, specs: list[UnitSpec]) -> None:
     def visit(module: nn.Module, prefix: str, unit: int) -> None:
         unit = owner_of_module.get(id(module), unit)
         for name, param in module.named_parameters(recurse=False):
-            if not param.requires_grad:
+            if not shardable(param):
                 continue
             key = id(param)
             if key not in users:
@@ -115,6 +121,22 @@ def _assign_params(model: nn.Module, specs: list[UnitSpec]) -> None:
 
     visit(model, "", 0)
     for key in order:
-        owner = _common_ancestor(specs, users[key])
-        specs[owner].params.append(params[key])
-        specs[owner].param_names.append(first_name[key])
+        spec = specs[_common_ancestor(specs, users[key])]
+        if params[key].requires_grad:
+            spec.params.append(params[key])
+            spec.param_names.append(first_name[key])
+        else:
+            spec.frozen.append(params[key])
+            spec.frozen_names.append(first_name[key])
+
+
+def shardable(param: nn.Parameter) -> bool:
+    """Stage 3 shards it: trainable, or frozen and floating-point (an integer frozen tensor, a quantized
+    base's packed weights, stays whole: it has no compute dtype to travel in)."""
+    return param.requires_grad or param.is_floating_point()
+
+
+def frozen_storage_dtype(param: nn.Parameter, compute: torch.dtype) -> torch.dtype:
+    """A sharded frozen parameter's dtype: the compute dtype in mixed precision (as the trainable ones'),
+    its own at fp32 (a bf16 base under fp32 adapters stays bf16, a float64 one float64)."""
+    return param.dtype if compute == torch.float32 else compute

@@ -55,8 +55,8 @@ from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
                                  index_identity,
                                  open_file, piece_sources, read_index, resolve_tag, tag_path, write_durably)
-from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, persistent_names,
-                                trainable_shapes, untracked_state)
+from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, load_frozen_values,
+                                persistent_names, trainable_shapes, untracked_state, whole_frozen_values)
 from ._model_checks import all_gather_json
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     client: dict[str, Any] = {}
     scheduler: Any = None
     # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
-    # parameters are replicated), rank 0 writes it
+    # parameters are replicated, or sharded at stage 3 and gathered below), rank 0 writes it
     untracked = untracked_state(engine, frozen=not exclude_frozen_parameters)
     try:
         check_tag(tag)
@@ -103,6 +103,8 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
                          "a checkpoint is one directory that every rank writes its part of: pass the same tag on "
                          "every rank (nothing was written)")
     engine.absorb_param_writes()
+    # stage 3's sharded frozen parameters: gathered unit by unit, rank 0 keeps their whole values to write
+    untracked.update(whole_frozen_values(engine, untracked, keep=engine.rank == 0))
     save_dir = os.fspath(save_dir)
     tmp = os.path.join(save_dir, f".{tag}.tmp")
     with _agreed(engine, "create the checkpoint directory", tmp):
@@ -284,8 +286,11 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
                     values["exp_avg_sq"].zero_()
                 if shard.separate_master:  # the compute-dtype values are the master's rounding
                     shard.params.copy_(values["master"])
+        sharded = {id(p) for storage in engine.frozen_buffers for p in storage.params}
         for name, tensor in staged.untracked.items():
-            tensor.copy_(staged.untracked_values[name])
+            if id(tensor) not in sharded:
+                tensor.copy_(staged.untracked_values[name])
+        load_frozen_values(engine, staged.untracked, staged.untracked_values)
     engine.reload_params_from_shards()
     if load_module_only:  # DeepSpeed's: the weights change, the training state (moments, counters, ...) stays
         return staged.path, json_state.decode(index["client_state"])

@@ -157,8 +157,9 @@ class ZeroOptimizationConfig:
             ``pin_memory`` of both.
         zero_quantized_weights: ZeRO++ qwZ, stage 3: parameters are all-gathered as int8 with one fp32 scale
             per quantization group (the fp32 master is never quantized).
-        zero_quantized_nontrainable_weights: accepted for DeepSpeed configs; zerocore never gathers frozen
-            parameters (they stay replicated, like buffers), so there is nothing to quantize.
+        zero_quantized_nontrainable_weights: ZeRO++ qwZ for frozen parameters, stage 3: their all-gathers
+            (Note [Frozen shards]) go as int8 with one fp32 scale per group, with or without
+            ``zero_quantized_weights``; at stages 1-2 frozen parameters are whole and it changes nothing.
         zero_hpz_partition_size: ZeRO++ hpZ, stage 3: ranks per secondary partition (a node's GPUs; 1 = off).
             After a unit's forward gather each rank keeps its 1/hpz slice of it, and backward gathers run
             inside those groups of consecutive ranks only.

@@ -151,16 +151,18 @@ class Engine(DeepSpeedAccessors):
         if policy.params_sharded:
             self.stage3 = Stage3Runtime(self, resolve_units(model, units), group_of, init_fn=init_fn, meta=meta,
                                         strict_spmd=strict_spmd)
-            self.buffers = [unit.buffer for unit in self.stage3.units]
-            cast_untracked_tensors(model, self.compute_dtype)
+            self.buffers = [unit.buffer for unit in self.stage3.units if unit.buffer is not None]
+            self.frozen_buffers = [storage for unit in self.stage3.units for storage in unit.frozen]
+            cast_untracked_tensors(model, self.compute_dtype, {id(p) for p in self._frozen_params()})
         else:
             self.buffers = [whole_model_buffer(self, [p for g in groups for p in g["params"]], group_of)]
+            self.frozen_buffers = []  # stages 1-2 hold frozen parameters whole
         self.optimizer_state.build()
         if self.optimizer_state.nvme is not None or self.param_file is not None:
             agree_on_state_files(self)
         self.optimizer = ZeroOptimizer(self, groups)
         self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer)  # None without a scheduler
-        register_managed(self, [p for group in groups for p in group["params"]])
+        register_managed(self, [p for group in groups for p in group["params"]] + self._frozen_params())
         self.loss_scaler = LossScaler(config.fp16)
         self.reducer, param_slots = build_reducer(self)
         self.lifecycle = Lifecycle()
@@ -195,6 +197,21 @@ class Engine(DeepSpeedAccessors):
     def global_steps(self) -> int:
         """Optimizer updates applied (fp16 steps skipped for overflow are not counted)."""
         return self.optimizer_state.step_count
+
+    @property
+    def param_storages(self) -> list[ShardedBuffer]:
+        """Every buffer holding parameters: the trainable ones' and stage 3's frozen ones' (Note [Frozen shards])."""
+        return self.buffers + self.frozen_buffers
+
+    def _frozen_params(self) -> list[nn.Parameter]:
+        return [p for storage in self.frozen_buffers for p in storage.params]
+
+    def new_frozen_buffer(self, label: str, params: list[nn.Parameter], names: list[str],
+                          dtype: torch.dtype) -> ShardedBuffer:
+        """Stage 3: a unit's frozen parameters of one dtype, sharded without optimizer state (Note [Frozen shards])."""
+        return ShardedBuffer(label, params, names, [0] * len(params), bucket_cap=2**62, world=self.world_size,
+                             rank=self.rank, policy=self.policy, dtype=dtype, device=self.device,
+                             optimizer_state=None)
 
     def new_buffer(self, label: str, params: list[nn.Parameter], names: list[str], groups: list[int],
                    bucket_cap: int) -> ShardedBuffer:
@@ -284,7 +301,7 @@ class Engine(DeepSpeedAccessors):
         """``model.half()`` / ``.to(dtype)`` after initialize gives the parameters new tensors of another dtype:
         stage 1's backward then failed inside torch, stage 2 trained one step in the new dtype and silently cast
         back. The dtype is the config's (bf16 / fp16) and fixed at initialize."""
-        for buffer in self.buffers:
+        for buffer in self.param_storages:
             for name, param in zip(buffer.names, buffer.params):
                 if param.dtype != buffer.dtype:
                     raise RuntimeError(
@@ -423,7 +440,7 @@ class Engine(DeepSpeedAccessors):
         for buffer in self.buffers:  # stage 1's .grad are views of the engine's gradient buffer
             for param in buffer.params:
                 param.grad = None
-        unregister(self, [owner.params[local] for owner, local in self.gradients.param_slots])
+        unregister(self, [owner.params[local] for owner, local in self.gradients.param_slots] + self._frozen_params())
         self.optimizer_state.close()  # an NVMe state file is removed
         if self.param_file is not None:
             self.param_file.close()  # every unit is whole in memory again
@@ -497,26 +514,26 @@ class Engine(DeepSpeedAccessors):
         """Waits for every parameter gather in flight (Note [Gathers land on first read]; stage 3's prefetches)."""
         if self.stage3 is not None:
             self.stage3.land_gathers()
-        for buffer in self.buffers:
+        for buffer in self.buffers:  # (stages 1-2's gathers in flight; stage 3 has none of its own)
             buffer.land_gathers()
 
     def absorb_param_writes(self) -> list[ShardedBuffer]:
         """In-place writes since the last step reach the fp32 master (Note [Writes to parameters]): at every
         step and before the optimizer state is saved. Returns the buffers that absorbed a write."""
         self.land_param_gathers()
-        written = [buffer for buffer in self.buffers if buffer.params_written()]
-        for buffer in self.buffers:
+        written = [buffer for buffer in self.param_storages if buffer.params_written()]
+        for buffer in self.param_storages:
             if buffer in written:
                 buffer.absorb_param_writes()
             else:
-                buffer.absorb_untracked_writes(self.stage3 is None or not self.stage3.unit_of_buffer(buffer).quantized)
+                buffer.absorb_untracked_writes(self.stage3 is None or not self.stage3.storage_quantized(buffer))
         return written
 
     def take_write_fingerprints(self) -> dict[str, int]:
         """The parameters the user wrote since the last step, with their values' CRC-32C (Note [Writes to
         parameters]); the buffers start over."""
         prints: dict[str, int] = {}
-        for buffer in self.buffers:
+        for buffer in self.param_storages:
             prints.update(buffer.write_fingerprints)
             buffer.write_fingerprints = {}
         return prints
@@ -541,7 +558,7 @@ class Engine(DeepSpeedAccessors):
         else:
             for buffer in self.buffers:
                 buffer.regather_in_background(self.comm, "all_gather_load", self.buckets.allgather_in_flight)
-        for buffer in self.buffers:  # a forward's graph from before the load cannot be back-propagated
+        for buffer in self.param_storages:  # a forward's graph from before the load cannot be back-propagated
             buffer.mark_rewritten()
 
     # ---- zerocore.gathered --------------------------------------------------------------------------
@@ -553,7 +570,7 @@ class Engine(DeepSpeedAccessors):
         # would take: taken now, so that leaving the block without a modifier rank undoes only what was
         # written inside it. A parameter given another tensor (p.data = t: an EMA swap, to be swapped back) is
         # not taken before the step, as at any time.
-        for buffer in self.buffers:
+        for buffer in self.param_storages:
             if buffer.params_written() and not buffer.rebound_params():
                 buffer.absorb_param_writes()
         gather_for_user(self, params)

@@ -54,7 +54,7 @@ from ._policy import StagePolicy
 from ._sharded_buffer import ALIGNMENT
 from ._stage3 import NO_BUCKET_CAP
 from ._topology import check_zeropp_partitions
-from ._units import UnitSpec, resolve_units
+from ._units import UnitSpec, frozen_storage_dtype, resolve_units
 from .config import ZeroConfig, hidden_size_of
 from .layout import FlatLayout
 
@@ -70,12 +70,25 @@ _STEP_BUFFERS = 2  # reducer pool buffers planned for a step: one filling, one r
 
 @dataclass(frozen=True)
 class _Unit:
-    """A flat buffer the engine would build: its layout, and (stage 3) its place in the unit tree."""
+    """The flat buffers the engine would build for a unit (stages 1-2: the whole model): its trainable
+    parameters' layout, and (stage 3) its frozen parameters' (Note [Frozen shards]) and its place in the
+    unit tree."""
 
-    layout: FlatLayout
+    layout: FlatLayout | None  # None: a stage-3 unit of frozen parameters only
     trainable: int  # elements of its parameters, padding excluded
     parent: int | None = None  # stage 3: the nearest enclosing unit that owns parameters (index in the plan)
     root: bool = True  # stage 3: the model's own unit (always persistent)
+    frozen: tuple[tuple[FlatLayout, int], ...] = ()  # stage 3: each frozen buffer's layout and element bytes
+
+    def storages(self, width: int) -> list[tuple[FlatLayout, int]]:
+        """Every buffer's layout and element bytes (``width``: the trainable buffer's, the compute dtype's)."""
+        return ([] if self.layout is None else [(self.layout, width)]) + list(self.frozen)
+
+    def numel(self) -> int:
+        return sum(layout.total_size for layout, _ in self.storages(0))
+
+    def nbytes(self, width: int) -> int:
+        return sum(layout.total_size * size for layout, size in self.storages(width))
 
 
 @dataclass(frozen=True)
@@ -160,7 +173,7 @@ def estimate_memory(
         "device": str(plan.device),
         "compute_dtype": str(plan.config.compute_dtype).replace("torch.", ""),
         "psi": sum(b.trainable for b in plan.buffers),
-        "psi_padded": sum(b.layout.total_size for b in plan.buffers),
+        "psi_padded": sum(b.layout.total_size for b in plan.buffers if b.layout is not None),
         "bytes": dict(one["bytes"]),
         **{k: one[k] for k in ("nvme_file_bytes", "nvme_param_file_bytes", "total_bytes", "device_bytes",
                                "host_bytes")},
@@ -227,17 +240,21 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
         return _Plan(config, policy, where, state, [_Unit(layout, count)], 0, True, world)
     groups = collect_trainable(model, param_groups, config.optimizer)  # also checks param_groups, as initialize
     if policy.params_sharded:
-        buffers = _stage3_buffers(model, units, world)
+        buffers = _stage3_buffers(model, units, world, config.compute_dtype)
     else:  # _construction.whole_model_buffer: every trainable parameter, in param-group order, in reduce buckets
         sizes = [p.numel() for g in groups for p in g["params"]]
         cap = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce
         buffers = [_Unit(FlatLayout(sizes, world, ALIGNMENT, cap), sum(sizes))]
-    return _Plan(config, policy, where, state, buffers, _frozen_bytes(model, config.compute_dtype), False, world)
+    sharded = {id(p) for spec in resolve_units(model, units) for p in spec.frozen} if policy.params_sharded else set()
+    frozen_shards = sum(layout.shard_size * size for b in buffers for layout, size in b.frozen)
+    return _Plan(config, policy, where, state, buffers,
+                 frozen_shards + _frozen_bytes(model, config.compute_dtype, sharded), False, world)
 
 
-def _stage3_buffers(model: nn.Module, units: Any, world: int) -> list[_Unit]:
-    """Stage3Runtime's units: one single-bucket buffer per unit that owns parameters, in module order, each
-    with the nearest enclosing unit that is one too."""
+def _stage3_buffers(model: nn.Module, units: Any, world: int, compute: torch.dtype) -> list[_Unit]:
+    """Stage3Runtime's units: per unit that owns parameters, in module order, a single-bucket buffer of its
+    trainable parameters and one per dtype of its frozen ones (Stage3Runtime._new_unit), each unit with the
+    nearest enclosing unit that is one too."""
     specs: list[UnitSpec] = resolve_units(model, units)
     slot_of: dict[int, int] = {}
     buffers: list[_Unit] = []
@@ -245,20 +262,26 @@ def _stage3_buffers(model: nn.Module, units: Any, world: int) -> list[_Unit]:
         parent = spec.parent
         while parent is not None and parent not in slot_of:
             parent = specs[parent].parent
-        if spec.params:
+        if spec.params or spec.frozen:
             sizes = [p.numel() for p in spec.params]
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for param in spec.frozen:
+                by_dtype.setdefault(frozen_storage_dtype(param, compute), []).append(param.numel())
+            frozen = tuple((FlatLayout(numels, world, ALIGNMENT, NO_BUCKET_CAP), _width(dtype))
+                           for dtype, numels in by_dtype.items())
             slot_of[spec.index] = len(buffers)
-            buffers.append(_Unit(FlatLayout(sizes, world, ALIGNMENT, NO_BUCKET_CAP), sum(sizes),
-                                 None if parent is None else slot_of[parent], spec.parent is None))
+            buffers.append(_Unit(FlatLayout(sizes, world, ALIGNMENT, NO_BUCKET_CAP) if sizes else None, sum(sizes),
+                                 None if parent is None else slot_of[parent], spec.parent is None, frozen))
     return buffers
 
 
-def _frozen_bytes(model: nn.Module, compute: torch.dtype) -> int:
-    """memory_report's frozen_params after initialize: floating frozen parameters follow the compute dtype
-    (``module.to(dtype)`` in stages 1-2, ``cast_untracked_tensors`` in stage 3); tied ones count once."""
+def _frozen_bytes(model: nn.Module, compute: torch.dtype, sharded: set[int]) -> int:
+    """memory_report's frozen_params after initialize, of the frozen parameters held whole (not the
+    ``sharded`` ids): floating ones follow the compute dtype (``module.to(dtype)`` in stages 1-2,
+    ``cast_untracked_tensors`` in stage 3); tied ones count once."""
     total = 0
     for param in model.parameters():
-        if not param.requires_grad:
+        if not param.requires_grad and id(param) not in sharded:
             size = _width(compute) if param.is_floating_point() and compute != torch.float32 else param.element_size()
             total += param.numel() * size
     return total
@@ -288,8 +311,9 @@ def _rank_bytes(plan: _Plan, rank: int) -> dict[str, Any]:
     """One rank's bytes: ShardedBuffer.memory(), OptimizerState.memory(), the stage-3 runtime's and the
     report's own entries, in memory_report()'s order."""
     width, policy = plan.width, plan.policy
-    shards = [bucket.shard_size for b in plan.buffers for bucket in b.layout.buckets]  # one per bucket per buffer
-    full = sum(b.layout.total_size for b in plan.buffers)
+    trainable = [b.layout for b in plan.buffers if b.layout is not None]
+    shards = [bucket.shard_size for layout in trainable for bucket in layout.buckets]  # one per bucket per buffer
+    full = sum(layout.total_size for layout in trainable)
     offload = plan.config.zero_optimization.offload_param
     offloaded, param_file, bounce = [False] * len(shards), 0, 0
     if policy.params_sharded and offload.device == "nvme":  # Note [NVMe parameter shards]
@@ -343,21 +367,21 @@ def _where(plan: _Plan) -> dict[str, str]:
 # ---- what a step allocates and frees again -----------------------------------------------------------------
 def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
     """The transient bytes of a training step, with what they assume (Note [Memory estimate])."""
-    buckets = [bucket.padded_size for b in plan.buffers for bucket in b.layout.buckets]
+    buckets = [bucket.padded_size for b in plan.buffers if b.layout is not None for bucket in b.layout.buckets]
     # Stage 1 reduces its full gradient buffer in place when it is in the dtype gradients travel in (build_reducer).
     wire = reduction_wire_dtype(plan.config, plan.device, plan.world)
     in_place = not plan.policy.grads_sharded and wire == plan.config.compute_dtype
     buffer = 0 if in_place else max(buckets) * _width(wire)
     count = 0 if in_place else min(_STEP_BUFFERS, len(buckets))
-    gathered = _stage3_gathered_peak(plan) * plan.width if plan.policy.params_sharded else 0
-    numel = [b.layout.total_size for b in plan.buffers]
-    # hpZ: between forward and backward every unit's 1/K slice of its values is held
+    gathered = _stage3_gathered_peak(plan) if plan.policy.params_sharded else 0
+    # hpZ: between forward and backward every unit's 1/K slice of each of its buffers is held
     hpz = plan.config.zero_optimization.zero_hpz_partition_size
-    secondary = (sum(b.layout.total_size for b in plan.buffers) // hpz * plan.width
+    secondary = (sum(layout.total_size // hpz * size for b in plan.buffers for layout, size in b.storages(plan.width))
                  if plan.policy.params_sharded and hpz > 1 else 0)
     # stage 3 on the CPU: released units' memory kept for the next gathers, at most the two largest units
     # (Note [Spare gather storage])
-    spares = spare_capacity(numel, plan.width) if plan.policy.params_sharded and plan.device.type == "cpu" else 0
+    spares = (spare_capacity([b.nbytes(plan.width) for b in plan.buffers], 1)
+              if plan.policy.params_sharded and plan.device.type == "cpu" else 0)
     return {"reduce_bucket_buffer": buffer, "reduce_bucket_buffers": count, "reduce_buckets": count * buffer,
             "reduce_wire_dtype": str(wire),
             "gathered_params_peak": gathered, "hpz_secondary_peak": secondary, "gather_spares_peak": spares,
@@ -368,31 +392,34 @@ def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
 
 
 def _stage3_gathered_peak(plan: _Plan) -> int:
-    """Gathered elements at the peak of a step after the first (which records the order prefetch follows):
+    """Gathered bytes at the peak of a step after the first (which records the order prefetch follows):
     Stage3Runtime's gather / release rules and the C++ prefetch planner, over the units run once each in
     registration order (a unit's forward encloses its nested units'; backward runs it in reverse)."""
     zo = plan.config.zero_optimization
     prefetch_budget = stage3_prefetch_budget(zo)[0]
-    numel = [b.layout.total_size for b in plan.buffers]
+    numel = [b.numel() for b in plan.buffers]  # what the prefetch cap counts
+    nbytes = [b.nbytes(plan.width) for b in plan.buffers]
     persistent = [b.root or n < zo.stage3_param_persistence_threshold for b, n in zip(plan.buffers, numel)]
     order = list(range(len(numel)))  # the recorded forward order
     children: dict[int | None, list[int]] = {}
     for slot, b in enumerate(plan.buffers):
         children.setdefault(b.parent, []).append(slot)
     sharded = [True] * len(numel)
-    live = peak = 0
+    live = live_bytes = peak = 0
 
     def gather(slot: int) -> None:
-        nonlocal live, peak
+        nonlocal live, live_bytes, peak
         sharded[slot] = False
         live += numel[slot]
-        peak = max(peak, live)
+        live_bytes += nbytes[slot]
+        peak = max(peak, live_bytes)
 
     def release(slot: int) -> None:
-        nonlocal live
+        nonlocal live, live_bytes
         if not sharded[slot] and not persistent[slot]:
             sharded[slot] = True
             live -= numel[slot]
+            live_bytes -= nbytes[slot]
 
     post_order: list[int] = []
 
