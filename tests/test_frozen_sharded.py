@@ -612,3 +612,49 @@ def test_quantized_nontrainable_weights_gather_frozen_weights_as_int8():
         for run in (qwz, both):
             assert all(math.isfinite(x) for x in run["losses"]), r
             assert all(abs(x - y) < 0.05 * abs(y) for x, y in zip(run["losses"], plain["losses"])), r
+
+
+# ---- a model with no trainable parameter: a reference or teacher model sharded for its forward -----------------------
+def teacher_worker(rank: int, world: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    model = Lora(frozen_blocks=(0, 1, 2, 3)).requires_grad_(False)
+    plain = copy.deepcopy(model)
+    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    with torch.device("meta"):
+        meta = Lora(frozen_blocks=(0, 1, 2, 3)).requires_grad_(False)
+    estimate = zerocore.estimate_memory(meta, cfg, world, rank=rank)["bytes"]
+    engine = zerocore.initialize(model, cfg)
+    report = engine.memory_report()["bytes"]
+    tokens, _ = data(0, rank)
+    with torch.no_grad():
+        scored = engine(tokens)
+    with_grad = engine(tokens)  # grad enabled, nothing requires it: no backward follows
+    out = {"same": torch.equal(scored, plain(tokens)) and torch.equal(with_grad, plain(tokens)),
+           "estimate": estimate == report, "frozen": report["frozen_params"],
+           "whole": sum(p.numel() * p.element_size() for p in plain.parameters()),
+           "live_after": engine.memory_report()["bytes"]["gathered_params_live"],
+           "persistent": sum(unit.nbytes for unit in engine.stage3.units if unit.persistent)}
+    try:
+        engine.step()
+        out["step"] = "no error"
+    except RuntimeError as error:
+        out["step"] = str(error)
+    engine.save_checkpoint(directory, tag="teacher")
+    torch.manual_seed(1)
+    other = zerocore.initialize(Lora(frozen_blocks=(0, 1, 2, 3)).requires_grad_(False), cfg)
+    other.load_checkpoint(directory, tag="teacher")
+    with torch.no_grad():
+        out["loaded"] = torch.equal(other(tokens), scored)
+    for e in (engine, other):
+        e.close()
+    return out
+
+
+def test_a_model_with_no_trainable_parameter_is_sharded_at_stage_3_and_refused_below(tmp_path):
+    for result in run_ranks(teacher_worker, 2, str(tmp_path)):
+        assert result["same"] and result["estimate"] and result["loaded"], result
+        assert 0.4 * result["whole"] < result["frozen"] < 0.6 * result["whole"], result
+        assert result["live_after"] == result["persistent"], result  # both forwards released every other unit
+        assert "backward" in result["step"], result
+    with pytest.raises(ValueError, match="no trainable parameters.*stage 3"):
+        zerocore.initialize(nn.Linear(2, 2).requires_grad_(False), {"zero_optimization": {"stage": 2}})

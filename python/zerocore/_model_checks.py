@@ -20,8 +20,8 @@ _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bi
 def model_device(model: nn.Module) -> torch.device:
     """The one device every parameter and buffer of ``model`` lives on; ValueError otherwise."""
     tensors = list(model.named_parameters()) + list(model.named_buffers())
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
+    if not tensors:
+        raise ValueError("the model has no parameters or buffers")
     first_name, first = tensors[0]
     for name, tensor in tensors[1:]:
         if tensor.device != first.device:

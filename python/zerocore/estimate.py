@@ -371,7 +371,7 @@ def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
     # Stage 1 reduces its full gradient buffer in place when it is in the dtype gradients travel in (build_reducer).
     wire = reduction_wire_dtype(plan.config, plan.device, plan.world)
     in_place = not plan.policy.grads_sharded and wire == plan.config.compute_dtype
-    buffer = 0 if in_place else max(buckets) * _width(wire)
+    buffer = 0 if in_place or not buckets else max(buckets) * _width(wire)  # (none: a frozen model)
     count = 0 if in_place else min(_STEP_BUFFERS, len(buckets))
     gathered = _stage3_gathered_peak(plan) if plan.policy.params_sharded else 0
     # hpZ: between forward and backward every unit's 1/K slice of each of its buffers is held
