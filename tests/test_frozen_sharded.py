@@ -658,3 +658,44 @@ def test_a_model_with_no_trainable_parameter_is_sharded_at_stage_3_and_refused_b
         assert "backward" in result["step"], result
     with pytest.raises(ValueError, match="no trainable parameters.*stage 3"):
         zerocore.initialize(nn.Linear(2, 2).requires_grad_(False), {"zero_optimization": {"stage": 2}})
+
+
+class InplaceBlock(nn.Module):
+    """Writes its input in place before using it (``nn.ReLU(inplace=True)`` first), with a frozen base."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+        self.base = nn.Linear(DIM, DIM).requires_grad_(False)
+        self.lora_a = nn.Linear(DIM, RANK, bias=False)
+        self.lora_b = nn.Linear(RANK, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.act(h)
+        return self.base(h) + self.lora_b(self.lora_a(h))  # an addition: nothing saves this output
+
+
+class InplaceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(InplaceBlock() for _ in range(3))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) * 1.0  # not the embedding's own output: relu_ may write it
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def inplace_worker(rank: int, world: int, stage: int) -> list[float]:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(InplaceNet(), {**config(), "zero_optimization": {"stage": stage}})
+    return train(engine, rank, 0, 3)
+
+
+def test_a_unit_writing_its_input_in_place_trains_as_at_stage_2():
+    """Units with frozen weights watch their inputs' gradients with a hook, leaving the inputs as they are: an
+    identity autograd function on them (FSDP2's way) makes autograd refuse the module's in-place write."""
+    assert run_ranks(inplace_worker, 2, 3) == run_ranks(inplace_worker, 2, 2)

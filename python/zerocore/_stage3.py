@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from ._buckets import stage3_prefetch_budget
 from ._divergence import DivergenceCheck
@@ -87,21 +87,6 @@ NO_BUCKET_CAP = 2**62  # one bucket per unit: one all-gather gathers the whole u
 # the gathers that feed computation, which qwZ quantizes; state dicts, gathered(), close() get exact values
 _QUANTIZED_LABELS = frozenset({"all_gather_forward", "all_gather_backward", "all_gather_external"})
 _QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)  # the quantize kernels' inputs
-
-
-class _InputGradsDone(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward, run once their gradients are computed, calls ``done``
-    (Note [Units with frozen parameters in backward])."""
-
-    @staticmethod
-    def forward(ctx: Any, done: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.done = done
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.done()
-        return (None, *grads)
 
 
 class Stage3Runtime:
@@ -225,18 +210,21 @@ class Stage3Runtime:
     def _in_backward(self) -> bool:
         return torch._C._current_graph_task_id() != -1
 
-    def pre_forward(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Gathers the unit; with frozen parameters, returns its inputs wrapped to tell when their gradients
-        are computed (Note [Units with frozen parameters in backward])."""
+    def pre_forward(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Gathers the unit; with frozen parameters, hooks its inputs' gradients (Note [Units with frozen
+        parameters in backward])."""
         if self._in_backward():  # activation-checkpoint recomputation: the unit is needed, nothing else
             self.ensure_gathered(unit, "all_gather_backward")
             # a reentrant recomputation's graph is back-propagated (a non-reentrant one's is not: its forward
-            # already wrapped the inputs)
-            return self._await_input_grads(unit, args, kwargs) if unit.frozen and not unit.input_grads_left else None
+            # already hooked the inputs)
+            if unit.frozen and not unit.input_grads_left:
+                self._await_input_grads(unit, args, kwargs)
+            return
         self._follow_order(unit)
         self.ensure_gathered(unit, "all_gather_forward")
         self._prefetch_next()
-        return self._await_input_grads(unit, args, kwargs) if unit.frozen else None
+        if unit.frozen:
+            self._await_input_grads(unit, args, kwargs)
 
     # Note [Units with frozen parameters in backward]
     # -----------------------------------------------
@@ -244,30 +232,29 @@ class Stage3Runtime:
     # an autograd node that reads a trainable weight also computes that weight's gradient, so no later node
     # reads it. A frozen weight has no gradient to wait for, and it is read after the unit's trainable
     # gradients may all be in (``y = W_frozen @ h + b``: b's gradient comes first, then the node computing the
-    # input's gradient reads W). So such a unit's forward passes its inputs that require grad through an
-    # identity autograd function (as FSDP2's post-backward hook does); its backward runs once the gradients
-    # of those inputs are computed, which is after every node of the unit's backward. The unit is released
-    # when both are done (Stage3Runtime._release_after_backward). A forward with no input that requires grad
-    # (the first block after a frozen embedding), or one under a torch.func transform, leaves nothing to
-    # wait for: its unit stays gathered until the backward ends. Activation checkpointing: a non-reentrant
-    # recomputation's graph is never back-propagated, so only the original forward's inputs are wrapped; a
-    # reentrant one's original forward ran without grad, so its recomputation's are.
-    def _await_input_grads(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # input's gradient reads W). So such a unit's forward hooks the gradients of its inputs that require grad
+    # (one multi-grad hook, mode "all"): an input's gradient is complete only once every node that used it
+    # ran, the unit's backward included. FSDP2 passes the inputs through an identity autograd function
+    # instead, whose outputs a module cannot then write in place (``relu_(x)``, ``x += ...``: autograd forbids
+    # it); a hook leaves the inputs as they are. The unit is released when both are in
+    # (Stage3Runtime._release_after_backward). A forward with no input that requires grad (the first block
+    # after a frozen embedding), or one under a torch.func transform, leaves nothing to wait for: its unit
+    # stays gathered until the backward ends. Activation checkpointing: a non-reentrant recomputation's graph
+    # is never back-propagated, so only the original forward's inputs are hooked; a reentrant one's original
+    # forward ran without grad, so its recomputation's are.
+    def _await_input_grads(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not torch.is_grad_enabled():
-            return None
+            return
         if torch._C._are_functorch_transforms_active():
             unit.held_to_backward_end = True
-            return None
-        flat, spec = tree_flatten((args, kwargs))
-        at = [i for i, value in enumerate(flat) if isinstance(value, torch.Tensor) and value.requires_grad]
-        if not at:
+            return
+        inputs = [value for value in tree_flatten((args, kwargs))[0]
+                  if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not inputs:
             unit.held_to_backward_end = True
-            return None
+            return
         unit.input_grads_left += 1
-        passed = _InputGradsDone.apply(lambda: self._input_grads_done(unit), *[flat[i] for i in at])
-        for i, tensor in zip(at, passed):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
+        torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: self._input_grads_done(unit), mode="all")
 
     def _input_grads_done(self, unit: Unit) -> None:
         unit.input_grads_left = max(0, unit.input_grads_left - 1)
