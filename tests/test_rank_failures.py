@@ -223,3 +223,31 @@ def test_a_backward_whose_collective_failed_leaves_the_engine_idle_not_in_backwa
     every later call said 'backward in progress' instead of the failure."""
     for states in run_ranks(failed_collective_worker, 2, timeout=120, pg_timeout=20):
         assert states and all(s == "EngineState.IDLE" for s in states), states
+
+
+def config_worker(rank: int, world: int, case: str) -> str:
+    zero = {"stage": 3}
+    optimizer = {"type": "AdamW", "params": {"lr": 1e-3}}
+    extra = {}
+    if rank == 1 and case == "lr":  # each rank would update its own shard with its own lr: a mixed model
+        optimizer["params"]["lr"] = 2e-3
+    if rank == 1 and case == "stage":  # different collectives from here on
+        zero["stage"] = 2
+    if rank == 1 and case == "local":  # where a rank logs and keeps its host buffers is its own affair
+        extra["steps_per_print"] = 7
+        zero["offload_optimizer"] = {"device": "none", "pin_memory": False}
+    try:
+        engine = zerocore.initialize(Net(), {"optimizer": optimizer, "zero_optimization": zero, **extra})
+    except ValueError as error:
+        return str(error)
+    engine.close()
+    return "ok"
+
+
+@pytest.mark.parametrize("case, key", [("lr", "optimizer.lr"), ("stage", "zero_optimization.stage"), ("local", None)])
+def test_ranks_given_different_configs_are_told_which_key_differs(case, key):
+    for message in run_ranks(config_worker, 2, case, timeout=120):
+        if key is None:
+            assert message == "ok", message
+        else:
+            assert f"config differs between ranks: {key} is" in message and "rank 1" in message, message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
@@ -69,6 +70,43 @@ def check_same_model_on_all_ranks(model: nn.Module, comm: Any, rank: int, device
                     f"{_describe(other)} on rank {other_rank} (this is rank {rank}). Every rank must build the "
                     "same model (names, shapes, dtypes, requires_grad)."
                 )
+
+
+# What may differ between ranks: where each rank's NVMe files go and how its host buffers are kept (one node's
+# disk may be mounted elsewhere than another's), and how often it logs.
+_RANK_LOCAL = frozenset({"nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init",
+                         "steps_per_print"})
+
+
+def _config_entries(value: Any, path: str = "") -> dict[str, str]:
+    entries: dict[str, str] = {}
+    for field in dataclasses.fields(value):
+        key, item = f"{path}{field.name}", getattr(value, field.name)
+        if field.name in _RANK_LOCAL or key.startswith("aio"):
+            continue
+        if dataclasses.is_dataclass(item):
+            entries.update(_config_entries(item, key + "."))
+        else:
+            entries[key] = repr(item)
+    return entries
+
+
+def check_same_config_on_all_ranks(config: Any, comm: Any, rank: int, device: torch.device) -> None:
+    """Raises on every rank, naming the first differing key, when the ranks were given different configs: a
+    different stage, bucket size or ZeRO++ setting would issue different collectives (a hang, or the
+    transport's error), a different lr or clipping would update each rank's shard differently (a model mixed
+    of several trainings, silently). ``nvme_path``, ``pin_memory``, buffer counts and sizes, ``aio`` and
+    ``steps_per_print`` may differ."""
+    everyone = all_gather_json(comm, _config_entries(config), device)
+    reference = everyone[0]
+    for other_rank, theirs in enumerate(everyone[1:], start=1):
+        for key in sorted(set(reference) | set(theirs)):
+            if reference.get(key) != theirs.get(key):
+                raise ValueError(
+                    f"the config differs between ranks: {key} is {reference.get(key, 'missing')} on rank 0 but "
+                    f"{theirs.get(key, 'missing')} on rank {other_rank} (this is rank {rank}). Every rank must "
+                    "pass the same config (only nvme_path, pin_memory, buffer_count, buffer_size, max_in_cpu, "
+                    "fast_init, the aio section and steps_per_print may differ)")
 
 
 def _describe(entry: tuple[str, tuple[int, ...], str, bool] | None) -> str:

@@ -581,6 +581,7 @@ class Stage3Runtime:
             if unit.index not in self._started_in_step:
                 self.release(unit)
                 unit.calls = 0
+                unit.secondary = None  # hpZ: the values before the update (a unit held to its backward's end)
         self._started_in_step.clear()
         self._any_pinned = False
         self._end_order_record()

@@ -45,7 +45,9 @@ from ._gathered import refuse_managed, unregister
 from ._gathered import register as register_managed
 from ._lifecycle import EngineState, Lifecycle
 from ._loss_scaler import LossScaler
-from ._model_checks import check_same_model_on_all_ranks, check_trainable_dtypes, collect_trainable
+from ._model_checks import (check_same_config_on_all_ranks, check_same_model_on_all_ranks, check_trainable_dtypes,
+                            collect_trainable)
+from ._native import _C
 from ._policy import StagePolicy
 from ._reports import comm_report, memory_report
 from ._sharded_buffer import ShardedBuffer
@@ -133,6 +135,9 @@ class Engine(DeepSpeedAccessors):
                              "passed to zerocore.initialize: call it only on the group's ranks, each with the group "
                              "it belongs to (dist.new_group returns a group on every rank)")
         self.world_size = dist.get_world_size(self.process_group)
+        # before anything the config decides issues a collective (build_comms makes node groups for ZeRO++)
+        check_same_config_on_all_ranks(config, _C.Comm(self.process_group, "all_reduce", "all_reduce"), self.rank,
+                                       self.device)
         self.config = config = config.for_world_size(self.world_size)
         self.comms = build_comms(self.process_group, comm_algorithms, config)
         self.comm = self.comms.main
