@@ -1,11 +1,13 @@
 """A backward's gradients on their way from autograd to the reducer, and the exchange that tells every rank
-whether any rank's backward raised (stages 1-2).
+whether any rank's backward raised.
 
 Note [Backward outcome]
 -----------------------
-In stages 1-2 every backward outside ``no_sync()`` ends with one tiny all-reduce of which ranks raised in
-it. A rank whose backward raised still completes the reductions it started (finalize launches the buckets
-it never filled, so the bucket sequences match) and then sends its flag; so when one rank fails and skips
+Every backward outside ``no_sync()`` (at stage 3 every backward: its gathers are collectives) ends with one
+tiny all-reduce of which ranks raised in it. A rank whose backward raised still completes the reductions it
+started (finalize launches the buckets it never filled, so the bucket sequences match; stage 3 also plays
+out the gathers its peers' backward still issues: Note [A backward that raised on one rank] in _stage3.py)
+and then sends its flag; so when one rank fails and skips
 the batch while its peers succeed, every rank learns it at the same point, all drop the accumulation
 window (micro-step counters stay equal), and the peers raise naming the rank, instead of the next
 collectives mismatching (Gloo aborts the process on that) or the accumulation boundaries drifting apart.
@@ -15,8 +17,7 @@ backward paired with the next batch's, a silent mix of two batches' gradients (a
 alike, no error ever); unequal counts with a raised forward make that backward raise on every rank, dropping
 its window, and the counts start over. Unequal counts alone are no error: a rank may run extra forwards that
 it never back-propagates (a loss term of its own, a forward logged with grad enabled), as under DDP.
-On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward. Stage 3 has
-its unit tags instead (Note [Divergence tags]).
+On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class GradientRouting:
         self._managed_names: set[str] = set()
         self._warned: set[str] = set()  # parameters warn_untrained named already
         self._grad_accumulators: list[Any] = []
+        self._last_got_grad: bytearray | None = None  # got_grad as the last completed backward left it
         self._register_hooks()
 
     def _register_hooks(self) -> None:
@@ -208,12 +210,33 @@ class GradientRouting:
     def finalize(self) -> None:
         if self.finalized:
             return
+        self._last_got_grad = bytearray(self.got_grad)
         if self.reducing:
             self._reduce_accumulated_gradients()
             self.reducer.finalize()
         if self.stage3 is not None:
             self.stage3.end_backward()
         self.finalized = True
+
+    def play_out_backward(self) -> None:
+        """Stage 3, this rank's backward raised part-way: the collectives its peers' backward still issues are
+        issued here too (Note [A backward that raised on one rank] in _stage3.py), the missing gradients as zeros."""
+        if self.stage3 is None:
+            return
+        due: dict[int, list[int]] = {}
+        for index in self.reducer.unmarked_params() if self.reducing and not self.finalized else ():
+            if self._last_got_grad is None or self._last_got_grad[index]:
+                buffer, _ = self.param_slots[index]
+                due.setdefault(id(self.stage3.unit_of_buffer(buffer)), []).append(index)
+
+        def settle(unit: Any) -> None:
+            for index in due.pop(id(unit), []):
+                buffer, local = self.param_slots[index]
+                param = buffer.params[local]
+                self.reducer.mark_ready(index, torch.zeros(param.shape, dtype=buffer.dtype, device=buffer.device))
+                self.stage3.grad_ready(buffer)
+
+        self.stage3.play_out_backward(settle)
 
     def land_started_reductions(self) -> None:
         """A backward raised part-way: the reductions it started complete (finalize launches the buckets it
@@ -236,8 +259,9 @@ class GradientRouting:
 
 
 def exchanges_outcome(policy: StagePolicy, no_sync: bool) -> bool:
-    """Stages 1-2, every backward outside no_sync() (Note [Backward outcome]); stage 3 has its unit tags."""
-    return not no_sync and not policy.params_sharded
+    """Every backward outside no_sync(), and every stage-3 backward (its gathers are collectives even inside
+    no_sync()): Note [Backward outcome]."""
+    return not no_sync or policy.params_sharded
 
 
 def exchange_backward_outcome(engine: Engine, failed_here: bool) -> tuple[list[int], list[int], list[int]]:

@@ -282,7 +282,7 @@ class Stage3Runtime:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads, unit=unit: self.pre_backward(unit), mode="any"
                 )
-                backward_follows = True
+                backward_follows = unit.backward_hooked = True
             elif not self._in_backward() and not unit.pinned and (unit.params or unit.input_grads_left):
                 self._pin_unseen_output(unit, output)
         if not self._in_backward() and not unit.persistent and not unit.pinned:
@@ -526,7 +526,7 @@ class Stage3Runtime:
         keep = self._retain_graph and not abandoned
         self._any_pinned = False
         for unit in self.units:
-            unit.in_backward = False
+            unit.in_backward = unit.backward_hooked = False
             unit.input_grads_left, unit.held_to_backward_end = 0, False
             if keep and unit.pinned_for_backward:
                 self._any_pinned = True
@@ -534,6 +534,30 @@ class Stage3Runtime:
             unit.pinned = unit.pinned_for_backward = False
             if not unit.persistent:
                 self.release(unit)
+
+    # Note [A backward that raised on one rank]
+    # ----------------------------------------
+    # Stage 3's backward issues collectives as it goes: each unit's gather (and the one it prefetches) when
+    # its outputs' gradients arrive, and its gradients' reduce-scatter once they are in. When the backward
+    # raises on one rank only (an error in a custom autograd function, an out-of-memory), its peers would
+    # wait in their next gather for a rank that left, until the process group's timeout. So the rank that
+    # raised plays the rest of its backward out: along the forward's units in reverse (the order the peers'
+    # backward meets them in a model that runs its units one after another), it settles the units whose
+    # backward began (their parameters still due reduce as zeros), then runs each remaining unit's
+    # pre-backward (its gather and prefetch, as the peers do) and settles it. Parameters that got no gradient
+    # in the last backward are left to the end-of-backward finalize, as on the peers. Then the backward's
+    # outcome exchange (Note [Backward outcome]) makes every rank raise and drop the window. A model whose
+    # backward interleaves its units otherwise may still pair different collectives (the divergence tags then
+    # raise where they can tell).
+    def play_out_backward(self, settle: Callable[[Unit], None]) -> None:
+        order = [self._unit(index) for index in dict.fromkeys(reversed(self._order))]
+        for unit in order:
+            if unit.in_backward:
+                settle(unit)
+        for unit in order:
+            if unit.backward_hooked and not unit.in_backward:
+                self.pre_backward(unit)
+                settle(unit)
 
     def gathers_in_step(self) -> Callable[[int], None] | None:
         """The optimizer step's ``after_shard``: the gathers the next forward would issue at its start (its

@@ -85,16 +85,6 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     verdicts[3] = float(bad_group is not None)
     if engine.stage3 is not None:  # deferred divergence checks travel with the norm (Note [Divergence tags])
         verdicts = torch.cat([verdicts, engine.stage3.divergence.verdict().reshape(1).double()])
-        # and whether a training forward raised on some rank while the ranks ran different numbers of them
-        # (stages 1-2 learn it in the backward's outcome exchange, Note [Backward outcome]; stage 3's unit tags
-        # see it only where a gather follows, not with every unit persistent): equal counts iff
-        # world * sum(c^2) == sum(c)^2
-        life = engine.lifecycle
-        forwards = float(life.forwards)
-        counts = torch.zeros(3, dtype=torch.float64, device=verdicts.device)  # filled in place, as above
-        counts[0], counts[1], counts[2] = float(life.forward_raised), forwards, forwards * forwards
-        verdicts = torch.cat([verdicts, counts])
-        life.forwards, life.forward_raised = 0, False
     # which parameters got a gradient on any rank (Note [Parameters without gradients]), last
     flags_at = verdicts.numel()
     verdicts = torch.cat([verdicts, engine.gradients.got_grad_on(verdicts.device)])
@@ -104,13 +94,6 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
     without_grad = engine.gradients.names_without_grad(values[flags_at:])
     if engine.stage3 is not None:
         engine.stage3.divergence.end_step(values[4] > 0, engine.stage3.step)
-    if engine.stage3 is not None and values[5] > 0 and engine.world_size * values[7] != values[6] ** 2:
-        _end_window(engine)
-        raise RuntimeError(
-            f"a training forward raised on {int(values[5])} rank(s) and the ranks ran different numbers of training "
-            "forwards in this accumulation window, so its backwards paired different batches across ranks: the "
-            "window's gradients were dropped on every rank and nothing was updated. If a rank skips a batch "
-            "after an error, every rank must skip it (catch the error on every rank).")
     if values[3] > 0:  # before anything moves (the loss scale included); engine.step() drops the gradients
         _end_window(engine)
         raise ValueError(f"the step was refused on every rank, nothing changed: "

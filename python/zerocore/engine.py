@@ -321,6 +321,8 @@ class Engine(DeepSpeedAccessors):
         and the accumulation window starts over."""
         gradients = self.gradients
         try:  # a collective that failed (a peer gone, a transport error) raises again here: the state resets anyway
+            if failed_here and exchanges_outcome(self.policy, no_sync):
+                gradients.play_out_backward()  # stage 3: the peers' backward still gathers
             gradients.land_started_reductions()
             if failed_here and exchanges_outcome(self.policy, no_sync):
                 exchange_backward_outcome(self, failed_here=True)  # the peers' backward waits for this
