@@ -411,7 +411,9 @@ class Stage3Runtime:
             unit.quantized_storages = self._gather_comms(unit, label)[1]  # the forward's values, as they were gathered
         else:  # forward gathers refresh the hpZ slice the backward will gather from
             comms, unit.quantized_storages = self._gather_comms(unit, label)
-            keep = self.hpz_slot if not unit.in_backward and label in _QUANTIZED_LABELS else None
+            # (not in a forward without grad, which no backward follows: a teacher model would hold 1/K of itself)
+            evaluating = self.in_forward and not torch.is_grad_enabled()
+            keep = self.hpz_slot if not unit.in_backward and not evaluating and label in _QUANTIZED_LABELS else None
             unit.start_gather(comms, label, self.divergence, tag, keep)
         self.live_elements += unit.numel
         self.live_bytes += unit.nbytes
