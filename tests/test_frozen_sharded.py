@@ -699,3 +699,43 @@ def test_a_unit_writing_its_input_in_place_trains_as_at_stage_2():
     """Units with frozen weights watch their inputs' gradients with a hook, leaving the inputs as they are: an
     identity autograd function on them (FSDP2's way) makes autograd refuse the module's in-place write."""
     assert run_ranks(inplace_worker, 2, 3) == run_ranks(inplace_worker, 2, 2)
+
+
+# ---- offload_param: nvme takes the frozen shards too ----------------------------------------------------------------
+def frozen_nvme_worker(rank: int, world: int, path: str | None, directory: str) -> dict:
+    torch.manual_seed(0)
+    model = Lora()
+    cfg = config("bf16")
+    if path is not None:
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": 0}
+    with torch.device("meta"):
+        meta = Lora()
+    estimate = zerocore.estimate_memory(meta, cfg, world, rank=rank)
+    engine = zerocore.initialize(model, cfg)
+    report = engine.memory_report()
+    with zerocore.gathered([model.blocks[1].base.weight], modifier_rank=0):
+        if rank == 0:
+            model.blocks[1].base.weight.fill_(0.25)  # reaches the shard in the file
+    losses = train(engine, rank, 0, 3)
+    engine.save_checkpoint(directory, tag=str(path is not None))
+    loaded = zerocore.initialize(Lora(), cfg)
+    loaded.load_checkpoint(directory, tag=str(path is not None))
+    out = {"losses": losses, "frozen": report["bytes"]["frozen_params"], "file": report["nvme"]["param_file_bytes"],
+           "estimate": (estimate["bytes"], estimate["nvme_param_file_bytes"]) == (report["bytes"],
+                                                                                  report["nvme"]["param_file_bytes"]),
+           "values": gathered_values(loaded), "mine": gathered_values(model)}
+    out["loaded"] = not different(out.pop("values"), out.pop("mine"))
+    for e in (engine, loaded):
+        e.close()
+    out["written"] = bool(torch.all(model.blocks[1].base.weight == 0.25))
+    return out
+
+
+def test_offload_param_nvme_takes_the_frozen_shards_and_trains_bitwise_like_in_memory(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    on_disk = run_ranks(frozen_nvme_worker, 2, str(tmp_path / "nvme"), str(tmp_path / "a"))
+    in_memory = run_ranks(frozen_nvme_worker, 2, None, str(tmp_path / "b"))
+    for disk, memory in zip(on_disk, in_memory):
+        assert disk["losses"] == memory["losses"], (disk["losses"], memory["losses"])
+        assert disk["frozen"] == 0 < memory["frozen"] and disk["file"] > memory["frozen"], (disk, memory)
+        assert disk["estimate"] and memory["estimate"] and disk["loaded"] and disk["written"], disk

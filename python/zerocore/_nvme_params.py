@@ -179,12 +179,12 @@ def check_param_offload(offload: Any, device: torch.device) -> None:
                          "accepted, the parameters being in host memory already")
 
 
-def plan_param_file(shard_sizes: list[int], width: int, max_in_cpu: int) -> tuple[list[bool], int, int]:
-    """Pure, as ``ParamShardFile.place`` decides for shards given in unit order: which are offloaded, the
-    file's size and the bytes of its two buffers (bounce and read-ahead; ``zerocore.estimate_memory`` plans
-    with it)."""
+def plan_param_file(shards: list[tuple[int, int]], max_in_cpu: int) -> tuple[list[bool], int, int]:
+    """Pure, as ``ParamShardFile.place`` decides for shards (elements, bytes per element) given in the order
+    the engine builds them: which are offloaded, the file's size and the bytes of its two buffers (bounce
+    and read-ahead; ``zerocore.estimate_memory`` plans with it)."""
     offloaded, kept, size, bounce = [], 0, 0, 0
-    for numel in shard_sizes:
+    for numel, width in shards:
         if kept + numel <= max_in_cpu:
             kept += numel
             offloaded.append(False)

@@ -146,8 +146,9 @@ class ShardedBuffer(ParamWrites):
         else (no gradient, no fp32 master, no moments), as DeepSpeed's stage 3 shards them. The unit gathers
         both buffers together; a backward releases the unit only once its inputs' gradients are computed, since
         the frozen weights are read to compute them after the unit's last trainable gradient may have arrived
-        (Note [Units with frozen parameters in backward] in _stage3.py). A frozen shard is kept in memory
-        (``offload_param`` moves only trainable shards)."""
+        (Note [Units with frozen parameters in backward] in _stage3.py). With ``offload_param: nvme`` a frozen
+        shard goes to the parameter file like a trainable one (Note [NVMe parameter shards]), placed right after
+        its unit's trainable shard."""
         assert self.policy.params_sharded, "frozen parameters are sharded only at stage 3"
         self.grad_buffer = self.grad_shard = None
         self._grad_stale = []
@@ -156,12 +157,18 @@ class ShardedBuffer(ParamWrites):
         self.placeholders = [torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(p.shape)
                              for p in self.params]
         self.free()
+        if self._param_file is not None:
+            self._offload_shard()
 
     def set_shard_from_values(self, values: Sequence[torch.Tensor]) -> None:
         """This rank's shard of a frozen buffer from the parameters' full values (a load)."""
         assert self._optimizer_state is None
-        for b in range(len(self.buckets)):
-            self.param_shard(b).copy_(self._shard_values(values, b, self.dtype))
+        self.load_shard(read=False)  # every element, padding included, is written
+        try:
+            for b in range(len(self.buckets)):
+                self.param_shard(b).copy_(self._shard_values(values, b, self.dtype))
+        finally:
+            self.unload_shard(written=True)
 
     @property
     def frozen(self) -> bool:

@@ -431,8 +431,8 @@ class Stage3Runtime:
         position += -1 if backward else 1
         if 0 <= position < len(self.recorded_order):
             after = self._unit(self.recorded_order[position])
-            if after.state is UnitState.SHARDED and after.buffer is not None:
-                after.buffer.read_ahead()
+            if after.state is UnitState.SHARDED:
+                after.storages[0].read_ahead()  # (the file reads one shard ahead: the unit's first)
 
     @outside_transforms
     def release(self, unit: Unit) -> None:

@@ -216,7 +216,7 @@ class Engine(DeepSpeedAccessors):
         """Stage 3: a unit's frozen parameters of one dtype, sharded without optimizer state (Note [Frozen shards])."""
         return ShardedBuffer(label, params, names, [0] * len(params), bucket_cap=2**62, world=self.world_size,
                              rank=self.rank, policy=self.policy, dtype=dtype, device=self.device,
-                             optimizer_state=None)
+                             optimizer_state=None, param_file=self.param_file)
 
     def new_buffer(self, label: str, params: list[nn.Parameter], names: list[str], groups: list[int],
                    bucket_cap: int) -> ShardedBuffer:

@@ -98,7 +98,7 @@ class _Plan:
     device: torch.device
     state: Any  # the engine's OptimizerState for this config, with nothing registered or allocated
     buffers: list[_Unit]
-    frozen_bytes: int
+    frozen_bytes: int  # frozen parameters held whole (stage 3's frozen shards are in ``buffers``)
     approximate: bool
     world: int
 
@@ -246,9 +246,8 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
         cap = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce
         buffers = [_Unit(FlatLayout(sizes, world, ALIGNMENT, cap), sum(sizes))]
     sharded = {id(p) for spec in resolve_units(model, units) for p in spec.frozen} if policy.params_sharded else set()
-    frozen_shards = sum(layout.shard_size * size for b in buffers for layout, size in b.frozen)
-    return _Plan(config, policy, where, state, buffers,
-                 frozen_shards + _frozen_bytes(model, config.compute_dtype, sharded), False, world)
+    return _Plan(config, policy, where, state, buffers, _frozen_bytes(model, config.compute_dtype, sharded), False,
+                 world)
 
 
 def _stage3_buffers(model: nn.Module, units: Any, world: int, compute: torch.dtype) -> list[_Unit]:
@@ -314,12 +313,18 @@ def _rank_bytes(plan: _Plan, rank: int) -> dict[str, Any]:
     trainable = [b.layout for b in plan.buffers if b.layout is not None]
     shards = [bucket.shard_size for layout in trainable for bucket in layout.buckets]  # one per bucket per buffer
     full = sum(layout.total_size for layout in trainable)
+    # every buffer's shard in the order the engine builds them (a unit's trainable one, then its frozen ones),
+    # with its element bytes and whether it is a frozen one
+    placed = [(layout.shard_size, size, layout is not b.layout)
+              for b in plan.buffers for layout, size in b.storages(width)]
     offload = plan.config.zero_optimization.offload_param
-    offloaded, param_file, bounce = [False] * len(shards), 0, 0
+    offloaded, param_file, bounce = [False] * len(placed), 0, 0
     if policy.params_sharded and offload.device == "nvme":  # Note [NVMe parameter shards]
-        offloaded, param_file, bounce = plan_param_file(shards, width, int(offload.max_in_cpu))
-    in_memory = sum(s for s, away in zip(shards, offloaded) if not away)
-    items = {"params": width * (in_memory if policy.params_sharded else full),
+        offloaded, param_file, bounce = plan_param_file([(n, size) for n, size, _ in placed],
+                                                        int(offload.max_in_cpu))
+    in_memory = sum(n * size for (n, size, frozen), away in zip(placed, offloaded) if not away and not frozen)
+    frozen_shards = sum(n * size for (n, size, frozen), away in zip(placed, offloaded) if not away and frozen)
+    items = {"params": in_memory if policy.params_sharded else width * full,
              "grads": width * (sum(shards) if policy.grads_sharded else full)}
     state, nvme_file = _state_bytes(plan, shards)
     items.update(state)
@@ -328,7 +333,7 @@ def _rank_bytes(plan: _Plan, rank: int) -> dict[str, Any]:
         items.update({"gathered_params_live": 0, "gathered_params_peak_last_step": 0,  # all units at rest
                       "hpz_secondary": 0, "gather_spares": 0})  # spares are kept from the first step on
     items.update({"reduce_buckets": 0,  # the reducer's pool is allocated by the first backward
-                  "allgather_buckets": 0, "temporaries": 0, "frozen_params": plan.frozen_bytes})
+                  "allgather_buckets": 0, "temporaries": 0, "frozen_params": frozen_shards + plan.frozen_bytes})
     device_bytes = sum(v for k, v in items.items() if _where(plan)[k] == "device")
     return {"rank": rank, "bytes": items, "nvme_file_bytes": nvme_file, "nvme_param_file_bytes": param_file,
             "total_bytes": sum(items.values()),
