@@ -51,7 +51,7 @@ from ._native import _C
 from ._policy import StagePolicy
 from ._reports import comm_report, memory_report
 from ._sharded_buffer import ShardedBuffer
-from ._stage3 import Stage3Runtime
+from ._stage3 import NO_BUCKET_CAP, Stage3Runtime
 from ._step import agree_on_state_files, boundary_update
 from ._units import resolve_units
 from .config import ZeroConfig, hidden_size_of
@@ -214,7 +214,7 @@ class Engine(DeepSpeedAccessors):
     def new_frozen_buffer(self, label: str, params: list[nn.Parameter], names: list[str],
                           dtype: torch.dtype) -> ShardedBuffer:
         """Stage 3: a unit's frozen parameters of one dtype, sharded without optimizer state (Note [Frozen shards])."""
-        return ShardedBuffer(label, params, names, [0] * len(params), bucket_cap=2**62, world=self.world_size,
+        return ShardedBuffer(label, params, names, [0] * len(params), bucket_cap=NO_BUCKET_CAP, world=self.world_size,
                              rank=self.rank, policy=self.policy, dtype=dtype, device=self.device,
                              optimizer_state=None, param_file=self.param_file)
 
