@@ -86,7 +86,11 @@ def build_model(cfg: dict[str, Any]):
             return self.head(self.ln_f(x))
 
     torch.manual_seed(0)
-    return GPT(cfg["vocab"], cfg["seq"], cfg["dim"], cfg["layers"])
+    model = GPT(cfg["vocab"], cfg["seq"], cfg["dim"], cfg["layers"])
+    if cfg.get("freeze"):  # a partial fine-tune: embeddings and every block's linear layers frozen
+        for module in [model.tok, model.pos] + [m for b in model.blocks for m in (b.qkv, b.proj, b.fc, b.out)]:
+            module.requires_grad_(False)
+    return model
 
 
 def batch(cfg: dict[str, Any], step: int, rank: int):

@@ -3,7 +3,7 @@ zerocore, on Gloo, in fp32 and bf16 -- each peer in the fastest setting its user
 
     python bench/train_step.py [--world 2] [--steps 12] [--warmup 3] [--layers 6 --dim 512 --seq 128 --batch 2]
                                [--vocab 8192] [--dtypes fp32,bf16 | --bf16] [--only ddp,zero2,...] [--rounds 1]
-                               [--bucket 6.5e6] [--timeout 900] [--json]
+                               [--bucket 6.5e6] [--timeout 900] [--json] [--freeze]
 
 The model: token embedding + learned positions, ``--layers`` pre-LN blocks (causal attention through
 F.scaled_dot_product_attention, GELU MLP of 4*dim), final LayerNorm and an untied LM head, built in fp32 from
@@ -115,6 +115,7 @@ def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any], dtype: s
         loss = trainer.step(x, y)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+    rss_end = current_rss_mib()
     if engine is not None:
         report = engine.comm_report()
         extra["comm"] = {"algorithms": report["algorithms"], "collectives_measured_steps": report["collectives"],
@@ -122,7 +123,8 @@ def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any], dtype: s
                          "host_syncs_per_step": report["host_syncs_per_step"]}
         extra["model_state_bytes"] = engine.memory_report()["model_state_bytes"]
     dist.barrier()
-    return {"times": times, "losses": losses, "rss_build_mib": rss_build, "peak_rss_mib": peak_rss_mib(), **extra}
+    return {"times": times, "losses": losses, "rss_build_mib": rss_build, "peak_rss_mib": peak_rss_mib(),
+            "rss_end_mib": rss_end, **extra}
 
 
 # ---- the driver ---------------------------------------------------------------------------------------------
@@ -151,6 +153,7 @@ def _summarize(system: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any
         "per_round_median_ms": [1e3 * m for m in per_round],
         "rss_build_mib": [max(run[r]["rss_build_mib"] for run in runs) for r in range(len(last))],
         "peak_rss_mib": [max(run[r]["peak_rss_mib"] for run in runs) for r in range(len(last))],
+        "rss_end_mib": [max(run[r]["rss_end_mib"] for run in runs) for r in range(len(last))],
         "loss_first": mean_loss[0],
         "loss_last": mean_loss[-1],
     }
@@ -197,11 +200,12 @@ def _print_table(table: dict[str, Any], steps: int) -> None:
                      "/".join(f"{v:.0f}" for v in r["rss_build_mib"]),
                      "/".join(f"{v:.0f}" for v in r["peak_rss_mib"]),
                      "/".join(f"{p - b:.0f}" for p, b in zip(r["peak_rss_mib"], r["rss_build_mib"])),
+                     "/".join(f"{v:.0f}" for v in r["rss_end_mib"]),
                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}",
                      f"rs={algos['reduce_scatter']} ag={algos['all_gather']}" if algos else "-"])
     print(format_table(["system", "what (torch peers and DeepSpeed: torch AdamW fused=True)", "median step ms",
                         f"x DDP {table['dtype']}", "x DDP per round: median (each)", "RSS after build MiB",
-                        "peak RSS MiB", "peak - build MiB",
+                        "peak RSS MiB", "peak - build MiB", "RSS after the steps MiB",
                         "mean loss first -> last", "zerocore algorithms"], rows, left=2))
     for r in table["results"]:
         if "comm" in r:
@@ -236,6 +240,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="repeat the sequence, alternating its order")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per system run before it is killed")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    parser.add_argument("--freeze", action="store_true",
+                        help="freeze the embeddings and every block's linear layers (a partial fine-tune: the "
+                             "LayerNorms and the head train)")
     args = parser.parse_args()
 
     systems = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -248,7 +255,7 @@ def main() -> None:
     if args.dim % max(1, args.dim // 64):
         parser.error("--dim must divide into heads of 64 (or be < 64)")
     cfg = {"layers": args.layers, "dim": args.dim, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
-           "steps": args.steps, "warmup": args.warmup, "bucket": int(args.bucket),
+           "steps": args.steps, "warmup": args.warmup, "bucket": int(args.bucket), "freeze": args.freeze,
            "comm_algorithms": {"reduce_scatter": args.rs_algo, "all_gather": args.ag_algo}}
     notes: list[str] = []
     ds_version = None
@@ -266,7 +273,8 @@ def main() -> None:
     adam = (f"ddp, torch_zero, fsdp2{', ds_zero*' if ds_version else ''}: torch.optim.AdamW(fused=True); "
             f"zerocore: zerocore CPUAdam ({zerocore.build_info()['simd_active']}); "
             + ", ".join(f"{k}={v}" for k, v in ADAMW.items()))
-    header = run_header({"world": args.world, "model": {k: cfg[k] for k in ("layers", "dim", "seq", "batch", "vocab")},
+    header = run_header({"world": args.world, "model": {k: cfg[k] for k in ("layers", "dim", "seq", "batch", "vocab",
+                                                                            "freeze")},
                          "params": _count_params(cfg), "dtypes": ",".join(dtypes), "steps": args.steps,
                          "warmup": args.warmup, "rounds": args.rounds, "optimizer": adam,
                          "deepspeed": ds_version or "not available",
