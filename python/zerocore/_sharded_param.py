@@ -57,6 +57,11 @@ class _RefusesCompute:
                     "sharded by ZeRO stage 3: its values are not on this rank; read them inside "
                     "`with zerocore.gathered(params):`>")
         names = ", ".join(repr(p.__dict__.get(_NAME, "?")) for p in sharded) or "a stage-3 parameter"
+        if torch._guards.TracingContext.try_get() is not None:  # torch.compile is tracing the model
+            raise RuntimeError(
+                f"torch.compile traced parameter {names}, which ZeRO stage 3 shards and gathers in hooks around "
+                "each unit's forward; compiling a stage-3 model is not supported yet: run it uncompiled, or "
+                "compile at stage 1 or 2 (zero_optimization.stage), whose parameters are whole")
         raise RuntimeError(
             f"{name}() on parameter {names}, which is sharded by ZeRO stage 3 (outside its unit's forward this rank "
             "holds only a placeholder, not its values): wrap the access in `with zerocore.gathered(params):` "
