@@ -377,17 +377,24 @@ def checkpoint_worker(rank: int, world: int, directory: str) -> dict:
     assert not different(after, saved, frozen), f"frozen values moved after a step: {different(after, saved, frozen)}"
     fresh.close()
 
-    torch.manual_seed(8)
-    own_model = Lora()
-    own = frozen_of(own_model)
-    own_engine = zerocore.initialize(own_model, config())
-    own_engine.load_checkpoint(directory, tag="lora")
-    loaded = gathered_values(own_model)
-    trainable = [n for n in saved if n not in own]
-    assert not different(loaded, own), f"exclude_frozen_parameters: {different(loaded, own)} not the model's own"
-    assert not different(loaded, saved, trainable), f"trainable not loaded: {different(loaded, saved, trainable)}"
-    own_engine.close()
+    check_lora_load(directory, 8, world, saved)
     return {k: v.tolist() for k, v in saved.items()}
+
+
+def check_lora_load(directory: str, seed: int, world: int, saved: dict[str, torch.Tensor]) -> None:
+    """Tag "lora" (saved with exclude_frozen_parameters) into a fresh model: its own frozen values stay, its
+    trainable ones become the checkpoint's."""
+    torch.manual_seed(seed)
+    model = Lora()
+    own = frozen_of(model)
+    engine = zerocore.initialize(model, config())
+    engine.load_checkpoint(directory, tag="lora")
+    loaded = gathered_values(model)
+    trainable = [n for n in saved if n not in own]
+    assert not different(loaded, own), f"exclude_frozen_parameters at world {world}: {different(loaded, own)}"
+    assert not different(loaded, saved, trainable), \
+        f"trainable not loaded at world {world}: {different(loaded, saved, trainable)}"
+    engine.close()
 
 
 def load_elsewhere_worker(rank: int, world: int, directory: str, saved: dict) -> bool:
@@ -399,16 +406,7 @@ def load_elsewhere_worker(rank: int, world: int, directory: str, saved: dict) ->
     wrong = [k for k, v in saved.items() if loaded[k].tolist() != v]
     assert not wrong, f"loaded at world {world}: {wrong} differ"
     engine.close()
-    torch.manual_seed(10)
-    model = Lora()
-    own = frozen_of(model)
-    engine = zerocore.initialize(model, config())
-    engine.load_checkpoint(directory, tag="lora")
-    loaded = gathered_values(model)
-    assert not different(loaded, own), f"exclude_frozen_parameters at world {world}: {different(loaded, own)}"
-    wrong = [k for k, v in saved.items() if k not in own and loaded[k].tolist() != v]
-    assert not wrong, f"trainable not loaded at world {world}: {wrong}"
-    engine.close()
+    check_lora_load(directory, 10, world, {k: torch.tensor(v) for k, v in saved.items()})
     return True
 
 

@@ -87,7 +87,7 @@ def persistent_names(engine: Engine) -> set[str]:
 def untracked_state(engine: Engine, frozen: bool = True) -> dict[str, torch.Tensor]:
     """Buffers and (with ``frozen``) frozen parameters by state-dict name (each tensor once). A frozen
     parameter stage 3 shards is the parameter itself (its shape is right, its values are not here:
-    ``whole_frozen_values`` and ``load_frozen_values``)."""
+    ``whole_frozen_values`` and ``load_untracked``)."""
     trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
     sharded = {id(p) for storage in engine.frozen_buffers for p in storage.params}
     out: dict[str, torch.Tensor] = {}
@@ -112,22 +112,24 @@ def whole_frozen_values(engine: Engine, untracked: Mapping[str, torch.Tensor], k
     out: dict[str, torch.Tensor] = {}
     if stage3 is None:
         return out
-    for unit in stage3.units:
-        mine = [p for storage in unit.frozen for p in storage.params if id(p) in name_of]
-        if not mine:
-            continue
-        stage3.ensure_gathered(unit, "all_gather_state_dict")
+    holding = [unit for unit in stage3.units if any(id(p) in name_of for s in unit.frozen for p in s.params)]
+    for unit in stage3.gathered_in_turn(holding):
         if keep:
-            out.update({name_of[id(p)]: p.detach().to("cpu", copy=True) for p in mine})
-        if not unit.persistent:
-            stage3.release(unit)
+            out.update({name_of[id(p)]: p.detach().to("cpu", copy=True)
+                        for storage in unit.frozen for p in storage.params if id(p) in name_of})
     return out
 
 
-def load_frozen_values(engine: Engine, untracked: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor]) -> None:
-    """Each sharded frozen parameter among ``untracked`` takes its value in ``values`` (this rank's shard of
-    it); the units are released by the load's ``reload_params_from_shards``."""
+def load_untracked(engine: Engine, untracked: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor]) -> None:
+    """Every tensor of ``untracked`` takes its value in ``values``: a buffer or whole frozen parameter in
+    place, a sharded frozen parameter into this rank's shard of it (its unit is released by the load's
+    ``reload_params_from_shards``)."""
     name_of = {id(t): name for name, t in untracked.items()}
+    sharded: set[int] = set()
     for storage in engine.frozen_buffers:
         if all(id(p) in name_of for p in storage.params):
             storage.set_shard_from_values([values[name_of[id(p)]] for p in storage.params])
+        sharded.update(id(p) for p in storage.params)
+    for name, tensor in untracked.items():
+        if id(tensor) not in sharded:
+            tensor.copy_(values[name])

@@ -39,15 +39,12 @@ def full_state_dict(engine: Engine, dtype: torch.dtype | None, rank0_only: bool)
         names_of.setdefault(id(tensor), []).append(name)
     sharded: set[int] = set()
     if stage3 is not None:
-        for unit in stage3.units:
-            stage3.ensure_gathered(unit, "all_gather_state_dict")
+        for unit in stage3.gathered_in_turn(stage3.units):
             for param in unit.all_params:
                 sharded.add(id(param))
                 if keep:
                     for name in names_of.get(id(param), []):
                         take(name, param)
-            if not unit.persistent:
-                stage3.release(unit)
     if keep:
         for name, tensor in entries.items():
             if id(tensor) not in sharded:

@@ -129,14 +129,18 @@ class ShardedBuffer(ParamWrites):
                 master_values=None if self.dtype == torch.float32 else master))
             del master
         if self.policy.params_sharded:
-            # See Note [Sharded placeholders].
-            self.placeholders = [torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(p.shape)
-                                 for p in self.params]
-            self.free()
-            if self._param_file is not None:
-                self._offload_shard()
+            self._go_to_rest()
         else:
             self.attach_views()
+
+    def _go_to_rest(self) -> None:
+        """Parameters sharded, the shard built: the parameters hold placeholders (Note [Sharded
+        placeholders]), ``full`` is freed, and the shard goes to the parameter file unless it is kept."""
+        self.placeholders = [torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(p.shape)
+                             for p in self.params]
+        self.free()
+        if self._param_file is not None:
+            self._offload_shard()
 
     def _build_frozen(self, values: Sequence[torch.Tensor]) -> None:
         """Note [Frozen shards]
@@ -154,11 +158,7 @@ class ShardedBuffer(ParamWrites):
         self._grad_stale = []
         self._grad_shard_stale = False
         self.set_shard_from_values(values)
-        self.placeholders = [torch.full((), float("nan"), dtype=self.dtype, device=self.device).expand(p.shape)
-                             for p in self.params]
-        self.free()
-        if self._param_file is not None:
-            self._offload_shard()
+        self._go_to_rest()
 
     def set_shard_from_values(self, values: Sequence[torch.Tensor]) -> None:
         """This rank's shard of a frozen buffer from the parameters' full values (a load)."""
@@ -169,10 +169,6 @@ class ShardedBuffer(ParamWrites):
                 self.param_shard(b).copy_(self._shard_values(values, b, self.dtype))
         finally:
             self.unload_shard(written=True)
-
-    @property
-    def frozen(self) -> bool:
-        return self._optimizer_state is None
 
     # ---- parameter shards on NVMe (Note [NVMe parameter shards]) ------------------------------------------
     def _offload_shard(self) -> None:

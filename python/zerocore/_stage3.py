@@ -61,7 +61,7 @@ recorded sequence warns once, naming the expected and the seen module, and gathe
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -442,6 +442,15 @@ class Stage3Runtime:
             unit.release()
             self.live_elements -= unit.numel
             self.live_bytes -= unit.nbytes
+
+    def gathered_in_turn(self, units: Iterable[Unit]) -> Iterator[Unit]:
+        """Each of ``units`` whole with its exact values, one at a time (state dicts, checkpoints: a collective),
+        released after unless it is persistent."""
+        for unit in units:
+            self.ensure_gathered(unit, "all_gather_state_dict")
+            yield unit
+            if not unit.persistent:
+                self.release(unit)
 
     # Note [Units held by gathered()]
     # -------------------------------

@@ -55,7 +55,7 @@ from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
                                  index_identity,
                                  open_file, piece_sources, read_index, resolve_tag, tag_path, write_durably)
-from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, load_frozen_values,
+from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, load_untracked,
                                 persistent_names, trainable_shapes, untracked_state, whole_frozen_values)
 from ._model_checks import all_gather_json
 
@@ -286,11 +286,7 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
                     values["exp_avg_sq"].zero_()
                 if shard.separate_master:  # the compute-dtype values are the master's rounding
                     shard.params.copy_(values["master"])
-        sharded = {id(p) for storage in engine.frozen_buffers for p in storage.params}
-        for name, tensor in staged.untracked.items():
-            if id(tensor) not in sharded:
-                tensor.copy_(staged.untracked_values[name])
-        load_frozen_values(engine, staged.untracked, staged.untracked_values)
+        load_untracked(engine, staged.untracked, staged.untracked_values)
     engine.reload_params_from_shards()
     if load_module_only:  # DeepSpeed's: the weights change, the training state (moments, counters, ...) stays
         return staged.path, json_state.decode(index["client_state"])

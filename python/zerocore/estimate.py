@@ -85,7 +85,8 @@ class _Unit:
         return ([] if self.layout is None else [(self.layout, width)]) + list(self.frozen)
 
     def numel(self) -> int:
-        return sum(layout.total_size for layout, _ in self.storages(0))
+        trainable = 0 if self.layout is None else self.layout.total_size
+        return trainable + sum(layout.total_size for layout, _ in self.frozen)
 
     def nbytes(self, width: int) -> int:
         return sum(layout.total_size * size for layout, size in self.storages(width))
