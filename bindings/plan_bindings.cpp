@@ -17,8 +17,8 @@ namespace zerocore::bindings {
 
 void bind_plan(py::module_& m) {
   m.def("plan_forward_prefetch", &plan_forward_prefetch, py::arg("recorded_order"), py::arg("position"),
-        py::arg("unit_numel"), py::arg("unit_sharded"), py::arg("live_elements"), py::arg("max_live"),
-        py::arg("prefetch_budget"),
+        py::arg("unit_numel"), py::arg("unit_sharded"), py::arg("unit_persistent"), py::arg("live_elements"),
+        py::arg("max_live"), py::arg("prefetch_budget"),
         "Units (indices into unit_numel) to start gathering before the forward of recorded_order[position:], "
         "in order; see Note [Stage 3 prefetch plan]. ValueError on bad input.");
   m.def("plan_backward_prefetch", &plan_backward_prefetch, py::arg("recorded_order"), py::arg("unit"),

@@ -51,18 +51,23 @@ class ReferenceRuntime:
         self.gathered.append(index)
 
     def prefetch_next(self, recorded_order: list[int], position: int) -> list[int]:
-        """Forward: walk on from `position` while budget is left; skip units not at rest; stop at the first
-        unit at rest that would exceed max_live."""
+        """Forward: walk on from `position` while budget is left; a unit gathered ahead already spends the
+        budget (once) unless it is persistent; stop at the first unit at rest that would exceed max_live."""
         budget = self.prefetch_elements
+        ahead: set[int] = set()
         while position < len(recorded_order) and budget > 0:
             index = recorded_order[position]
             position += 1
             unit = self.units[index]
             if unit.state is not State.SHARDED:
+                if not unit.persistent and index not in ahead:
+                    ahead.add(index)
+                    budget -= unit.numel
                 continue
             if self.live_elements + unit.numel > self.max_live:
                 break
             self.gather(index)
+            ahead.add(index)
             budget -= unit.numel
         return self.gathered
 
@@ -122,10 +127,11 @@ def schedules(draw, backward: bool = False):
     return numel, sharded, persistent, order, live, max_live, budget
 
 
-def forward(numel, sharded, order, position, live, max_live, budget):
+def forward(numel, sharded, order, position, live, max_live, budget, persistent=None):
+    persistent = persistent if persistent is not None else [False] * len(numel)
     return _C.plan_forward_prefetch(
         recorded_order=order, position=position, unit_numel=numel, unit_sharded=sharded,
-        live_elements=live, max_live=max_live, prefetch_budget=budget)
+        unit_persistent=persistent, live_elements=live, max_live=max_live, prefetch_budget=budget)
 
 
 def backward(numel, sharded, persistent, order, unit, live, max_live):
@@ -137,32 +143,62 @@ def backward(numel, sharded, persistent, order, unit, live, max_live):
 # ---- forward --------------------------------------------------------------------------------------------
 @given(schedules(), st.data())
 def test_forward_plan_matches_reference(schedule, data):
-    numel, sharded, _, order, live, max_live, budget = schedule
+    numel, sharded, persistent, order, live, max_live, budget = schedule
     position = data.draw(st.integers(0, len(order)))
-    reference = ReferenceRuntime(numel, sharded, live_elements=live, max_live=max_live, prefetch_elements=budget)
-    assert forward(numel, sharded, order, position, live, max_live, budget) == reference.prefetch_next(order, position)
+    reference = ReferenceRuntime(numel, sharded, persistent, live_elements=live, max_live=max_live,
+                                 prefetch_elements=budget)
+    assert (forward(numel, sharded, order, position, live, max_live, budget, persistent)
+            == reference.prefetch_next(order, position))
+
+
+def _ahead_before(order, position, sharded, persistent, unit):
+    """The units gathered ahead already (not persistent) that the walk meets before reaching ``unit``."""
+    before = order[position:order.index(unit, position)]
+    return list(dict.fromkeys(u for u in before if not sharded[u] and not persistent[u]))
 
 
 @given(schedules(), st.data())
 def test_forward_plan_properties(schedule, data):
-    numel, sharded, _, order, live, max_live, budget = schedule
+    numel, sharded, persistent, order, live, max_live, budget = schedule
     position = data.draw(st.integers(0, len(order)))
-    plan = forward(numel, sharded, order, position, live, max_live, budget)
+    plan = forward(numel, sharded, order, position, live, max_live, budget, persistent)
     started = sum(numel[u] for u in plan)
     # only units at rest, each once, never beyond max_live, nothing without a budget
     assert all(sharded[u] for u in plan)
     assert len(set(plan)) == len(plan)
     assert not plan or live + started <= max_live
     assert budget > 0 or not plan
-    # the budget was positive before every start: only the last unit may overrun it
-    assert sum(numel[u] for u in plan[:-1]) < budget or not plan
     # a prefix of the units at rest in recorded order from `position` (first occurrences): never skips one
     candidates = list(dict.fromkeys(u for u in order[position:] if sharded[u]))
     assert plan == candidates[: len(plan)]
+    # what is ahead when a unit starts (gathered already or started before it, persistent units aside) is
+    # under the budget: the budget bounds the lookahead, so only the last unit started may overrun it
+    for i, unit in enumerate(plan):
+        ahead = sum(numel[u] for u in _ahead_before(order, position, sharded, persistent, unit)) + sum(
+            numel[u] for u in plan[:i])
+        assert ahead < budget
     # and it stops early only for the budget or for max_live
     if len(plan) < len(candidates):
         nxt = candidates[len(plan)]
-        assert budget - started <= 0 or live + started + numel[nxt] > max_live
+        ahead = sum(numel[u] for u in _ahead_before(order, position, sharded, persistent, nxt)) + started
+        assert budget - ahead <= 0 or live + started + numel[nxt] > max_live
+
+
+def test_forward_lookahead_stays_one_unit_after_the_step_started_gathers():
+    """The default budget (one element: one unit ahead), units gathered by the step before the forward: the
+    forward holds the computing unit and the next one. Counting only what each call starts, the unit the
+    step gathered ahead made every later call start one more: three units at a time."""
+    numel, order = [4] * 6, list(range(6))
+    sharded = [False, False] + [True] * 4  # the step started unit 0 and the one after it
+    held = []
+    for position in range(1, 7):
+        computing = order[position - 1]
+        sharded[computing] = False  # (gathered for its forward)
+        for unit in forward(numel, sharded, order, position, 0, 100, 1):
+            sharded[unit] = False
+        held.append(sharded.count(False))
+        sharded[computing] = True  # released after its forward
+    assert held == [2, 2, 2, 2, 2, 1]
 
 
 def test_forward_plan_examples():
@@ -172,8 +208,12 @@ def test_forward_plan_examples():
     assert forward([10, 50, 1], [True] * 3, [0, 1, 2], 0, 0, 30, 100) == [0]
     # a unit larger than the budget left is still started; then the budget is spent
     assert forward([5, 50, 1], [True] * 3, [0, 1, 2], 0, 0, 100, 6) == [0, 1]
-    # units not at rest are skipped without spending budget
-    assert forward([5, 50, 1], [True, False, True], [0, 1, 2], 1, 0, 100, 1) == [2]
+    # a unit gathered ahead already spends the budget; a persistent one does not
+    assert forward([5, 50, 1], [True, False, True], [0, 1, 2], 1, 0, 100, 1) == []
+    assert forward([5, 50, 1], [True, False, True], [0, 1, 2], 1, 0, 100, 51) == [2]
+    assert forward([5, 50, 1], [True, False, True], [0, 1, 2], 1, 0, 100, 1, [False, True, False]) == [2]
+    # counted once, however often it repeats
+    assert forward([5, 3, 1], [True, False, True], [1, 1, 1, 2], 0, 0, 100, 4) == [2]
     assert forward([5], [True], [0], 0, 0, 100, 0) == []
     assert forward([5], [True], [0], 1, 0, 100, 10) == []
     assert forward([0], [True], [0], 0, 0, 0, 1) == [0]  # an empty unit fits under max_live 0
@@ -225,7 +265,7 @@ def test_backward_plan_examples():
 
 # ---- bad inputs -----------------------------------------------------------------------------------------
 FORWARD_OK = {"recorded_order": [0, 1], "position": 0, "unit_numel": [1, 2], "unit_sharded": [True, True],
-              "live_elements": 0, "max_live": 10, "prefetch_budget": 10}
+              "unit_persistent": [False, False], "live_elements": 0, "max_live": 10, "prefetch_budget": 10}
 BACKWARD_OK = {"recorded_order": [0, 1], "unit": 1, "unit_numel": [1, 2], "unit_sharded": [True, True],
                "unit_persistent": [False, False], "live_elements": 0, "max_live": 10}
 
@@ -238,6 +278,8 @@ BACKWARD_OK = {"recorded_order": [0, 1], "unit": 1, "unit_numel": [1, 2], "unit_
     ({"unit_numel": [1, -2]}, "unit_numel"),
     ({"unit_sharded": [True]}, "unit_sharded"),
     ({"unit_sharded": [True, 2]}, "unit_sharded"),
+    ({"unit_persistent": [False]}, "unit_persistent"),
+    ({"unit_persistent": [False, 2]}, "unit_persistent"),
     ({"live_elements": -1}, "live_elements"),
     ({"max_live": -1}, "max_live"),
     ({"prefetch_budget": -1}, "prefetch_budget"),

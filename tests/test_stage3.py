@@ -239,11 +239,15 @@ def prefetch_worker(rank: int, world: int, zero: dict) -> dict:
         engine.step()
     runtime = engine.stage3
     peak = runtime.last_step_peak_bytes // engine.compute_dtype.itemsize
-    return {"peak": peak, "psi": sum(u.numel for u in runtime.units),
+    comm, params = engine.comm_report(), {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    with torch.no_grad():  # evaluations after the step (a teacher model's forwards): no backward to keep for
+        for step in range(2):
+            engine(data(step, rank)[0])
+    evaluation_peak = runtime.peak_live_bytes // engine.compute_dtype.itemsize
+    return {"peak": peak, "evaluation_peak": evaluation_peak, "psi": sum(u.numel for u in runtime.units),
             "root": next(u.numel for u in runtime.units if u.persistent),
             "block": max(u.numel for u in runtime.units if not u.persistent),
-            "buckets": engine.comm_report()["buckets"], "collectives": engine.comm_report()["collectives"],
-            "params": {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}}
+            "buckets": comm["buckets"], "collectives": comm["collectives"], "params": params}
 
 
 def test_unset_prefetch_gathers_one_unit_ahead_and_a_set_budget_is_honoured():
@@ -252,9 +256,11 @@ def test_unset_prefetch_gathers_one_unit_ahead_and_a_set_budget_is_honoured():
     assert unset["buckets"]["prefetch_source"].startswith("default") and unset["buckets"]["prefetch_elements"] == 1
     assert whole["buckets"]["prefetch_source"] == "config: zero_optimization.stage3_prefetch_bucket_size"
     # DeepSpeed's 5e7 (or any budget above the model) gathers the whole model ahead; unset, the root stays
-    # gathered and a block is ahead of the one computing, and the forward's last block stays for the backward
-    assert whole["peak"] == whole["psi"]
-    assert unset["peak"] <= unset["root"] + 3 * unset["block"] < unset["psi"], unset
+    # gathered and one block is ahead of the one computing (the block the step gathered ahead counts: it
+    # made every later forward call start one more, three blocks at a time), and in backward the block
+    # before the one computing (the forward's last block stays for the backward)
+    assert whole["peak"] == whole["evaluation_peak"] == whole["psi"]
+    assert unset["peak"] == unset["evaluation_peak"] == unset["root"] + 2 * unset["block"] < unset["psi"], unset
     # the same gathers, only issued later, and the same training; the last step starts the next forward's
     # gathers under the budget (Note [Gathers started in the step]): all six blocks against the first one
     elements = {which: {kind: r["collectives"][kind]["logical_elements"] for kind in

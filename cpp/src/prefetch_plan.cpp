@@ -24,6 +24,15 @@ void check_units(const std::vector<int64_t>& recorded_order, const std::vector<i
   ZC_CHECK_ARG(max_live >= 0, "max_live must be >= 0, got ", max_live);
 }
 
+void check_persistent(const std::vector<uint8_t>& unit_persistent, size_t n) {
+  ZC_CHECK_ARG(unit_persistent.size() == n, "unit_persistent must have one entry per unit (", n, "), got ",
+               unit_persistent.size());
+  for (size_t u = 0; u < n; ++u) {
+    ZC_CHECK_ARG(unit_persistent[u] <= 1, "unit_persistent[", u, "] must be 0 or 1, got ",
+                 int(unit_persistent[u]));
+  }
+}
+
 // live + numel <= max_live without overflow (all three are >= 0).
 bool fits(int64_t live, int64_t numel, int64_t max_live) { return live <= max_live && numel <= max_live - live; }
 
@@ -31,24 +40,32 @@ bool fits(int64_t live, int64_t numel, int64_t max_live) { return live <= max_li
 
 std::vector<int64_t> plan_forward_prefetch(const std::vector<int64_t>& recorded_order, int64_t position,
                                            const std::vector<int64_t>& unit_numel,
-                                           const std::vector<uint8_t>& unit_sharded, int64_t live_elements,
+                                           const std::vector<uint8_t>& unit_sharded,
+                                           const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
                                            int64_t max_live, int64_t prefetch_budget) {
   check_units(recorded_order, unit_numel, unit_sharded, live_elements, max_live);
+  check_persistent(unit_persistent, unit_numel.size());
   ZC_CHECK_ARG(position >= 0 && position <= static_cast<int64_t>(recorded_order.size()), "position must be in [0, ",
                recorded_order.size(), "], got ", position);
   ZC_CHECK_ARG(prefetch_budget >= 0, "prefetch_budget must be >= 0, got ", prefetch_budget);
 
   std::vector<int64_t> started;
-  std::vector<uint8_t> sharded = unit_sharded;  // a started unit is gathering, no longer sharded
+  std::vector<uint8_t> counted(unit_numel.size(), 0);  // gathered ahead, or started by this walk
   int64_t live = live_elements;
   int64_t budget = prefetch_budget;
   for (size_t i = static_cast<size_t>(position); i < recorded_order.size() && budget > 0; ++i) {
     const int64_t unit = recorded_order[i];
-    if (!sharded[unit]) continue;
+    if (counted[unit]) continue;
     const int64_t numel = unit_numel[unit];
+    if (!unit_sharded[unit]) {
+      if (unit_persistent[unit]) continue;
+      counted[unit] = 1;
+      budget -= numel;  // already ahead: it holds the budget as if this walk had started it
+      continue;
+    }
     if (!fits(live, numel, max_live)) break;
     started.push_back(unit);
-    sharded[unit] = 0;
+    counted[unit] = 1;
     live += numel;
     budget -= numel;  // may go negative: a unit larger than the budget left is still started
   }
@@ -62,12 +79,7 @@ std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& record
                                               int64_t max_live) {
   check_units(recorded_order, unit_numel, unit_sharded, live_elements, max_live);
   const size_t n = unit_numel.size();
-  ZC_CHECK_ARG(unit_persistent.size() == n, "unit_persistent must have one entry per unit (", n, "), got ",
-               unit_persistent.size());
-  for (size_t u = 0; u < n; ++u) {
-    ZC_CHECK_ARG(unit_persistent[u] <= 1, "unit_persistent[", u, "] must be 0 or 1, got ",
-                 int(unit_persistent[u]));
-  }
+  check_persistent(unit_persistent, n);
   ZC_CHECK_ARG(unit >= 0 && unit < static_cast<int64_t>(n), "unit must be a unit index in [0, ", n, "), got ",
                unit);
 

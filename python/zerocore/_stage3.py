@@ -52,9 +52,11 @@ called on its own lands it first, and every other path (state dicts, ``gathered(
 lands it before reading. A sharded-state error (``model.state_dict()``, ``load_state_dict()`` outside
 ``gathered()``) is raised for it as for a sharded unit, so nothing depends on which units were ahead.
 
-Prefetch: step 1 records the sequence of units gathered in forward; later steps gather the next unit of
-that sequence while the current one computes (and the previous one in backward), never holding more than
-``stage3_max_live_parameters`` gathered elements through prefetching. A step that deviates from the
+Prefetch: step 1 records the sequence of units gathered in forward; later steps keep the units that follow
+the computing one in that sequence gathered, up to ``stage3_prefetch_bucket_size`` elements of them (the
+next unit by default; units gathered ahead already, by the step or an earlier prefetch, count), and the
+previous one in backward, never holding more than ``stage3_max_live_parameters`` gathered elements through
+prefetching (Note [Stage 3 prefetch plan]). A step that deviates from the
 recorded sequence warns once, naming the expected and the seen module, and gathers on demand from there.
 """
 
@@ -120,6 +122,7 @@ class Stage3Runtime:
                 unit.build_from({id(p): p.detach() for p in unit.all_params})
         for unit in self.units:
             unit.persistent = unit.spec.parent is None or unit.numel < zo.stage3_param_persistence_threshold
+        self._persistent = [u.persistent for u in self.units]  # the prefetch planner's view
         # built and released: from here on, released units' memory serves the next gathers
         self.spares = GatherSpares(spare_capacity([u.nbytes for u in self.units], 1))
         for unit in self.units:
@@ -375,7 +378,7 @@ class Stage3Runtime:
             return
         slot = _C.plan_backward_prefetch(
             recorded_order=self._recorded_slots, unit=self._slot_of[unit.index], unit_numel=self._numels,
-            unit_sharded=self._sharded_flags(), unit_persistent=[u.persistent for u in self.units],
+            unit_sharded=self._sharded_flags(), unit_persistent=self._persistent,
             live_elements=self.live_elements, max_live=self.max_live)
         if slot is not None:
             self._gather(self.units[slot], "all_gather_backward")
@@ -505,8 +508,8 @@ class Stage3Runtime:
             return
         for slot in _C.plan_forward_prefetch(
                 recorded_order=self._recorded_slots, position=self._position, unit_numel=self._numels,
-                unit_sharded=self._sharded_flags(), live_elements=self.live_elements, max_live=self.max_live,
-                prefetch_budget=self.prefetch_elements):
+                unit_sharded=self._sharded_flags(), unit_persistent=self._persistent,
+                live_elements=self.live_elements, max_live=self.max_live, prefetch_budget=self.prefetch_elements):
             self._gather(self.units[slot], "all_gather_forward")
 
     def land_gathers(self) -> None:
@@ -581,7 +584,8 @@ class Stage3Runtime:
         sharded = [slot != first for slot in range(len(self.units))]
         ahead = [first, *_C.plan_forward_prefetch(
             recorded_order=self._recorded_slots, position=1, unit_numel=self._numels, unit_sharded=sharded,
-            live_elements=self._numels[first], max_live=self.max_live, prefetch_budget=self.prefetch_elements)]
+            unit_persistent=self._persistent, live_elements=self._numels[first], max_live=self.max_live,
+            prefetch_budget=self.prefetch_elements)]
         for slot in ahead:  # frozen parameters only: the update changes nothing, they go now
             unit = self.units[slot]
             if unit.buffer is None:

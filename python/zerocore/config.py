@@ -142,8 +142,9 @@ class ZeroOptimizationConfig:
             always does this, so only True is accepted.
         reduce_scatter: reduce-scatter gradients; False reduces them with all-reduce (each rank then keeps
             its shard), the ``"all_reduce"`` algorithm of Note [Collective algorithms].
-        stage3_prefetch_bucket_size: stage 3: parameter elements fetched ahead of use in forward (>= 0; 0 = no
-            prefetch; a unit larger than what is left of the budget is still fetched). None (unset): one unit
+        stage3_prefetch_bucket_size: stage 3: parameter elements kept gathered ahead of the computing unit in
+            forward (>= 0; 0 = no prefetch; units already gathered ahead count, and a unit larger than what is
+            left of the budget is still fetched). None (unset): one unit
             ahead, as FSDP prefetches and as DeepSpeed's 5e7 default does on models whose blocks exceed 5e7
             elements (hidden size >= 2048); ``comm_report()["buckets"]`` says which budget was used and why.
         stage3_max_live_parameters: stage 3: gathered parameter elements kept per GPU (>= 1).

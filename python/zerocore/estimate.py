@@ -432,8 +432,8 @@ def _stage3_gathered_peak(plan: _Plan) -> int:
     def forward(slot: int) -> None:  # pre_forward, the nested units, post_forward
         if sharded[slot]:
             gather(slot)
-        for ahead in _C.plan_forward_prefetch(order, slot + 1, numel, sharded, live, zo.stage3_max_live_parameters,
-                                              prefetch_budget):
+        for ahead in _C.plan_forward_prefetch(order, slot + 1, numel, sharded, persistent, live,
+                                              zo.stage3_max_live_parameters, prefetch_budget):
             gather(ahead)
         for child in children.get(slot, []):
             forward(child)

@@ -10,12 +10,18 @@
 // elements currently gathered, `max_live` the cap prefetching keeps them under (stage3_max_live_parameters).
 //
 // Forward, after unit recorded_order[position - 1] was gathered: walk recorded_order from `position`
-// while the budget (stage3_prefetch_bucket_size, less the elements started by this call) is above zero.
-// A unit that is not sharded is skipped (it is gathered already, or was started earlier in this walk: a
-// started unit counts as not sharded, so a repeated unit is started once). The first sharded unit that
-// would take the live elements above max_live ends the walk (a stop, not a skip, so gathers follow the
-// recorded order). Otherwise the unit is started: live elements and the spent budget grow by its size.
-// A unit larger than what is left of a positive budget is still started.
+// while the budget (stage3_prefetch_bucket_size) is above zero. The budget bounds what is gathered AHEAD
+// of the computing unit, not what one call starts: a unit met in the walk that is not sharded (gathered or
+// gathering already, started by an earlier call or by the optimizer step) spends its size of the budget as
+// if this call had started it, unless it is persistent (`unit_persistent[u]`: it stays gathered through
+// the step whatever the plan, so it is skipped for free). Each unit is counted once per walk (a repeated
+// unit is started or counted at its first occurrence). The first sharded unit that would take the live
+// elements above max_live ends the walk (a stop, not a skip, so gathers follow the recorded order).
+// Otherwise the unit is started: live elements and the spent budget grow by its size. A unit larger than
+// what is left of a positive budget is still started. So with a budget of one element the forward holds
+// the computing unit and the next one, as FSDP2's default does; if starts alone were counted, every
+// call would start a budget's worth beyond what earlier calls started, and the lookahead would grow by
+// the units the step started (and, with a budget of k units, by k - 1 per unit, up to max_live).
 //
 // Backward, after `unit` was gathered for its backward: backward runs the recorded order in reverse, so
 // from just before the LAST occurrence of `unit` in recorded_order walk backwards to the first unit that
@@ -31,12 +37,14 @@
 namespace zerocore {
 
 // The units to start gathering now, in order; see Note [Stage 3 prefetch plan].
-// Throws InvalidArgument (naming the argument) when unit_sharded's size differs from unit_numel's, an entry
-// of recorded_order is not a unit index, position is outside [0, recorded_order.size()], a flag is not 0 or
-// 1, or a size, live_elements, max_live or prefetch_budget is negative.
+// Throws InvalidArgument (naming the argument) when unit_sharded's or unit_persistent's size differs from
+// unit_numel's, an entry of recorded_order is not a unit index, position is outside
+// [0, recorded_order.size()], a flag is not 0 or 1, or a size, live_elements, max_live or prefetch_budget
+// is negative.
 std::vector<int64_t> plan_forward_prefetch(const std::vector<int64_t>& recorded_order, int64_t position,
                                            const std::vector<int64_t>& unit_numel,
-                                           const std::vector<uint8_t>& unit_sharded, int64_t live_elements,
+                                           const std::vector<uint8_t>& unit_sharded,
+                                           const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
                                            int64_t max_live, int64_t prefetch_budget);
 
 // The unit to start gathering before `unit`'s backward, or nothing; see Note [Stage 3 prefetch plan].
