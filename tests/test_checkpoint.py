@@ -543,6 +543,56 @@ def test_to_hf_holds_one_tensor_at_a_time(tmp_path):
     assert os.path.getsize(tmp_path / "hf" / "model.safetensors") >= 4 * numel
 
 
+def _frozen_wide() -> Wide:
+    """Wide with every layer but the last frozen: 31 frozen units of 4 MiB (130 MB), as a LoRA base is."""
+    model = Wide()
+    model.layers[:-1].requires_grad_(False)
+    return model
+
+
+def frozen_save_worker(rank: int, world: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(_frozen_wide(), _wide_config(3))
+    engine.backward(engine(torch.randn(4, 1024)).square().mean())
+    engine.step()
+    base = _peak_reset()
+    engine.save_checkpoint(directory)
+    extra = _status("VmHWM") - base
+    return {"extra": extra, "state": {k: v.sum().item() for k, v in engine.full_state_dict(rank0_only=False).items()}}
+
+
+def frozen_load_worker(rank: int, world: int, directory: str) -> dict:
+    torch.manual_seed(1)
+    engine = zerocore.initialize(_frozen_wide(), _wide_config(3))
+    own = engine.memory_report()["bytes"]["frozen_params"]
+    base = _peak_reset()
+    engine.load_checkpoint(directory)
+    extra = _status("VmHWM") - base
+    return {"extra": extra, "own": own,
+            "state": {k: v.sum().item() for k, v in engine.full_state_dict(rank0_only=False).items()}}
+
+
+def test_sharded_frozen_parameters_are_never_whole_on_a_rank_in_a_save_or_a_load(tmp_path):
+    """Stage 3's frozen parameters (Note [Sharded frozen parameters in checkpoints]): saved at world 2, rank 0
+    streams each unit into the model file while it is gathered, so no rank's peak extra memory comes near
+    the frozen base (130 MB: rank 0 used to hold it whole); loaded at world 4, each rank reads its shard's byte
+    ranges of the model file, not every frozen tensor whole. The values round-trip exactly."""
+    import zerocore._safetensors_io as stio
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    frozen = 31 * 4 * 1024 * 1024
+    saved = run_ranks(frozen_save_worker, 2, str(tmp_path), timeout=240)
+    for result in saved:  # a few units (4 MiB each) at most
+        assert result["extra"] < 3 * 4 * 1024 * 1024 + 24 * 2**20 < frozen / 2, result["extra"]
+    loaded = run_ranks(frozen_load_worker, 4, str(tmp_path), timeout=240)
+    for result in loaded:
+        assert result["own"] * 4 >= frozen
+        bound = result["own"] + 2 * 2 * stio.BLOCK + 24 * 2**20  # its shard, blocks cut at its ends, reads in flight
+        assert result["extra"] <= bound < frozen, (result["extra"], bound)
+        assert result["state"] == saved[0]["state"]
+
+
 def hf_save_worker(rank: int, world: int, directory: str) -> dict:
     import transformers
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 
 import pytest
@@ -413,6 +414,86 @@ def load_elsewhere_worker(rank: int, world: int, directory: str, saved: dict) ->
 def test_checkpoint_round_trip_of_sharded_frozen_parameters_at_world_2_and_1(tmp_path):
     saved = run_ranks(checkpoint_worker, 2, str(tmp_path))[0]
     assert all(run_ranks(load_elsewhere_worker, 1, str(tmp_path), saved))
+
+
+def cross_stage_worker(rank: int, world: int, directory: str) -> bool:
+    """Saved at stage 2 (frozen parameters whole in the model file) and loaded at stage 3, where each rank
+    reads its shard's byte ranges, also converting fp32 to a bf16 shard; and the other way round."""
+    torch.manual_seed(0)
+    model = Lora()
+    engine = zerocore.initialize(model, config(stage=2))
+    train(engine, rank, 0, 1)
+    engine.save_checkpoint(directory, tag="stage2")
+    saved = gathered_values(model)
+    engine.close()
+    for dtype in ("fp32", "bf16"):
+        torch.manual_seed(5)
+        model = Lora()
+        engine = zerocore.initialize(model, config(dtype))
+        engine.load_checkpoint(directory, tag="stage2")
+        loaded = gathered_values(model)
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        compute = torch.float32 if dtype == "fp32" else torch.bfloat16
+        wrong = different(loaded, {n: v.to(compute) for n, v in saved.items()}, frozen)
+        assert not wrong, f"stage 2 -> stage 3 {dtype}: {wrong}"
+        if dtype == "fp32":
+            train(engine, rank, 1, 1)
+            engine.save_checkpoint(directory, tag="stage3")
+            saved = gathered_values(model)
+        engine.close()
+    torch.manual_seed(6)
+    model = Lora()
+    engine = zerocore.initialize(model, config(stage=2))
+    engine.load_checkpoint(directory, tag="stage3")
+    assert not different(gathered_values(model), saved), "stage 3 -> stage 2"
+    return True
+
+
+def test_sharded_frozen_parameters_load_across_stages_and_dtypes(tmp_path):
+    assert all(run_ranks(cross_stage_worker, 2, str(tmp_path)))
+
+
+def failing_save_worker(rank: int, world: int, directory: str) -> dict:
+    """Rank 0's disk fills while it streams the frozen units into the model file: its peers are gathering
+    those units with it, so it plays out the remaining gathers before all ranks learn of the failure."""
+    import types
+
+    import zerocore._checkpoint_untracked as untracked
+
+    torch.manual_seed(0)
+    model = Lora()
+    engine = zerocore.initialize(model, config())
+    train(engine, rank, 0, 1)
+
+    def fills(path, entries, tensor, *args, **kwargs):
+        for name, shape, dtype in entries[: len(entries) // 2]:
+            tensor(name, shape, dtype)
+        raise OSError(28, "No space left on device", path)
+
+    real = untracked.stio
+    if rank == 0:
+        untracked.stio = types.SimpleNamespace(write=fills)
+    try:
+        with pytest.raises(OSError) as raised:
+            engine.save_checkpoint(directory, tag="full")
+    finally:
+        untracked.stio = real
+    assert not os.path.exists(os.path.join(directory, "full"))
+    train(engine, rank, 1, 1)  # in lockstep still
+    engine.save_checkpoint(directory, tag="full")
+    saved = gathered_values(model)
+    torch.manual_seed(3)
+    fresh_model = Lora()
+    fresh = zerocore.initialize(fresh_model, config())
+    fresh.load_checkpoint(directory, tag="full")
+    assert not different(gathered_values(fresh_model), saved)
+    return {"message": str(raised.value)}
+
+
+def test_a_model_file_write_failing_on_rank_0_raises_on_every_rank_and_training_goes_on(tmp_path):
+    results = run_ranks(failing_save_worker, 2, str(tmp_path), timeout=120)
+    assert "No space left on device" in results[0]["message"]
+    assert "rank 0" in results[1]["message"] and "No space left" in results[1]["message"], results[1]
 
 
 # ---- close ---------------------------------------------------------------------------------------------------------

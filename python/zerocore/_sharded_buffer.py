@@ -161,12 +161,16 @@ class ShardedBuffer(ParamWrites):
         self._go_to_rest()
 
     def set_shard_from_values(self, values: Sequence[torch.Tensor]) -> None:
-        """This rank's shard of a frozen buffer from the parameters' full values (a load)."""
+        """This rank's shard of a frozen buffer from the parameters' full values."""
+        self.set_shard(torch.cat([self._shard_values(values, b, self.dtype) for b in range(len(self.buckets))]))
+
+    def set_shard(self, shard: torch.Tensor) -> None:
+        """This rank's shard of a frozen buffer, padding included (a load)."""
         assert self._optimizer_state is None
         self.load_shard(read=False)  # every element, padding included, is written
         try:
-            for b in range(len(self.buckets)):
-                self.param_shard(b).copy_(self._shard_values(values, b, self.dtype))
+            for b, bucket in enumerate(self.buckets):
+                self.param_shard(b).copy_(shard[bucket.shard_offset : bucket.shard_offset + bucket.shard_size])
         finally:
             self.unload_shard(written=True)
 

@@ -6,7 +6,8 @@ A checkpoint is a directory ``save_dir/<tag>`` (``tag`` defaults to ``global_ste
 
 * ``rank<r>.safetensors`` per rank: for every optimizer shard ``i`` of that rank (Note [Optimizer state
   ownership]) the flat fp32 ``i.master``, ``i.exp_avg`` and ``i.exp_avg_sq``, plus the rank's RNG states;
-* ``model.safetensors`` (rank 0): what the optimizer does not own: buffers and frozen parameters, by name;
+* ``model.safetensors`` (rank 0): what the optimizer does not own: buffers and frozen parameters, by name
+  (Note [Sharded frozen parameters in checkpoints] in _checkpoint_untracked.py);
 * ``index.json`` (rank 0, written last inside the directory): zerocore's version, world size, stage, the
   trainable parameters' names and shapes, for every rank and shard the *pieces* (which elements of which
   parameter each shard range holds), step counters, the loss scaler's and the lr scheduler's state, the
@@ -55,8 +56,9 @@ from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
                                  index_identity,
                                  open_file, piece_sources, read_index, resolve_tag, tag_path, write_durably)
-from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, load_untracked,
-                                persistent_names, trainable_shapes, untracked_state, whole_frozen_values)
+from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, persistent_names,
+                                trainable_shapes)
+from ._checkpoint_untracked import load_untracked, read_untracked, untracked_state, write_untracked
 from ._model_checks import all_gather_json
 
 if TYPE_CHECKING:
@@ -74,7 +76,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     client: dict[str, Any] = {}
     scheduler: Any = None
     # every rank reads what the untracked model state holds (buffers are broadcast like DDP's; frozen
-    # parameters are replicated, or sharded at stage 3 and gathered below), rank 0 writes it
+    # parameters are replicated, or sharded at stage 3 and gathered as rank 0 writes them), rank 0 writes it
     untracked = untracked_state(engine, frozen=not exclude_frozen_parameters)
     try:
         check_tag(tag)
@@ -103,8 +105,6 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
                          "a checkpoint is one directory that every rank writes its part of: pass the same tag on "
                          "every rank (nothing was written)")
     engine.absorb_param_writes()
-    # stage 3's sharded frozen parameters: gathered unit by unit, rank 0 keeps their whole values to write
-    untracked.update(whole_frozen_values(engine, untracked, keep=engine.rank == 0))
     save_dir = os.fspath(save_dir)
     tmp = os.path.join(save_dir, f".{tag}.tmp")
     with _agreed(engine, "create the checkpoint directory", tmp):
@@ -162,8 +162,11 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     shapes = trainable_shapes(engine)
     persistent = persistent_names(engine)
     with _agreed(engine, "write the model file and the index", tmp):
+        # a collective where stage 3 shards frozen parameters (Note [Sharded frozen parameters in checkpoints])
+        model_checksums = write_untracked(engine, os.path.join(tmp, "model.safetensors") if engine.rank == 0
+                                          else None, untracked)
         if engine.rank == 0:
-            _write_index(engine, tmp, untracked, shapes, persistent, everyone, client, scheduler,
+            _write_index(engine, tmp, model_checksums, untracked, shapes, persistent, everyone, client, scheduler,
                          exclude_frozen_parameters)
         fsync_file(os.path.join(tmp, rank_file))  # every rank's file is durable before the rename
     final = os.path.join(save_dir, tag)
@@ -213,11 +216,10 @@ def _fail_together(engine: Engine, verdicts: list[str | None], failure: Exceptio
                   f"saved and 'latest' still names the previous one")
 
 
-def _write_index(engine: Engine, tmp: str, untracked: dict[str, torch.Tensor], shapes: Mapping[str, Any],
-                 persistent: set[str], everyone: list[Any], client: Any, scheduler: Any,
+def _write_index(engine: Engine, tmp: str, model_checksums: Any, untracked: dict[str, torch.Tensor],
+                 shapes: Mapping[str, Any], persistent: set[str], everyone: list[Any], client: Any, scheduler: Any,
                  frozen_excluded: bool) -> None:
-    """Rank 0: the model file (buffers, frozen parameters) and the JSON index naming every rank's file."""
-    model_checksums = stio.write_tensors(os.path.join(tmp, "model.safetensors"), untracked)
+    """Rank 0: the JSON index naming every rank's file and the model file (buffers, frozen parameters)."""
     index = {
         "format": FORMAT,
         "zerocore_version": _version(),
@@ -286,7 +288,7 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
                     values["exp_avg_sq"].zero_()
                 if shard.separate_master:  # the compute-dtype values are the master's rounding
                     shard.params.copy_(values["master"])
-        load_untracked(engine, staged.untracked, staged.untracked_values)
+        load_untracked(engine, staged.untracked, staged.untracked_values, staged.frozen_shards)
     engine.reload_params_from_shards()
     if load_module_only:  # DeepSpeed's: the weights change, the training state (moments, counters, ...) stays
         return staged.path, json_state.decode(index["client_state"])
@@ -327,7 +329,8 @@ class _Staged:
         self.copies: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
         self.fresh: dict[str, torch.Tensor] = {}  # flat states to adopt whole (bytes; see _fresh_state)
         self.untracked: dict[str, torch.Tensor] = {}
-        self.untracked_values: dict[str, torch.Tensor] = {}
+        self.untracked_values: dict[str, torch.Tensor] = {}  # whole buffers and unsharded frozen parameters
+        self.frozen_shards: dict[int, torch.Tensor] = {}  # this rank's shard of each sharded frozen buffer
         self.rng: dict[str, torch.Tensor] | None = None
 
 
@@ -399,7 +402,7 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
         model = files[-1] = open_file(io, path, index["model_file"])
         staged.untracked = untracked_state(engine, frozen=not index.get("frozen_excluded", False))
         check_untracked(staged.untracked, index, model, path)
-        staged.untracked_values = {name: model.tensor(name) for name in staged.untracked}
+        staged.untracked_values, staged.frozen_shards = read_untracked(engine, model, staged.untracked)
     finally:
         for f in files.values():
             f.close()
