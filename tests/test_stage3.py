@@ -425,6 +425,69 @@ def test_nested_units_given_by_class():
         assert names == ["<root>", "layers.0", "layers.0.inner", "layers.1", "layers.1.inner"]
 
 
+class MoE(nn.Module):
+    """A mixture of experts in a list, each token routed by its id: a rank whose tokens are all even runs
+    expert 0 only, one whose tokens are all odd expert 1 only (DeepSpeed's per-module gathers hang here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.experts = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, h: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            chosen = route == e
+            if chosen.any():
+                out[chosen] = expert(h[chosen])
+        return self.norm(h + out)
+
+
+class MoEModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(MoE() for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, tokens % 2)
+        return self.head(h)
+
+
+def moe_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, target = data(step, rank)
+    return tokens - tokens % 2 + rank % 2, target  # rank 0 even tokens, rank 1 odd
+
+
+def moe_worker(rank: int, world: int, units: list | None) -> list[str]:
+    torch.manual_seed(0)
+    model = MoEModel()
+    reference = ReferencePair(copy.deepcopy(model), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
+                                                                                weight_decay=0.01, foreach=False))
+    engine = zerocore.initialize(model, config(), units=units)
+    for step in range(3):
+        engine.backward(loss_of(engine, *moe_data(step, rank)))
+        engine.step()
+        reference.train_step(lambda module, dtype: sum(loss_of(module, *moe_data(step, r))
+                                                       for r in range(world)) / world)
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label="moe")
+    return [u.name for u in engine.stage3.units]
+
+
+def test_a_mixture_of_experts_routing_ranks_to_other_experts_trains_with_its_layers_as_units():
+    """By default the outermost repeated blocks are units: the experts, listed inside each layer, are gathered
+    with it, so ranks whose tokens go to different experts still gather the same modules (Note [Stage 3
+    units]); made units of their own they diverge, and the error names the way out."""
+    for names in run_ranks(moe_worker, 2, None):
+        assert names == ["<root>", "layers.0", "layers.1"]
+    errors = run_ranks(moe_worker, 2, [MoE, Block], expect_errors=True)
+    for status, message in errors:
+        assert status == "error" and "RanksDivergedError" in message and "units=[" in message, message
+
+
 def bf16_memory_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     # Every parameter is a multiple of 64 * world elements, so Psi is exact (no layout padding).

@@ -127,7 +127,9 @@ class DivergenceCheck:
                     f"ranks diverged at step {step}: rank {other} gathered module {self._what(row)} while rank "
                     f"{self.rank} gathered {self._what(mine)}. Under ZeRO stage 3 every rank must run the same "
                     "modules in the same order (SPMD); a rank-dependent branch over a module with parameters "
-                    "breaks that."
+                    "breaks that. If the model picks modules by its inputs (a mixture of experts routing each "
+                    "rank's tokens to other experts), make the module that encloses them the unit, so the ranks "
+                    "gather it whole: zerocore.initialize(..., units=[TheEnclosingBlockClass])."
                 )
 
     def _what(self, row: list[int]) -> str:

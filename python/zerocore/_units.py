@@ -6,7 +6,13 @@ Note [Stage 3 units]
 A unit is a module whose parameters (those not owned by a unit nested inside it) are flattened into one
 buffer and gathered by one all-gather. Units come from ``units=`` (module instances and/or classes, every
 instance of a class is a unit) or, by default, from the repeated blocks of the model: the children of each
-``nn.ModuleList``/``nn.Sequential`` whose children all share one class (a transformer's layers). The root
+``nn.ModuleList``/``nn.Sequential`` whose children all share one class (a transformer's layers), outermost
+only. A repeated container inside such a block is gathered with the block: in a mixture of experts the
+list of experts is one, and each rank runs the experts its tokens are routed to, so experts as units of
+their own would have the ranks gather different modules (a collective every rank must issue alike;
+DeepSpeed's per-module gathers hang there unless the MoE block is marked a leaf with
+``set_z3_leaf_modules``). FSDP users wrap the layers for the same reason. ``units=`` nests units where
+every rank runs them alike (``units=[Layer, Attention]``). The root
 module is always a unit and owns every parameter no other unit owns. Units nest like FSDP2's bottom-up
 ``fully_shard``: a parameter belongs to the innermost unit that contains it. A parameter reachable from
 several units (tied embedding and LM head) belongs to their innermost common ancestor unit, so it is
@@ -37,15 +43,26 @@ class UnitSpec:
 
 
 def default_unit_modules(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks: children of ModuleList/Sequential containers whose children share one class."""
-    found = []
-    for module in model.modules():
+    """The outermost repeated blocks: children of ModuleList/Sequential containers whose children share one
+    class, not searched inside a block already found (Note [Stage 3 units])."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def search(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             children = list(module.children())
             if len(children) >= 2 and len({type(c) for c in children}) == 1 and any(
                 shardable(p) for c in children for p in c.parameters()
             ):
                 found.extend(children)
+                return
+        for child in module.children():
+            search(child)
+
+    search(model)
     return found
 
 
