@@ -496,6 +496,50 @@ def test_a_model_file_write_failing_on_rank_0_raises_on_every_rank_and_training_
     assert "rank 0" in results[1]["message"] and "No space left" in results[1]["message"], results[1]
 
 
+class FrozenBiases(nn.Module):
+    """Blocks whose Linear bias is frozen: each unit waits for its input gradients before it is released."""
+
+    def __init__(self, freeze: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(4))
+        for block in self.blocks:
+            block[0].bias.requires_grad_(not freeze)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def backward_peak_worker(rank: int, world: int, freeze: bool, zero: dict) -> dict:
+    cfg = config("bf16", **zero)
+    with torch.device("meta"):
+        planned = zerocore.estimate_memory(FrozenBiases(freeze), cfg, world, rank=rank)["step"]["gathered_params_peak"]
+    torch.manual_seed(0)
+    engine = zerocore.initialize(FrozenBiases(freeze), cfg)
+    peaks = []
+    for step in range(3):
+        engine.backward(loss_of(engine, *data(step, rank)))
+        engine.step()
+        peaks.append(engine.memory_report()["bytes"]["gathered_params_peak_last_step"])
+    return {"planned": planned, "peaks": peaks}
+
+
+@pytest.mark.parametrize("zero", [{}, {"stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 1}])
+def test_a_unit_waiting_for_its_input_gradients_is_released_before_the_backward_prefetches_past_it(zero):
+    """The next unit's input gradients are this unit's output gradients: their hooks run before this unit's
+    backward gathers it and prefetches the unit before it, so a model with frozen parameters holds no more
+    than one without (the planned peak) -- it held one unit more, above stage3_max_live_parameters too."""
+    trainable = run_ranks(backward_peak_worker, 2, False, zero)[0]
+    frozen = run_ranks(backward_peak_worker, 2, True, zero)[0]
+    assert frozen["planned"] == trainable["planned"]
+    for result in (trainable, frozen):
+        assert result["peaks"][1:] == [result["planned"]] * 2, result
+
+
 # ---- close ---------------------------------------------------------------------------------------------------------
 def close_worker(rank: int, world: int) -> bool:
     torch.manual_seed(0)

@@ -235,6 +235,44 @@ def test_all_three_at_stage_3_train_like_none():
         assert (algorithms["reduce_scatter"], algorithms["parameter_all_gather"]) == ("hierarchical", "quantized")
         assert "all_gather_backward" not in b["report"]["collectives"]
 
+def state_read_worker(rank: int, world: int, read: str | None, directory: str) -> dict:
+    """qwZ at stage 3, bf16: two steps, a read of the state (or none), two more steps."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = zerocore.initialize(model, _config(3, "bf16", zero_quantized_weights=True))
+    losses = _train(engine, rank, 2)
+    if read == "full_state_dict":
+        engine.full_state_dict()
+    elif read == "gathered":
+        with zerocore.gathered([model.head.weight, model.blocks[0][0].weight]):
+            pass
+    elif read == "save_checkpoint":
+        engine.save_checkpoint(directory)
+    losses += _train(engine, rank, 2)
+    return {"losses": losses, "state": {k: v.float().tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}}
+
+
+def resume_worker(rank: int, world: int, directory: str) -> dict:
+    torch.manual_seed(5)
+    engine = zerocore.initialize(Net(), _config(3, "bf16", zero_quantized_weights=True))
+    engine.load_checkpoint(directory)
+    _train(engine, rank, 2)  # (_train's batches depend on the step within the call: the saving run's last two)
+    return {"state": {k: v.float().tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}}
+
+
+def test_qwz_trains_alike_whether_or_not_the_state_was_read_between_steps(tmp_path):
+    """An exact read (full_state_dict, gathered(), save_checkpoint) leaves the persistent root gathered with its
+    exact values; the next forward must still compute with the quantized ones, or reading the state would
+    change the training and a resumed run would not be the run that saved it."""
+    plain = run_ranks(state_read_worker, 2, None, str(tmp_path))[0]
+    for read in ("full_state_dict", "gathered", "save_checkpoint"):
+        got = run_ranks(state_read_worker, 2, read, str(tmp_path))[0]
+        assert got["losses"] == plain["losses"], read
+        assert got["state"] == plain["state"], read
+    resumed = run_ranks(resume_worker, 2, str(tmp_path))[0]  # the saving run's last two steps, from its checkpoint
+    assert resumed["state"] == plain["state"]
+
+
 
 @pytest.mark.parametrize("zeropp,message", [
     ({"stage": 2, "zero_quantized_weights": True}, "qwZ works on the parameter gathers of stage 3"),

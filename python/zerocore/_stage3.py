@@ -282,9 +282,7 @@ class Stage3Runtime:
             tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
             tensors += wrapped_values(outputs)  # under torch.func transforms (Note [torch.func transforms])
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads, unit=unit: self.pre_backward(unit), mode="any"
-                )
+                self._hook_output_grads(unit, tensors)
                 backward_follows = unit.backward_hooked = True
             elif not self._in_backward() and not unit.pinned and (unit.params or unit.input_grads_left):
                 self._pin_unseen_output(unit, output)
@@ -292,6 +290,29 @@ class Stage3Runtime:
             if not (backward_follows and self._ends_recorded_forward(unit)):
                 self.release(unit)
         return None
+
+    def _hook_output_grads(self, unit: Unit, tensors: list[torch.Tensor]) -> None:
+        """``pre_backward(unit)`` once the first of its outputs' gradients arrives (once per backward). As
+        pre-hooks of the outputs' autograd nodes where every output has one: autograd runs them after the
+        tensor hooks on the same gradients, so the next unit, when it waits for its input gradients (these
+        outputs; Note [Units with frozen parameters in backward]), is released before this unit's backward
+        gathers it and prefetches the one before: a tensor hook registered here, before the next unit's,
+        would run first and hold three units at that moment instead of two."""
+        nodes = [t.grad_fn for t in tensors]
+        if any(node is None for node in nodes) or torch._C._are_functorch_transforms_active():
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads, unit=unit: self.pre_backward(unit), mode="any")
+            return
+        ran: set[int] = set()  # graph tasks: a retain_graph backward runs it again
+
+        def hook(grad_outputs: Any) -> None:
+            task = torch._C._current_graph_task_id()
+            if task not in ran:
+                ran.add(task)
+                self.pre_backward(unit)
+
+        for node in dict.fromkeys(nodes):
+            node.register_prehook(hook)
 
     def _ends_recorded_forward(self, unit: Unit) -> bool:
         """``unit`` is the last of the recorded forward order, reached along it: the backward needs it first
@@ -395,8 +416,11 @@ class Stage3Runtime:
     # ---- gather / release -----------------------------------------------------------------------------
     @outside_transforms  # gathers and releases are the engine's, never a transform's (Note [torch.func transforms])
     def ensure_gathered(self, unit: Unit, label: str) -> None:
-        if unit.quantized and label not in _QUANTIZED_LABELS and unit.state is not UnitState.SHARDED:
-            self.release(unit)  # a reader of the values themselves (state dict, gathered()) gets them exact
+        # A reader of the values themselves (state dict, gathered()) gets them exact, and computation gets what
+        # qwZ gathers, whatever gathered the unit before (the persistent root stays gathered after a state read:
+        # a forward computing with its exact values would train otherwise than one that had not read the state)
+        if unit.state is not UnitState.SHARDED and unit.quantized_storages != self._gather_comms(unit, label)[1]:
+            self.release(unit)
         if unit.state is UnitState.SHARDED:
             self._gather(unit, label)
         unit.wait()
