@@ -127,9 +127,10 @@ class DivergenceCheck:
                     f"ranks diverged at step {step}: rank {other} gathered module {self._what(row)} while rank "
                     f"{self.rank} gathered {self._what(mine)}. Under ZeRO stage 3 every rank must run the same "
                     "modules in the same order (SPMD); a rank-dependent branch over a module with parameters "
-                    "breaks that. If the model picks modules by its inputs (a mixture of experts routing each "
-                    "rank's tokens to other experts), make the module that encloses them the unit, so the ranks "
-                    "gather it whole: zerocore.initialize(..., units=[TheEnclosingBlockClass])."
+                    "breaks that, and so does a forward that raised part-way on some ranks (look for an earlier "
+                    "error on any rank first). If the model picks modules by its inputs (a mixture of experts "
+                    "routing each rank's tokens to other experts), make the module that encloses them the unit, "
+                    "so the ranks gather it whole: zerocore.initialize(..., units=[TheEnclosingBlockClass])."
                 )
 
     def _what(self, row: list[int]) -> str:
