@@ -94,10 +94,10 @@ def read_untracked(engine: Engine, model_file: stio.VerifiedFile, untracked: Map
     parameters by name, and this rank's shard of each sharded frozen buffer by the buffer's id, read as
     the byte ranges the shard covers (Note [Sharded frozen parameters in checkpoints]). Changes nothing."""
     name_of = {id(t): name for name, t in untracked.items()}
-    shards: dict[int, torch.Tensor] = {}
-    for storage in _sharded_storages(engine, untracked):
-        shards[id(storage)] = _read_shard(storage, [name_of[id(p)] for p in storage.params], model_file)
-    sharded = {id(p) for storage in engine.frozen_buffers for p in storage.params}
+    storages = _sharded_storages(engine, untracked)
+    shards = {id(storage): _read_shard(storage, [name_of[id(p)] for p in storage.params], model_file)
+              for storage in storages}
+    sharded = {id(p) for storage in storages for p in storage.params}
     whole = {name: model_file.tensor(name) for name, t in untracked.items() if id(t) not in sharded}
     return whole, shards
 
@@ -114,9 +114,7 @@ def _read_shard(storage: ShardedBuffer, names: list[str], model_file: stio.Verif
             places.append((piece.shard_offset, piece.length, dtype))
     shard = torch.zeros(sum(b.shard_size for b in storage.buckets), dtype=storage.dtype)
     for data, (at, length, dtype) in zip(model_file.read(ranges), places):
-        if data.storage_offset() % dtype.itemsize:
-            data = data.clone()  # safetensors packs tensors without aligning them to their element size
-        shard[at : at + length] = data.view(dtype)
+        shard[at : at + length] = stio.as_elements(data, dtype)
     return shard
 
 

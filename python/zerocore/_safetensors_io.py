@@ -307,9 +307,15 @@ class VerifiedFile:
         (data,) = self.read([(offset, nbytes(shape, dtype))])
         if not data.numel():
             return torch.empty(shape, dtype=dtype)
-        if data.storage_offset() % data.new_empty((), dtype=dtype).element_size():
-            data = data.clone()  # safetensors packs tensors without aligning them to their element size
-        return data.view(dtype).view(shape)
+        return as_elements(data, dtype).view(shape)
+
+
+def as_elements(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes read from a file as elements of ``dtype`` (a view, or a copy where they sit unaligned: safetensors
+    packs tensors without aligning them to their element size)."""
+    if data.storage_offset() % dtype.itemsize:
+        data = data.clone()
+    return data.view(dtype)
 
 
 def _coalesced(ranges: Sequence[tuple[int, int]], out: Sequence[torch.Tensor]
