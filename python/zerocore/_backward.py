@@ -11,11 +11,16 @@ and then sends its flag; so when one rank fails and skips
 the batch while its peers succeed, every rank learns it at the same point, all drop the accumulation
 window (micro-step counters stay equal), and the peers raise naming the rank, instead of the next
 collectives mismatching (Gloo aborts the process on that) or the accumulation boundaries drifting apart.
-The same all-reduce carries each rank's count of training forwards since the last exchange and whether one
-of them raised: a forward that raised on some ranks only (caught there, the batch skipped) leaves the others'
-backward paired with the next batch's, a silent mix of two batches' gradients (and, when the ranks later skip
-alike, no error ever); unequal counts with a raised forward make that backward raise on every rank, dropping
-its window, and the counts start over. Unequal counts alone are no error: a rank may run extra forwards that
+A training forward that raises on some ranks only (caught there, the batch skipped) would leave the others'
+backward paired with the failing ranks' next batch, a silent mix of two batches' gradients, and the ranks
+one backward apart from then on. So a rank whose training forward raises plays out the backward its peers
+run for that batch, before its error reaches the user (Engine._play_out_forward; at stage 3 also the rest
+of the forward's gathers: Note [A forward that raised on one rank] in _stage3.py), with no gradient of its
+own and its flag in the exchange: every rank drops the window at the same backward and the next batch starts
+in lockstep. The same all-reduce carries each rank's count of training forwards since the last exchange and
+whether one of them raised, for what no play-out covers (a forward inside no_sync() at stages 1-2, where
+nothing is exchanged; a rank that ran an extra forward after its error): unequal counts with a raised forward
+make the backward raise on every rank, dropping its window, and the counts start over. Unequal counts alone are no error: a rank may run extra forwards that
 it never back-propagates (a loss term of its own, a forward logged with grad enabled), as under DDP.
 On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward.
 """
@@ -287,7 +292,12 @@ def exchange_backward_outcome(engine: Engine, failed_here: bool) -> tuple[list[i
 def outcome_problem(failed: list[int], forwards: list[int], forward_raised: list[int]) -> str | None:
     """What a backward outcome exchange found wrong (Note [Backward outcome]), or None."""
     if failed:
-        what = f"rank(s) {failed} raised an exception in this backward, so their gradients are missing"
+        in_forward = [rank for rank in failed if rank in forward_raised]  # (Engine._play_out_forward)
+        in_backward = [rank for rank in failed if rank not in forward_raised]
+        what = " and ".join(
+            [f"rank(s) {in_forward} raised an exception in this batch's forward"] * bool(in_forward)
+            + [f"rank(s) {in_backward} raised an exception in this backward"] * bool(in_backward)
+        ) + ", so their gradients are missing"
     elif forward_raised and len(set(forwards)) > 1:
         counts = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(forwards))
         what = (f"a training forward raised on rank(s) {forward_raised} and the ranks ran different numbers of "

@@ -38,6 +38,11 @@ class RanksDivergedError(RuntimeError):
     """Ranks ran different modules: they are out of lockstep, so no further collective may be issued."""
 
 
+class ShardReadError(OSError):
+    """A rank could not read its parameter shard (Note [NVMe parameter shards]): every rank raises it at the same
+    gather, so they stay in lockstep without playing anything out."""
+
+
 class DivergenceCheck:
     def __init__(self, engine: Any, names: dict[int, str], strict: bool) -> None:
         self.engine = engine
@@ -103,7 +108,7 @@ class DivergenceCheck:
             for tag in tags:
                 self._verify(tag, step)
             if self.read_failure is not None:
-                raise OSError(f"offload_param: step {step}: this rank could not read a parameter shard from its "
+                raise ShardReadError(f"offload_param: step {step}: this rank could not read a parameter shard from its "
                               f"NVMe file ({self.read_failure}); load the last checkpoint once the disk is fixed")
             raise RanksDivergedError(f"ranks diverged at step {step}: another rank gathered different modules than "
                                f"rank {self.rank} (this rank's tags all matched; see the other ranks' errors). "
@@ -114,7 +119,7 @@ class DivergenceCheck:
         failed = [rank for rank, row in enumerate(rows) if row[3]]
         if failed:
             module = self.names.get(rows[failed[0]][0], rows[failed[0]][0])
-            raise OSError(
+            raise ShardReadError(
                 f"offload_param: rank(s) {failed} could not read their parameter shard of module {module!r} from "
                 f"their NVMe file at step {step}, so every rank stops at this gather (none is left waiting in a "
                 "collective); the shards on disk are unchanged: load the last checkpoint once the disk is fixed. "

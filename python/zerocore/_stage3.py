@@ -108,6 +108,7 @@ class Stage3Runtime:
         self.max_live = zo.stage3_max_live_parameters
         self.prefetch_elements, self.prefetch_source = stage3_prefetch_budget(zo)
         self.units = [self._new_unit(s, group_of) for s in specs if s.params or s.frozen]
+        self._parent_of = {s.index: s.parent for s in specs}  # (also through units without parameters)
         self._unit_of_buffer = {id(storage): u for u in self.units for storage in u.storages}
         self._slot_of = {u.index: slot for slot, u in enumerate(self.units)}  # unit index -> position in units
         self._numels = [u.numel for u in self.units]
@@ -139,6 +140,8 @@ class Stage3Runtime:
         self._recorded_position: dict[int, int] = {}  # a unit's first place in recorded_order
         self._reads_ahead = engine.param_file is not None  # Note [NVMe parameter shards]
         self._order: list[int] = []
+        self._open: list[Unit] = []  # units whose forward began and has not ended, outermost first
+        self._grad_flowing = False
         self._whole_forward = False  # _order was collected since a forward of the whole model began
         self._position = 0
         self._prefetch_enabled = False
@@ -224,6 +227,7 @@ class Stage3Runtime:
                 self._await_input_grads(unit, args, kwargs)
             return
         self._follow_order(unit)
+        self._open.append(unit)
         self.ensure_gathered(unit, "all_gather_forward")
         self._prefetch_next()
         if unit.frozen:
@@ -281,15 +285,28 @@ class Stage3Runtime:
         if torch.is_grad_enabled():
             tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
             tensors += wrapped_values(outputs)  # under torch.func transforms (Note [torch.func transforms])
+            if not self._in_backward():
+                unit.hooks_backward = bool(tensors)
+                self._grad_flowing |= bool(tensors)
             if tensors:
                 self._hook_output_grads(unit, tensors)
                 backward_follows = unit.backward_hooked = True
             elif not self._in_backward() and not unit.pinned and (unit.params or unit.input_grads_left):
                 self._pin_unseen_output(unit, output)
-        if not self._in_backward() and not unit.persistent and not unit.pinned:
-            if not (backward_follows and self._ends_recorded_forward(unit)):
-                self.release(unit)
+        if not self._in_backward():
+            self._close(unit)
+            self._release_after_forward(unit, backward_follows)
         return None
+
+    def _close(self, unit: Unit) -> None:
+        for at in range(len(self._open) - 1, -1, -1):
+            if self._open[at] is unit:
+                del self._open[at]
+                return
+
+    def _release_after_forward(self, unit: Unit, backward_follows: bool) -> None:
+        if not unit.persistent and not unit.pinned and not (backward_follows and self._ends_recorded_forward(unit)):
+            self.release(unit)
 
     def _hook_output_grads(self, unit: Unit, tensors: list[torch.Tensor]) -> None:
         """``pre_backward(unit)`` once the first of its outputs' gradients arrives (once per backward). As
@@ -377,6 +394,8 @@ class Stage3Runtime:
         self._end_order_record()
         self._whole_forward = True
         self._forward_done = False  # a forward that raises part-way never becomes the recorded order
+        self._open = []
+        self._grad_flowing = False  # a unit's output in this forward required grad
         self.in_forward = True
         self._prefetch_enabled = self.recorded_order is not None and not self._warned
 
@@ -591,11 +610,83 @@ class Stage3Runtime:
         order = [self._unit(index) for index in dict.fromkeys(reversed(self._order))]
         for unit in order:
             if unit.in_backward:
-                settle(unit)
+                self._settle_played_out(unit, settle)
         for unit in order:
             if unit.backward_hooked and not unit.in_backward:
                 self.pre_backward(unit)
-                settle(unit)
+                self._settle_played_out(unit, settle)
+
+    def _settle_played_out(self, unit: Unit, settle: Callable[[Unit], None]) -> None:
+        """The unit's backward is over here, as on the peers; its inputs' gradients, which its release may wait
+        for, never come: this rank's graph was dropped."""
+        unit.input_grads_left = 0
+        settle(unit)
+        self._release_after_backward(unit)
+
+    # Note [A forward that raised on one rank]
+    # ---------------------------------------
+    # Stage 3's forward issues collectives too: when it raises on one rank only (a bad batch, an out-of-memory
+    # error in one layer), the peers' forward goes on gathering the units after the failing one and their
+    # backward gathers and reduces, while the rank that raised, its error caught, starts the next batch's
+    # forward: different collectives from there on (RanksDivergedError at best, a hang until the process
+    # group's timeout at worst), and the engine is unusable. So the rank that raised plays the rest of its
+    # forward out before its error reaches the user: the units whose forward began end as on the peers
+    # (released, or kept when the recorded order says the backward needs them first: Note [Last unit stays
+    # for the backward]), then every unit the peers still run is gathered, prefetched from and released
+    # along the recorded order (before an order is recorded, or once this step left it, the units not run
+    # yet in the order recorded or else the model's: what a model that runs its units one after another
+    # does; the divergence tags raise where that guess is wrong). Then the engine plays out the peers'
+    # backward (Note [A backward that raised on one rank]) and its outcome exchange, so every rank drops the
+    # accumulation window at the same point and the next batch starts in lockstep (Engine.forward). Which
+    # played-out units the peers' backward gathers follows each unit's last forward with grad (whether its
+    # outputs required grad; never run with grad: whether it or a unit before it has trainable parameters).
+    # The play-out runs while the error is being raised, so the failed forward's activations are still alive
+    # (its traceback holds them; torch's hook wrapper keeps each hooked module's inputs even in cleared
+    # frames); its gathers take the memory of the units it releases (the caching allocator's, or Note [Spare
+    # gather storage]), so an out-of-memory error in an activation leaves room for them.
+    def play_out_forward(self, backward_follows: bool) -> None:
+        """This rank's forward raised part-way (Note [A forward that raised on one rank])."""
+        if not self.in_forward:
+            self._begin_forward()
+        if backward_follows:  # the graph that would have run their input-gradient hooks was dropped
+            for index in self._order:
+                self._unit(index).input_grads_left = 0
+        for index in self._forward_remaining():
+            unit = self._unit(index)
+            while self._open and not self._encloses(self._open[-1], unit):  # forwards that end before it runs
+                self._end_played_out_forward(self._open.pop(), backward_follows)
+            self._follow_order(unit)
+            self.ensure_gathered(unit, "all_gather_forward")
+            self._prefetch_next()
+            self._end_played_out_forward(unit, backward_follows)
+        while self._open:
+            self._end_played_out_forward(self._open.pop(), backward_follows)
+        self._end_forward()
+
+    def _encloses(self, outer: Unit, unit: Unit) -> bool:
+        parent = self._parent_of[unit.index]
+        while parent is not None and parent != outer.index:
+            parent = self._parent_of[parent]
+        return parent is not None
+
+    def _end_played_out_forward(self, unit: Unit, backward_follows: bool) -> None:
+        """Ends ``unit``'s forward as the peers' ends: its outputs require grad as in its last forward with grad
+        (never run with grad: when it has trainable parameters or a unit before it returned such outputs)."""
+        known = unit.hooks_backward
+        hooks = backward_follows and (known if known is not None else bool(unit.params) or self._grad_flowing)
+        self._grad_flowing |= hooks
+        if backward_follows:  # (without grad, a forward waits for no gradient: a pending backward's waits stay)
+            unit.input_grads_left, unit.held_to_backward_end = 0, False
+        unit.backward_hooked |= hooks
+        self._release_after_forward(unit, hooks)
+
+    def _forward_remaining(self) -> list[int]:
+        """The units a forward that stopped here would still run, as the peers run them."""
+        order = self.recorded_order
+        if order is not None and self._prefetch_enabled:
+            return order[self._position:]
+        ran = set(self._order)
+        return [index for index in dict.fromkeys(order or [u.index for u in self.units]) if index not in ran]
 
     def gathers_in_step(self) -> Callable[[int], None] | None:
         """The optimizer step's ``after_shard``: the gathers the next forward would issue at its start (its

@@ -49,6 +49,7 @@ class Unit:
         self.pinned_for_backward = False  # pinned in a grad-enabled forward: a no-grad forward's end keeps it
         self.in_backward = False
         self.backward_hooked = False  # a forward since the last backward registered its pre-backward hook
+        self.hooks_backward: bool | None = None  # its last forward with grad returned outputs that require grad
         self.user_holds = 0  # zerocore.gathered() blocks holding it whole: no hook releases it meanwhile
         self._tag_check: Any = None
         # hpZ: this rank's slice of each storage's values from its last forward gather, which its backward

@@ -39,7 +39,7 @@ from ._construction import (broadcast_module_state, build_comms, build_reducer, 
                             cast_untracked_tensors, default_process_group, optimizer_state_for,
                             param_file_for_config, training_device, whole_model_buffer)
 from ._deepspeed_api import DeepSpeedAccessors
-from ._divergence import RanksDivergedError
+from ._divergence import RanksDivergedError, ShardReadError
 from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
 from ._gathered import refuse_managed, unregister
 from ._gathered import register as register_managed
@@ -61,6 +61,8 @@ from .optimizer import ZeroOptimizer
 __all__ = ["Engine", "EngineState", "initialize"]
 # States in which the model's parameters may be read or written from outside training.
 _USABLE = (EngineState.IDLE, EngineState.FORWARD, EngineState.AWAITING_STEP, EngineState.NO_SYNC)
+# errors every rank raises at the same collective, or after which no collective may follow: nothing to play out
+_RAISED_IN_LOCKSTEP = (RanksDivergedError, ShardReadError, dist.DistError)
 
 
 def initialize(
@@ -243,8 +245,11 @@ class Engine(DeepSpeedAccessors):
         self.buffer_sync.before_forward()
         try:
             out = self.module(*args, **kwargs)
-        except BaseException:
+        except BaseException as error:
             life.forward_raised |= training
+            self.buffer_sync.after_forward(training and life.state is not EngineState.NO_SYNC)  # as the peers' ends
+            if isinstance(error, Exception) and not isinstance(error, _RAISED_IN_LOCKSTEP):
+                self._play_out_forward(error, training)
             raise
         self.buffer_sync.after_forward(training and life.state is not EngineState.NO_SYNC)
         if training:
@@ -252,6 +257,38 @@ class Engine(DeepSpeedAccessors):
             if life.state is EngineState.IDLE:
                 life.to(EngineState.FORWARD)
         return out
+
+    def _play_out_forward(self, error: Exception, training: bool) -> None:
+        """This rank's forward raised; its peers' may not have: the collectives their forward and the backward
+        after it still issue are issued here too (stage 3's gathers: Note [A forward that raised on one rank]
+        in _stage3.py; the backward's reductions and outcome exchange: Note [Backward outcome]), so every rank
+        drops this batch at the same point and the next one starts in lockstep."""
+        life = self.lifecycle
+        no_sync = life.state is EngineState.NO_SYNC
+        backward_follows = (training and exchanges_outcome(self.policy, no_sync)
+                            and life.state in (EngineState.IDLE, EngineState.FORWARD, EngineState.NO_SYNC))
+        if self.stage3 is None and not backward_follows:
+            return  # stages 1-2 without grad or inside no_sync(): the forward issues no collective
+        try:
+            if self.stage3 is not None:
+                self.stage3.play_out_forward(backward_follows)
+            if backward_follows:
+                self.land_param_gathers()
+                self.gradients.begin(not no_sync and (self.policy.reduce_every_sync
+                                                      or self.is_gradient_accumulation_boundary()))
+                if self.stage3 is not None:
+                    self.stage3.begin_backward()
+                life.to(EngineState.BACKWARD)
+                self._abandon_backward(no_sync, failed_here=True)
+        except BaseException as failure:
+            error.add_note(f"zerocore: issuing the collectives of the other ranks' forward and backward after this "
+                           f"error failed too ({type(failure).__name__}: {failure}); the ranks may be out of lockstep")
+            return
+        if backward_follows:
+            error.add_note("zerocore: this rank played out the collectives of the other ranks' forward and backward "
+                           "of this batch (with no gradient from this rank), and every rank dropped this accumulation "
+                           "window (where the forward did not raise, the backward raises naming this rank). Go on "
+                           "with the next batch on every rank; the engine is ready for it.")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
