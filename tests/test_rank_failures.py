@@ -286,15 +286,19 @@ class FailingChain(nn.Module):
         return self.last(h)
 
 
-def stage3_fails_worker(rank: int, world: int, failing_block: int, zero: dict) -> dict:
+def _failing_chain_engine(rank: int, failing_block: int, zero: dict, accumulation: int = 1) -> zerocore.Engine:
     torch.manual_seed(0)
     model = FailingChain()
     for block in model.blocks:
         block.rank = rank
     model.blocks[failing_block].fails = True
-    engine = zerocore.initialize(model, {
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    return zerocore.initialize(model, {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_accumulation_steps": accumulation,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}})
+
+
+def stage3_fails_worker(rank: int, world: int, failing_block: int, zero: dict) -> dict:
+    engine = _failing_chain_engine(rank, failing_block, zero)
     seen = []
     for step in range(5):
         RaiseOnRank.rank_to_fail = 0 if step in (0, 3) else None  # rank 0 only: before and after an order is recorded
@@ -322,14 +326,7 @@ def test_at_stage_3_a_backward_error_on_one_rank_raises_on_every_rank_instead_of
 
 def stage3_forward_fails_worker(rank: int, world: int, failing_block: int, zero: dict, accumulation: int,
                                 skip_everywhere: bool) -> dict:
-    torch.manual_seed(0)
-    model = FailingChain()
-    for block in model.blocks:
-        block.rank = rank
-    model.blocks[failing_block].fails = True
-    engine = zerocore.initialize(model, {
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_accumulation_steps": accumulation,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}})
+    engine = _failing_chain_engine(rank, failing_block, zero, accumulation)
     seen = []
     # a window's last micro-step (a window dropped part-way starts over at the next micro-step), the first
     # before an order is recorded
