@@ -43,6 +43,10 @@ def _operation(func: Any) -> tuple[str, str]:
     return name, "call"
 
 
+class CompileRefused(RuntimeError):
+    """torch.compile traced a sharded parameter; every rank traces alike, so every rank raises it."""
+
+
 class _RefusesCompute:
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -58,10 +62,12 @@ class _RefusesCompute:
                     "`with zerocore.gathered(params):`>")
         names = ", ".join(repr(p.__dict__.get(_NAME, "?")) for p in sharded) or "a stage-3 parameter"
         if torch._guards.TracingContext.try_get() is not None:  # torch.compile is tracing the model
-            raise RuntimeError(
+            raise CompileRefused(
                 f"torch.compile traced parameter {names}, which ZeRO stage 3 shards and gathers in hooks around "
-                "each unit's forward; compiling a stage-3 model is not supported yet: run it uncompiled, or "
-                "compile at stage 1 or 2 (zero_optimization.stage), whose parameters are whole")
+                "each unit's forward; compiling the whole stage-3 model (or a unit in place with "
+                "module.compile()) is not supported yet: compile each unit before zerocore.initialize instead "
+                "(model.layers[i] = torch.compile(model.layers[i]), as with FSDP2), so the hooks stay outside the "
+                "compiled code, or run it uncompiled, or compile at stage 1 or 2, whose parameters are whole")
         raise RuntimeError(
             f"{name}() on parameter {names}, which is sharded by ZeRO stage 3 (outside its unit's forward this rank "
             "holds only a placeholder, not its values): wrap the access in `with zerocore.gathered(params):` "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from ._stage3_unit import Unit, UnitState
@@ -47,6 +48,13 @@ class ExternalAccess(dict):
 
     def __getitem__(self, name: str) -> Any:
         param = dict.__getitem__(self, name)
+        if torch.compiler.is_compiling():
+            # A compiled unit (torch.compile of each block) runs gathered, its hooks outside the compiled code.
+            # Tracing the lookup below would specialize the graph on each parameter's id(): one graph per
+            # block, and past torch._dynamo.config.recompile_limit the rest run uncompiled. A sharded
+            # parameter read here is still refused, as dynamo traces its placeholder (Note [Sharded
+            # parameters refuse compute]).
+            return param
         if param is not None:
             unit = self._unit_of_param.get(id(param))
             if unit is not None and unit.state is not UnitState.GATHERED:

@@ -51,6 +51,7 @@ from ._native import _C
 from ._policy import StagePolicy
 from ._reports import comm_report, memory_report
 from ._sharded_buffer import ShardedBuffer
+from ._sharded_param import CompileRefused
 from ._stage3 import NO_BUCKET_CAP, Stage3Runtime
 from ._step import agree_on_state_files, boundary_update
 from ._units import resolve_units
@@ -61,8 +62,19 @@ from .optimizer import ZeroOptimizer
 __all__ = ["Engine", "EngineState", "initialize"]
 # States in which the model's parameters may be read or written from outside training.
 _USABLE = (EngineState.IDLE, EngineState.FORWARD, EngineState.AWAITING_STEP, EngineState.NO_SYNC)
-# errors every rank raises at the same collective, or after which no collective may follow: nothing to play out
-_RAISED_IN_LOCKSTEP = (RanksDivergedError, ShardReadError, dist.DistError)
+# errors every rank raises at the same point, or after which no collective may follow: nothing to play out
+_RAISED_IN_LOCKSTEP = (RanksDivergedError, ShardReadError, CompileRefused, dist.DistError)
+
+
+def _raised_in_lockstep(error: BaseException | None) -> bool:
+    """``error`` or one it was raised from (torch.compile wraps what its tracing raised) is one of those."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, _RAISED_IN_LOCKSTEP):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def initialize(
@@ -248,7 +260,7 @@ class Engine(DeepSpeedAccessors):
         except BaseException as error:
             life.forward_raised |= training
             self.buffer_sync.after_forward(training and life.state is not EngineState.NO_SYNC)  # as the peers' ends
-            if isinstance(error, Exception) and not isinstance(error, _RAISED_IN_LOCKSTEP):
+            if isinstance(error, Exception) and not _raised_in_lockstep(error):
                 self._play_out_forward(error, training)
             raise
         self.buffer_sync.after_forward(training and life.state is not EngineState.NO_SYNC)
