@@ -3,7 +3,7 @@ zerocore, on Gloo, in fp32 and bf16 -- each peer in the fastest setting its user
 
     python bench/train_step.py [--world 2] [--steps 12] [--warmup 3] [--layers 6 --dim 512 --seq 128 --batch 2]
                                [--vocab 8192] [--dtypes fp32,bf16 | --bf16] [--only ddp,zero2,...] [--rounds 1]
-                               [--bucket 6.5e6] [--timeout 900] [--json] [--freeze]
+                               [--bucket 6.5e6] [--timeout 900] [--json] [--freeze] [--compile]
 
 The model: token embedding + learned positions, ``--layers`` pre-LN blocks (causal attention through
 F.scaled_dot_product_attention, GELU MLP of 4*dim), final LayerNorm and an untied LM head, built in fp32 from
@@ -99,6 +99,11 @@ def _rank_main(rank: int, world: int, system: str, cfg: dict[str, Any], dtype: s
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
     model = build_model(cfg)
+    if cfg["compile"]:
+        import torch
+
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
     rss_build = current_rss_mib()
     trainer = build_trainer(system, model, cfg, world, dtype)
     del model
@@ -240,6 +245,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="repeat the sequence, alternating its order")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per system run before it is killed")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each block before the system wraps the model (torchtitan's way with "
+                             "FSDP2; the blocks share one graph), default inductor backend; warmup absorbs it")
     parser.add_argument("--freeze", action="store_true",
                         help="freeze the embeddings and every block's linear layers (a partial fine-tune: the "
                              "LayerNorms and the head train)")
@@ -256,7 +264,7 @@ def main() -> None:
         parser.error("--dim must divide into heads of 64 (or be < 64)")
     cfg = {"layers": args.layers, "dim": args.dim, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
            "steps": args.steps, "warmup": args.warmup, "bucket": int(args.bucket), "freeze": args.freeze,
-           "comm_algorithms": {"reduce_scatter": args.rs_algo, "all_gather": args.ag_algo}}
+           "compile": args.compile, "comm_algorithms": {"reduce_scatter": args.rs_algo, "all_gather": args.ag_algo}}
     notes: list[str] = []
     ds_version = None
     if any(s in DEEPSPEED_SYSTEMS for s in systems):
@@ -274,7 +282,7 @@ def main() -> None:
             f"zerocore: zerocore CPUAdam ({zerocore.build_info()['simd_active']}); "
             + ", ".join(f"{k}={v}" for k, v in ADAMW.items()))
     header = run_header({"world": args.world, "model": {k: cfg[k] for k in ("layers", "dim", "seq", "batch", "vocab",
-                                                                            "freeze")},
+                                                                            "freeze", "compile")},
                          "params": _count_params(cfg), "dtypes": ",".join(dtypes), "steps": args.steps,
                          "warmup": args.warmup, "rounds": args.rounds, "optimizer": adam,
                          "deepspeed": ds_version or "not available",
