@@ -4,6 +4,8 @@ mismatch (Gloo aborts the process on that); and frozen parameters pass through z
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -109,6 +111,39 @@ def test_a_forward_error_on_one_rank_drops_that_batch_on_every_rank(stage):
     assert len(seen[1]["seen"]) == 1 and "mat1 and mat2" in seen[1]["seen"][0], seen
     assert "every rank dropped this accumulation window" in seen[1]["seen"][0], seen
     reference = run_ranks(forward_fails_worker, 2, stage, True, timeout=120)
+    assert seen[0]["state"] == seen[1]["state"] == reference[0]["state"]
+
+
+def no_sync_forward_fails_worker(rank: int, world: int, stage: int, skip_everywhere: bool) -> dict:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                         "zero_optimization": {"stage": stage}})
+    seen = []
+    for window in range(3):
+        if skip_everywhere and window == 1:
+            continue
+        for micro in range(2):  # the first micro-step accumulates locally, the second reduces and steps
+            try:
+                with engine.no_sync() if micro == 0 else contextlib.nullcontext():
+                    bad = rank == 1 and window == 1 and micro == 0
+                    engine.backward(engine(torch.randn(4, 7) if bad else _x(2 * window + micro, rank)).square().mean())
+                if micro == 1:
+                    engine.step()
+            except RuntimeError as error:
+                seen.append(str(error).splitlines()[0])
+    _assert_in_lockstep(engine)
+    return {"seen": seen, "state": {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_forward_error_inside_no_sync_drops_the_window_on_every_rank(stage):
+    """Nothing is exchanged inside no_sync() at stages 1-2: the window's synced backward tells every rank that a
+    forward raised in it, instead of stepping with rank 0's two batches and rank 1's one."""
+    seen = run_ranks(no_sync_forward_fails_worker, 2, stage, False, timeout=120)
+    assert len(seen[0]["seen"]) == 1 and "a training forward raised on rank(s) [1]" in seen[0]["seen"][0], seen
+    assert len(seen[1]["seen"]) == 2 and "mat1 and mat2" in seen[1]["seen"][0], seen
+    assert "a training forward raised on rank(s) [1]" in seen[1]["seen"][1], seen
+    reference = run_ranks(no_sync_forward_fails_worker, 2, stage, True, timeout=120)
     assert seen[0]["state"] == seen[1]["state"] == reference[0]["state"]
 
 
@@ -403,3 +438,82 @@ def test_an_evaluation_forward_that_raised_on_one_rank_ends_as_on_its_peers(stag
     means = run_ranks(buffers_worker, 2, stage, timeout=60, pg_timeout=20)
     assert means[0] == means[1]
 
+
+
+class NestedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.tanh(self.q(h)))
+
+
+class NestedBlock(nn.Module):
+    """A unit holding a unit (``units=[NestedBlock, NestedAttention]``) whose forward raises on rank
+    ``FailingBlock.forward_fails_on`` (or its backward on ``RaiseOnRank.rank_to_fail``) when ``fails``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.attn, self.mlp = nn.LayerNorm(16), NestedAttention(), nn.Linear(16, 16)
+        self.fails, self.rank = False, 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.norm(h))
+        if self.fails and self.rank == FailingBlock.forward_fails_on:
+            raise RuntimeError("simulated bad batch on this rank")
+        if self.fails:
+            h = RaiseOnRank.apply(h, self.rank)
+        return h + torch.tanh(self.mlp(h))
+
+
+class NestedAndShared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(NestedBlock() for _ in range(4))
+        self.last = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        for i in (0, 1, 0, 2, 3):  # blocks.0 twice: a shared layer
+            h = self.blocks[i](h)
+        return self.last(h)
+
+
+def nested_fails_worker(rank: int, world: int, failing_block: int, in_backward: bool, skip_everywhere: bool) -> dict:
+    torch.manual_seed(0)
+    model = NestedAndShared()
+    for block in model.blocks:
+        block.rank = rank
+    model.blocks[failing_block].fails = True
+    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+                                 units=[NestedBlock, NestedAttention])
+    seen = []
+    for step in range(5):
+        if skip_everywhere and step == 2:
+            continue
+        fails = 1 if step == 2 and not skip_everywhere else None  # after a backward was recorded
+        FailingBlock.forward_fails_on, RaiseOnRank.rank_to_fail = (None, fails) if in_backward else (fails, None)
+        try:
+            engine.backward(engine(_x(step, rank)).square().mean())
+            engine.step()
+        except RuntimeError as error:
+            seen.append(str(error).splitlines()[0])
+    _assert_in_lockstep(engine)
+    return {"seen": seen, "state": {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}}
+
+
+@pytest.mark.parametrize("failing_block", [0, 2])  # 0: the shared one
+@pytest.mark.parametrize("in_backward", [False, True], ids=["forward", "backward"])
+def test_at_stage_3_nested_and_shared_units_play_out_the_peers_backward_in_its_order(failing_block, in_backward):
+    """Note [Backward events]: the peers' backward enters an enclosing unit before the unit inside it and
+    meets a shared unit twice; the walk along the forward's units in reverse had issued a reduce-scatter
+    where the peers gathered, and every later collective mismatched."""
+    results = run_ranks(nested_fails_worker, 2, failing_block, in_backward, False, timeout=90)
+    assert results[1]["seen"] == ["simulated bad batch on this rank" if not in_backward
+                                  else "simulated out-of-memory on this rank"], results
+    assert len(results[0]["seen"]) == 1 and "rank(s) [1] raised an exception" in results[0]["seen"][0], results
+    reference = run_ranks(nested_fails_worker, 2, failing_block, in_backward, True, timeout=90)
+    assert results[0]["state"] == reference[0]["state"]

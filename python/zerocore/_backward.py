@@ -19,8 +19,9 @@ of the forward's gathers: Note [A forward that raised on one rank] in _stage3.py
 own and its flag in the exchange: every rank drops the window at the same backward and the next batch starts
 in lockstep. The same all-reduce carries each rank's count of training forwards since the last exchange and
 whether one of them raised, for what no play-out covers (a forward inside no_sync() at stages 1-2, where
-nothing is exchanged; a rank that ran an extra forward after its error): unequal counts with a raised forward
-make the backward raise on every rank, dropping its window, and the counts start over. Unequal counts alone are no error: a rank may run extra forwards that
+nothing is exchanged): a forward that raised on any rank since the last exchange makes the window's backward
+raise on every rank, dropping the window (which holds a batch some ranks skipped, or, with unequal counts,
+pairs different batches), and the counts start over. Unequal counts alone are no error: a rank may run extra forwards that
 it never back-propagates (a loss term of its own, a forward logged with grad enabled), as under DDP.
 On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward.
 """
@@ -188,7 +189,7 @@ class GradientRouting:
             # there would mix reduced and local values (a clip_grad_norm_ over it would differ per rank).
             param.grad = None
         if self.stage3 is not None:
-            self.stage3.grad_ready(buffer)
+            self.stage3.grad_ready(buffer, index)
 
     def _reduce(self, index: int, param: torch.Tensor) -> None:
         """Hands parameter ``index``'s gradient to the reducer; the first one of a backward also queues the
@@ -228,20 +229,27 @@ class GradientRouting:
         issued here too (Note [A backward that raised on one rank] in _stage3.py), the missing gradients as zeros."""
         if self.stage3 is None:
             return
-        due: dict[int, list[int]] = {}
-        for index in self.reducer.unmarked_params() if self.reducing and not self.finalized else ():
+        pending = list(self.reducer.unmarked_params()) if self.reducing and not self.finalized else []
+        unmarked = set(pending)
+        due: dict[int, list[int]] = {}  # by unit, for the walk without a record of events
+        for index in pending:
             if self._last_got_grad is None or self._last_got_grad[index]:
                 buffer, _ = self.param_slots[index]
                 due.setdefault(id(self.stage3.unit_of_buffer(buffer)), []).append(index)
 
-        def settle(unit: Any) -> None:
-            for index in due.pop(id(unit), []):
-                buffer, local = self.param_slots[index]
+        def settle_param(index: int) -> None:
+            buffer, local = self.param_slots[index]
+            if index in unmarked:
+                unmarked.discard(index)
                 param = buffer.params[local]
                 self.reducer.mark_ready(index, torch.zeros(param.shape, dtype=buffer.dtype, device=buffer.device))
-                self.stage3.grad_ready(buffer)
+            self.stage3.grad_ready(buffer, index)
 
-        self.stage3.play_out_backward(settle)
+        def settle(unit: Any) -> None:
+            for index in due.pop(id(unit), []):
+                settle_param(index)
+
+        self.stage3.play_out_backward(settle, settle_param)
 
     def land_started_reductions(self) -> None:
         """A backward raised part-way: the reductions it started complete (finalize launches the buckets it
@@ -298,11 +306,12 @@ def outcome_problem(failed: list[int], forwards: list[int], forward_raised: list
             [f"rank(s) {in_forward} raised an exception in this batch's forward"] * bool(in_forward)
             + [f"rank(s) {in_backward} raised an exception in this backward"] * bool(in_backward)
         ) + ", so their gradients are missing"
-    elif forward_raised and len(set(forwards)) > 1:
+    elif forward_raised:
         counts = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(forwards))
-        what = (f"a training forward raised on rank(s) {forward_raised} and the ranks ran different numbers of "
-                f"training forwards since their last backward ({counts}), so this backward paired different "
-                "batches across ranks")
+        what = (f"a training forward raised on rank(s) {forward_raised} since the last backward exchange (inside "
+                "no_sync(), where nothing is exchanged at once), so this window holds a batch that some ranks "
+                + (f"skipped and the ranks ran different numbers of training forwards ({counts}): this backward "
+                   "paired different batches across ranks" if len(set(forwards)) > 1 else "skipped"))
     else:
         return None
     return (f"{what}: this accumulation window's gradients were dropped on every rank and the engine is ready for "

@@ -141,6 +141,10 @@ class Stage3Runtime:
         self._reads_ahead = engine.param_file is not None  # Note [NVMe parameter shards]
         self._order: list[int] = []
         self._open: list[Unit] = []  # units whose forward began and has not ended, outermost first
+        # Note [Backward events]: this backward's so far, and the last completed backward's
+        self._events: list[tuple[str, int, str]] = []
+        self._logging = False
+        self._recorded_events: list[tuple[str, int, str]] | None = None
         self._grad_flowing = False
         self._whole_forward = False  # _order was collected since a forward of the whole model began
         self._position = 0
@@ -220,6 +224,7 @@ class Stage3Runtime:
         """Gathers the unit; with frozen parameters, hooks its inputs' gradients (Note [Units with frozen
         parameters in backward])."""
         if self._in_backward():  # activation-checkpoint recomputation: the unit is needed, nothing else
+            self._log("gather", unit.index, "all_gather_backward")
             self.ensure_gathered(unit, "all_gather_backward")
             # a reentrant recomputation's graph is back-propagated (a non-reentrant one's is not: its forward
             # already hooked the inputs)
@@ -264,6 +269,7 @@ class Stage3Runtime:
         torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: self._input_grads_done(unit), mode="all")
 
     def _input_grads_done(self, unit: Unit) -> None:
+        self._log("inputs", unit.index)
         unit.input_grads_left = max(0, unit.input_grads_left - 1)
         self._release_after_backward(unit)
 
@@ -341,6 +347,8 @@ class Stage3Runtime:
     def access_external(self, unit: Unit) -> None:
         """A parameter of ``unit`` is read outside its unit's forward (Note [External parameters])."""
         if self.in_forward or self._in_backward():
+            if self._in_backward():
+                self._log("external", unit.index)
             self.ensure_gathered(unit, "all_gather_external")
             self._pin(unit)
 
@@ -385,6 +393,7 @@ class Stage3Runtime:
                 self._unpin_no_grad_forward()
 
     def pre_backward(self, unit: Unit) -> None:
+        self._log("pre", unit.index)
         self.ensure_gathered(unit, "all_gather_backward")
         unit.in_backward = True
         self._prefetch_for_backward(unit)
@@ -426,8 +435,10 @@ class Stage3Runtime:
     def _sharded_flags(self) -> list[bool]:
         return [u.state is UnitState.SHARDED for u in self.units]
 
-    def grad_ready(self, buffer: ShardedBuffer) -> None:
-        """A parameter of the unit that owns ``buffer`` got its gradient; the last one releases the unit."""
+    def grad_ready(self, buffer: ShardedBuffer, index: int) -> None:
+        """Parameter ``index`` (the reducer's) of the unit that owns ``buffer`` got its gradient; the last one
+        releases the unit."""
+        self._log("grad", index)
         unit = self.unit_of_buffer(buffer)
         unit.grads_left -= 1
         self._release_after_backward(unit)
@@ -573,6 +584,7 @@ class Stage3Runtime:
     # ---- step boundaries ------------------------------------------------------------------------------
     def begin_backward(self, retain_graph: bool = False) -> None:
         self._retain_graph = retain_graph
+        self._events, self._logging = [], True
         for unit in self.units:
             unit.grads_left = len(unit.params)
 
@@ -581,6 +593,9 @@ class Stage3Runtime:
         gathered: a second backward through the same graph reads their parameters again, and nothing else
         would gather them (no hook of theirs is in that graph)."""
         keep = self._retain_graph and not abandoned
+        if self._logging and not abandoned:
+            self._recorded_events = self._events
+        self._logging = False
         self._any_pinned = False
         for unit in self.units:
             unit.in_backward = unit.backward_hooked = False
@@ -598,15 +613,50 @@ class Stage3Runtime:
     # its outputs' gradients arrive, and its gradients' reduce-scatter once they are in. When the backward
     # raises on one rank only (an error in a custom autograd function, an out-of-memory), its peers would
     # wait in their next gather for a rank that left, until the process group's timeout. So the rank that
-    # raised plays the rest of its backward out: along the forward's units in reverse (the order the peers'
-    # backward meets them in a model that runs its units one after another), it settles the units whose
-    # backward began (their parameters still due reduce as zeros), then runs each remaining unit's
-    # pre-backward (its gather and prefetch, as the peers do) and settles it. Parameters that got no gradient
-    # in the last backward are left to the end-of-backward finalize, as on the peers. Then the backward's
-    # outcome exchange (Note [Backward outcome]) makes every rank raise and drop the window. A model whose
-    # backward interleaves its units otherwise may still pair different collectives (the divergence tags then
-    # raise where they can tell).
-    def play_out_backward(self, settle: Callable[[Unit], None]) -> None:
+    # raised plays the rest of its backward out, issuing what the peers' backward issues, in the same order:
+    # it replays the events of the last completed backward (Note [Backward events]) from where its own
+    # stopped, each unit's pre-backward (its gather and prefetch, as the peers do), each parameter's
+    # gradient arriving as zeros (the reduce-scatters launch as on the peers), each gather of a
+    # recomputation or an external parameter. Then the backward's outcome exchange (Note [Backward outcome])
+    # makes every rank raise and drop the window. Without such a record (the first backward), or when this
+    # backward left it, it walks the forward's units in reverse instead (the order the peers' backward meets
+    # them in a model that runs its units one after another, not nested and each once): it settles the
+    # units whose backward began (their parameters still due reduce as zeros), then runs each remaining
+    # unit's pre-backward and settles it; parameters that got no gradient in the last backward are left to
+    # the end-of-backward finalize, as on the peers. A model whose backward interleaves its units otherwise
+    # may then pair different collectives (the divergence tags raise where they can tell).
+    #
+    # Note [Backward events]
+    # ----------------------
+    # Every backward logs, in order, what in it issues or releases collectives' data: each unit's
+    # pre-backward, each parameter's gradient (the reducer launches the buckets in its fixed order as they
+    # fill), each gather for a recomputation or an external parameter, and each unit whose inputs'
+    # gradients arrived (its release). The sequence depends on the graph, not the values, so the last
+    # completed backward's is the one the peers run now. Logging is a list append per event.
+    def _log(self, kind: str, index: int, label: str = "") -> None:
+        if self._logging:
+            self._events.append((kind, index, label))
+
+    def play_out_backward(self, settle: Callable[[Unit], None], settle_param: Callable[[int], None]) -> None:
+        """``settle(unit)``: the unit's parameters still due reduce as zeros; ``settle_param(index)``: the
+        reducer's parameter ``index`` got its gradient on the peers."""
+        self._logging = False
+        done, recorded = self._events, self._recorded_events
+        if recorded is not None and recorded[:len(done)] == done:
+            for kind, index, label in recorded[len(done):]:
+                if kind == "grad":
+                    settle_param(index)
+                    continue
+                unit = self._unit(index)
+                if kind == "pre":
+                    self.pre_backward(unit)
+                elif kind == "inputs":
+                    self._input_grads_done(unit)
+                else:
+                    self.ensure_gathered(unit, "all_gather_external" if kind == "external" else label)
+                    if kind == "external":
+                        self._pin(unit)
+            return
         order = [self._unit(index) for index in dict.fromkeys(reversed(self._order))]
         for unit in order:
             if unit.in_backward:
