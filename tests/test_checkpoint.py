@@ -662,3 +662,63 @@ def test_checked_reads_land_every_range_wherever_its_destination_lies(tmp_path, 
             assert torch.equal(out, payload[offset : offset + length]), (offset, length)
     finally:
         f.close()
+
+
+class _WrappedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))  # a buffer's name is written too
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.linear(h)) * self.scale)
+
+
+def _blocks_model(wrapped: bool) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [_WrappedBlock() for _ in range(3)]
+    if wrapped:  # torchtitan's wrappers: activation checkpointing, then compile
+        blocks = [torch.compile(checkpoint_wrapper(b), backend="eager") for b in blocks]
+    return nn.Sequential(nn.Linear(4, 8), nn.Sequential(*blocks), nn.Linear(8, 1))
+
+
+def wrappers_worker(rank: int, world: int, stage: int, path: str, saved_wrapped: bool) -> dict[str, Any]:
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+
+    def train(engine: zerocore.Engine, steps: range) -> None:
+        for step in steps:
+            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+
+    saver = zerocore.initialize(_blocks_model(saved_wrapped), config)
+    train(saver, range(2))
+    saver.save_checkpoint(path, tag="t")
+    exported = saver.save_16bit_model(path, "export.safetensors")
+    train(saver, range(2, 4))
+    after = {k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v.tolist()
+             for k, v in saver.full_state_dict(rank0_only=False).items()}
+    saver.close()
+    loader = zerocore.initialize(_blocks_model(not saved_wrapped), config)
+    loader.load_checkpoint(path, tag="t")
+    train(loader, range(2, 4))
+    resumed = {k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v.tolist()
+               for k, v in loader.full_state_dict(rank0_only=False).items()}
+    from safetensors import safe_open
+
+    with safe_open(exported, "pt") as f:
+        keys = sorted(f.keys())
+    return {"after": after, "resumed": resumed, "export_keys": keys}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("saved_wrapped", [True, False], ids=["saved_wrapped", "saved_plain"])
+def test_checkpoints_name_parameters_without_compile_and_checkpoint_wrappers(stage, saved_wrapped, tmp_path):
+    """Note [Names without wrappers]: a model trained with compiled (and checkpoint-wrapped) blocks resumes
+    uncompiled and the other way round, bit for bit, and its 16-bit export loads into the plain class."""
+    result = run_ranks(wrappers_worker, 2, stage, str(tmp_path), saved_wrapped, timeout=180)[0]
+    assert result["resumed"] == result["after"]
+    assert result["export_keys"] == sorted(_blocks_model(False).state_dict()), result["export_keys"]

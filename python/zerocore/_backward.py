@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._lifecycle import EngineState, Lifecycle
+from ._names import named_parameters
 from ._policy import StagePolicy
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class GradientRouting:
         if self._managed_ids is None:
             self._managed_ids = {id(buffer.params[local]) for buffer, local in self.param_slots}
             self._managed_names = {buffer.names[local] for buffer, local in self.param_slots}
-        for name, param in module.named_parameters():
+        for name, param in named_parameters(module):
             if param.grad is not None and id(param) not in self._managed_ids and name not in self._warned:
                 self._warned.add(name)
                 why = ("is a new Parameter object, set after zerocore.initialize (module.weight = nn.Parameter(...), "

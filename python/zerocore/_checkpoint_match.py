@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._names import canonical, named_parameters
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -35,7 +37,7 @@ def check_model(engine: Engine, index: Mapping[str, Any]) -> None:
 
 def group_names(engine: Engine) -> list[list[str]]:
     """The names of each param group's parameters (a tied parameter under its first name)."""
-    names = {id(p): name for name, p in engine.module.named_parameters()}
+    names = {id(p): name for name, p in named_parameters(engine.module)}
     return [sorted(names[id(p)] for p in group["params"]) for group in engine.optimizer.param_groups]
 
 
@@ -71,14 +73,14 @@ def check_untracked(ours: dict[str, torch.Tensor], index: Mapping[str, Any], mod
 def trainable_shapes(engine: Engine) -> dict[str, tuple[int, ...]]:
     """The trainable parameters' names (as the optimizer state's pieces name them) and global shapes."""
     trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
-    return dict(sorted((name, tuple(p.shape)) for name, p in engine.module.named_parameters() if id(p) in trainable))
+    return dict(sorted((name, tuple(p.shape)) for name, p in named_parameters(engine.module) if id(p) in trainable))
 
 
 def persistent_names(engine: Engine) -> set[str]:
     """Names a state dict holds: parameters and persistent buffers (not ``persistent=False`` ones)."""
-    names = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
+    names = {name for name, _ in named_parameters(engine.module, remove_duplicate=False)}
     for module_name, module in engine.module.named_modules(remove_duplicate=False):
         for name in module._buffers:
             if name not in module._non_persistent_buffers_set:
-                names.add(f"{module_name}.{name}" if module_name else name)
+                names.add(canonical(f"{module_name}.{name}" if module_name else name))
     return names

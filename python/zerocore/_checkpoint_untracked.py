@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _safetensors_io as stio
+from ._names import named_buffers, named_parameters
 
 if TYPE_CHECKING:
     from ._sharded_buffer import ShardedBuffer
@@ -36,12 +37,12 @@ def untracked_state(engine: Engine, frozen: bool = True) -> dict[str, torch.Tens
     sharded = {id(p) for storage in engine.frozen_buffers for p in storage.params}
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, param in engine.module.named_parameters(remove_duplicate=True):
+    for name, param in named_parameters(engine.module):
         if id(param) not in trainable and id(param) not in seen:
             seen.add(id(param))
             if frozen:
                 out[name] = param if id(param) in sharded else param.data
-    for name, buffer in engine.module.named_buffers(remove_duplicate=True):
+    for name, buffer in named_buffers(engine.module):
         if id(buffer) not in seen:
             seen.add(id(buffer))
             out[name] = buffer

@@ -16,6 +16,7 @@ from torch import nn
 from .config import ZeroConfig
 
 from ._model_checks import model_device
+from ._names import named_parameters
 from ._native import _C
 from ._nvme_params import check_param_offload, param_file_for
 from ._optimizer_state import NvmePlacement, OptimizerState
@@ -239,7 +240,7 @@ def build_reducer(engine: Engine) -> tuple[Any, list[tuple[Any, int]]]:
 
 def whole_model_buffer(engine: Engine, params: list[nn.Parameter], group_of: dict[int, int]) -> ShardedBuffer:
     """Stages 1-2: the whole model is one unit, in buckets of the reduce bucket size."""
-    names = {id(p): name for name, p in engine.module.named_parameters()}
+    names = {id(p): name for name, p in named_parameters(engine.module)}
     buffer = engine.new_buffer("model", params, [names[id(p)] for p in params],
                                [group_of[id(p)] for p in params], engine.buckets.reduce)
     buffer.build_from([p.detach() for p in params])

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._names import canonical, named_parameters
+
 if TYPE_CHECKING:
     from ._sharded_buffer import ShardedBuffer
     from .engine import Engine
@@ -113,9 +115,10 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_file
     state = engine.full_state_dict(engine.compute_dtype)
     path = os.path.join(os.fspath(save_dir), save_filename)
     if engine.rank == 0:
-        first = {name for name, _ in engine.module.named_parameters()}  # a tied parameter's first name
-        tied = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)} - first
-        kept = {k: v.contiguous() for k, v in state.items() if k not in tied}
+        first = {name for name, _ in named_parameters(engine.module)}  # a tied parameter's first name
+        tied = {name for name, _ in named_parameters(engine.module, remove_duplicate=False)} - first
+        # named as the unwrapped model names them (Note [Names without wrappers]): loadable into its class
+        kept = {canonical(k): v.contiguous() for k, v in state.items() if canonical(k) not in tied}
         os.makedirs(os.fspath(save_dir), exist_ok=True)
         write_tensors(path, kept)
     dist.barrier(group=engine.process_group)

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ._names import canonical
+
 
 @dataclass
 class UnitSpec:
@@ -130,7 +132,8 @@ def _assign_params(model: nn.Module, specs: list[UnitSpec]) -> None:
                 continue
             key = id(param)
             if key not in users:
-                users[key], first_name[key], params[key] = set(), f"{prefix}.{name}" if prefix else name, param
+                qualified = canonical(f"{prefix}.{name}" if prefix else name)  # Note [Names without wrappers]
+                users[key], first_name[key], params[key] = set(), qualified, param
                 order.append(key)
             users[key].add(unit)
         for name, child in module.named_children():
