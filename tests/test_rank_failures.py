@@ -55,6 +55,15 @@ def _assert_in_lockstep(engine: zerocore.Engine) -> None:
     assert all(g == gathered[0] for g in gathered)
 
 
+def _step_or_note(engine: zerocore.Engine, x: torch.Tensor, seen: list[str]) -> None:
+    """One training step, as a user runs it: an error is caught (its first line kept), the batch skipped."""
+    try:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    except RuntimeError as error:
+        seen.append(str(error).splitlines()[0])
+
+
 def one_rank_fails_worker(rank: int, world: int, stage: int, accumulation: int) -> list[str]:
     torch.manual_seed(0)
     model = Net()
@@ -65,11 +74,7 @@ def one_rank_fails_worker(rank: int, world: int, stage: int, accumulation: int) 
     seen = []
     for step in range(4 * accumulation):
         RaiseOnRank.rank_to_fail = 0 if step == accumulation else None  # only rank 0, once
-        try:  # what a user does: catch the error, skip the batch, go on
-            engine.backward(engine(_x(step, rank)).square().mean())
-            engine.step()
-        except RuntimeError as error:
-            seen.append(str(error).splitlines()[0])
+        _step_or_note(engine, _x(step, rank), seen)
     _assert_in_lockstep(engine)  # training went on in lockstep afterwards
     return seen
 
@@ -337,11 +342,7 @@ def stage3_fails_worker(rank: int, world: int, failing_block: int, zero: dict) -
     seen = []
     for step in range(5):
         RaiseOnRank.rank_to_fail = 0 if step in (0, 3) else None  # rank 0 only: before and after an order is recorded
-        try:
-            engine.backward(engine(_x(step, rank)).square().mean())
-            engine.step()
-        except RuntimeError as error:
-            seen.append(str(error).splitlines()[0])
+        _step_or_note(engine, _x(step, rank), seen)
     _assert_in_lockstep(engine)
     return {"seen": seen, "steps": engine.global_steps}
 
@@ -496,11 +497,7 @@ def nested_fails_worker(rank: int, world: int, failing_block: int, in_backward: 
             continue
         fails = 1 if step == 2 and not skip_everywhere else None  # after a backward was recorded
         FailingBlock.forward_fails_on, RaiseOnRank.rank_to_fail = (None, fails) if in_backward else (fails, None)
-        try:
-            engine.backward(engine(_x(step, rank)).square().mean())
-            engine.step()
-        except RuntimeError as error:
-            seen.append(str(error).splitlines()[0])
+        _step_or_note(engine, _x(step, rank), seen)
     _assert_in_lockstep(engine)
     return {"seen": seen, "state": {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}}
 
