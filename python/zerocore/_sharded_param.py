@@ -123,6 +123,11 @@ class _AwaitsGather:
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if _operation(func)[0] not in _METADATA:
+            if torch.compiler.is_compiling():  # a model compiled after initialize: its code would not wait
+                raise CompileRefused(
+                    "torch.compile traced a parameter whose all-gather after step() is still in flight; compile "
+                    "the model (or each block) before zerocore.initialize, so the engine lands the gathers before "
+                    "each forward")
             for leaf in tree_leaves((args, kwargs)):
                 if isinstance(leaf, _AwaitsGather):
                     leaf._land_now()  # swaps the class of leaf (and of every parameter landed with it) back

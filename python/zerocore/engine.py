@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -189,6 +190,12 @@ class Engine(DeepSpeedAccessors):
 
         self._update_due = False  # engine.step() is calling optimizer.step()
         self.buffer_sync = BufferSync(self.comm, model, self.world_size)
+        # compiled code cannot land a gather on first read (Note [Gathers land on first read]): the forward lands
+        # them all before it runs
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: nothing was compiled)
+        compiled = () if eval_frame is None else eval_frame.OptimizedModule
+        self._has_compiled_code = any(isinstance(m, compiled) or m.__dict__.get("_compiled_call_impl") is not None
+                                      for m in model.modules())
         self._comm_reset_at_step = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -252,6 +259,8 @@ class Engine(DeepSpeedAccessors):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args = cast_floating(args, torch.float16)
         self._refuse_recast_params()
+        if self._has_compiled_code:
+            self.land_param_gathers()
         training = torch.is_grad_enabled()
         life.forwards += training  # counted before the module runs: a forward that raises counts (Note [Backward outcome])
         self.buffer_sync.before_forward()
