@@ -343,6 +343,26 @@ def test_save_16bit_model_writes_the_tied_weight_once(stage, tmp_path):
     assert _plain(saved) == {k: v for k, v in expected.items() if k != "head.weight"}
 
 
+def save_16bit_bin_worker(rank: int, world: int, directory: str) -> bool:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Tied(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                          "zero_optimization": {"stage": 3}})
+    engine.save_16bit_model(directory, "pytorch_model.bin")
+    engine.save_16bit_model(directory, "model.safetensors")
+    return True
+
+
+def test_save_16bit_model_under_deepspeeds_default_name_writes_a_torch_save_file(tmp_path):
+    """DeepSpeed's save_16bit_model writes pytorch_model.bin with torch.save, which Hugging Face's loader (and
+    torch.load) read there; safetensors bytes under that name read as neither."""
+    from safetensors.torch import load_file
+
+    run_ranks(save_16bit_bin_worker, 2, str(tmp_path))
+    binary = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    assert {k: v.tolist() for k, v in binary.items()} == {
+        k: v.tolist() for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
+
+
 def saving_forever_worker(rank: int, world: int, directory: str, started: Any) -> None:
     torch.manual_seed(0)
     engine = zerocore.initialize(Net(), _config(2))

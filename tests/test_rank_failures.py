@@ -318,11 +318,13 @@ class FailingChain(nn.Module):
         self.first = nn.Linear(8, 32)
         self.blocks = nn.ModuleList(FailingBlock(frozen=i == 2) for i in range(6))
         self.last = nn.Linear(32, 1)
+        self.skipped: set[int] = set()  # blocks this forward leaves out (LayerDrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.first(x)
-        for block in self.blocks:
-            h = block(h)
+        for i, block in enumerate(self.blocks):
+            if i not in self.skipped:
+                h = block(h)
         return self.last(h)
 
 
@@ -514,3 +516,25 @@ def test_at_stage_3_nested_and_shared_units_play_out_the_peers_backward_in_its_o
     assert len(results[0]["seen"]) == 1 and "rank(s) [1] raised an exception" in results[0]["seen"][0], results
     reference = run_ranks(nested_fails_worker, 2, failing_block, in_backward, True, timeout=90)
     assert results[0]["state"] == reference[0]["state"]
+
+
+def layer_drop_worker(rank: int, world: int, skip_everywhere: bool) -> dict:
+    engine = _failing_chain_engine(rank, 5, {})  # its backward raises before that of the block dropped
+    seen: list[str] = []
+    for step in range(4):
+        if skip_everywhere and step == 2:
+            continue
+        engine.module.skipped = {3} if step == 2 else set()  # every rank drops block 3 at step 2
+        RaiseOnRank.rank_to_fail = 1 if step == 2 else None
+        _step_or_note(engine, _x(step, rank), seen)
+    _assert_in_lockstep(engine)
+    return {"seen": seen, "state": {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}}
+
+
+def test_a_backward_error_in_a_step_that_runs_other_units_plays_out_that_steps_backward():
+    """Note [Backward events]: the last backward's events are another graph's when this step's forward ran
+    other units (LayerDrop); replaying them had issued the dropped block's collectives."""
+    results = run_ranks(layer_drop_worker, 2, False, timeout=90)
+    assert results[1]["seen"] == ["simulated out-of-memory on this rank"], results
+    assert len(results[0]["seen"]) == 1 and "rank(s) [1] raised an exception in this backward" in results[0]["seen"][0]
+    assert results[0]["state"] == run_ranks(layer_drop_worker, 2, True, timeout=90)[0]["state"]

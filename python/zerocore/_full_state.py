@@ -120,6 +120,10 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_file
         # named as the unwrapped model names them (Note [Names without wrappers]): loadable into its class
         kept = {canonical(k): v.contiguous() for k, v in state.items() if canonical(k) not in tied}
         os.makedirs(os.fspath(save_dir), exist_ok=True)
-        write_tensors(path, kept)
+        if save_filename.endswith(".safetensors"):
+            write_tensors(path, kept)
+        else:  # DeepSpeed's default name, pytorch_model.bin: a torch.save file, which is what loaders expect there
+            torch.save(kept, path + ".tmp")
+            os.replace(path + ".tmp", path)
     dist.barrier(group=engine.process_group)
     return path

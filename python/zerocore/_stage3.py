@@ -145,6 +145,7 @@ class Stage3Runtime:
         self._events: list[tuple[str, int, str]] = []
         self._logging = False
         self._recorded_events: list[tuple[str, int, str]] | None = None
+        self._recorded_events_forward: list[int] = []  # the units of the forward those events back-propagated
         self._grad_flowing = False
         self._whole_forward = False  # _order was collected since a forward of the whole model began
         self._position = 0
@@ -594,7 +595,7 @@ class Stage3Runtime:
         would gather them (no hook of theirs is in that graph)."""
         keep = self._retain_graph and not abandoned
         if self._logging and not abandoned:
-            self._recorded_events = self._events
+            self._recorded_events, self._recorded_events_forward = self._events, list(self._order)
         self._logging = False
         self._any_pinned = False
         for unit in self.units:
@@ -632,7 +633,9 @@ class Stage3Runtime:
     # pre-backward, each parameter's gradient (the reducer launches the buckets in its fixed order as they
     # fill), each gather for a recomputation or an external parameter, and each unit whose inputs'
     # gradients arrived (its release). The sequence depends on the graph, not the values, so the last
-    # completed backward's is the one the peers run now. Logging is a list append per event.
+    # completed backward's is the one the peers run now, when this step's forward ran the same units (a
+    # model that skips layers at random, LayerDrop, runs another graph: then the walk). Logging is a list
+    # append per event.
     def _log(self, kind: str, index: int, label: str = "") -> None:
         if self._logging:
             self._events.append((kind, index, label))
@@ -642,7 +645,7 @@ class Stage3Runtime:
         reducer's parameter ``index`` got its gradient on the peers."""
         self._logging = False
         done, recorded = self._events, self._recorded_events
-        if recorded is not None and recorded[:len(done)] == done:
+        if recorded is not None and self._recorded_events_forward == self._order and recorded[:len(done)] == done:
             for kind, index, label in recorded[len(done):]:
                 if kind == "grad":
                     settle_param(index)

@@ -569,9 +569,10 @@ class Engine(DeepSpeedAccessors):
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> str:
-        """Writes the model's whole weights in the compute dtype as one safetensors file on rank 0
-        (DeepSpeed's name; Hugging Face's layout: tied parameters once, under their first name, persistent
-        buffers included). A collective: stage 3 gathers unit by unit. Returns the file's path."""
+        """Writes the model's whole weights in the compute dtype as one safetensors file on rank 0 (a
+        ``torch.save`` file when ``save_filename`` does not end in ``.safetensors``, as DeepSpeed's default
+        ``pytorch_model.bin``), Hugging Face's layout: tied parameters once, under their first name, persistent
+        buffers included. A collective: stage 3 gathers unit by unit. Returns the file's path."""
         self.lifecycle.require("save_16bit_model()", *_USABLE)
         return save_16bit_model(self, save_dir, save_filename)
 
