@@ -21,8 +21,9 @@ in lockstep. The same all-reduce carries each rank's count of training forwards 
 whether one of them raised, for what no play-out covers (a forward inside no_sync() at stages 1-2, where
 nothing is exchanged): a forward that raised on any rank since the last exchange makes the window's backward
 raise on every rank, dropping the window (which holds a batch some ranks skipped, or, with unequal counts,
-pairs different batches), and the counts start over. Unequal counts alone are no error: a rank may run extra forwards that
-it never back-propagates (a loss term of its own, a forward logged with grad enabled), as under DDP.
+pairs different batches), and the counts start over. Unequal counts alone are no error: a rank may run extra
+forwards that it never back-propagates (a loss term of its own, a forward logged with grad enabled), as under
+DDP.
 On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward.
 """
 

@@ -123,7 +123,10 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_file
         if save_filename.endswith(".safetensors"):
             write_tensors(path, kept)
         else:  # DeepSpeed's default name, pytorch_model.bin: a torch.save file, which is what loaders expect there
-            torch.save(kept, path + ".tmp")
+            with open(path + ".tmp", "wb") as f:  # durable and whole, as write_tensors' file
+                torch.save(kept, f)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(path + ".tmp", path)
     dist.barrier(group=engine.process_group)
     return path

@@ -294,12 +294,7 @@ class Engine(DeepSpeedAccessors):
             if self.stage3 is not None:
                 self.stage3.play_out_forward(backward_follows)
             if backward_follows:
-                self.land_param_gathers()
-                self.gradients.begin(not no_sync and (self.policy.reduce_every_sync
-                                                      or self.is_gradient_accumulation_boundary()))
-                if self.stage3 is not None:
-                    self.stage3.begin_backward()
-                life.to(EngineState.BACKWARD)
+                self._begin_backward(no_sync, retain_graph=False)
                 self._abandon_backward(no_sync, failed_here=True)
         except BaseException as failure:
             error.add_note(f"zerocore: issuing the collectives of the other ranks' forward and backward after this "
@@ -327,14 +322,10 @@ class Engine(DeepSpeedAccessors):
         life.require("backward()", EngineState.IDLE, EngineState.FORWARD, EngineState.NO_SYNC)
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ValueError("backward() needs a loss tensor that requires grad")
-        self.land_param_gathers()  # parameters the forward did not read
         no_sync = life.state is EngineState.NO_SYNC
         gradients = self.gradients
-        gradients.begin(not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary()))
-        if self.stage3 is not None:
-            self.stage3.begin_backward(retain_graph)
         scale = self.loss_scaler.scale / (self.config.gradient_accumulation_steps if scale_wrt_gas else 1)
-        life.to(EngineState.BACKWARD)
+        self._begin_backward(no_sync, retain_graph)
         try:
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         except RanksDivergedError:
@@ -359,6 +350,16 @@ class Engine(DeepSpeedAccessors):
                 raise RuntimeError(problem)
         life.forward_pending = False
         life.local_grads = no_sync or (life.local_grads and not gradients.reducing)
+
+    def _begin_backward(self, no_sync: bool, retain_graph: bool) -> None:
+        """A backward starts (``backward()``, or one played out for a forward that raised): whether it reduces,
+        stage 3's per-backward state, the state machine."""
+        self.land_param_gathers()  # parameters the forward did not read
+        reduces = not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary())
+        self.gradients.begin(reduces)
+        if self.stage3 is not None:
+            self.stage3.begin_backward(retain_graph)
+        self.lifecycle.to(EngineState.BACKWARD)
 
     def _refuse_recast_params(self) -> None:
         """``model.half()`` / ``.to(dtype)`` after initialize gives the parameters new tensors of another dtype:
