@@ -29,6 +29,7 @@ On CPU the exchange is a few microseconds; on an accelerator it is one host sync
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,29 @@ from ._policy import StagePolicy
 if TYPE_CHECKING:
     from ._stage3 import Stage3Runtime
     from .engine import Engine
+
+
+# Every engine's routing in this process, so that a gradient arriving outside its engine's backward can say
+# whether another engine's backward sent it.
+_LIVE_ROUTINGS: weakref.WeakSet[GradientRouting] = weakref.WeakSet()
+
+
+def _stray_gradient_message(routing: GradientRouting, name: str) -> str:
+    """Why parameter ``name`` of ``routing``'s engine got a gradient outside that engine's backward, and the fix.
+    A loss that reaches a second engine's parameters (a GAN's generator loss computed through the
+    discriminator) is the usual cause besides a plain ``loss.backward()``: torch would accumulate those
+    gradients into ``.grad``; here they would belong to no reduction of their engine, so they are refused."""
+    nothing_lost = "nothing was accumulated: the engine's gradients are as they were"
+    if any(other is not routing and other.lifecycle.state is EngineState.BACKWARD for other in list(_LIVE_ROUTINGS)):
+        return (f"parameter {name!r} of one zerocore engine got a gradient in another engine's backward(): the loss "
+                "reaches this engine's parameters (for example a GAN generator's loss computed through the "
+                "discriminator). Turn their gradients off for that backward (requires_grad_(False) on this "
+                "engine's parameters before its forward, and back on after, as DeepSpeed's GAN tutorial does), "
+                "or detach what flows into this engine; to train both from one loss, wrap both models in one "
+                f"engine ({nothing_lost})")
+    return (f"parameter {name!r}, managed by zerocore, got a gradient outside engine.backward(); call "
+            "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and sharded "
+            f"({nothing_lost})")
 
 
 class GradientRouting:
@@ -74,21 +98,20 @@ class GradientRouting:
         self._hook_handles = []
         self._post_hooks: list[tuple[torch.Tensor, int]] = []  # (parameter, id of the engine's hook on it)
 
-        def before_accumulation(grad_outputs: Any) -> None:
+        def before_accumulation(grad_outputs: Any, name: str) -> None:
             routing = routing_ref()
             if routing is not None and routing.lifecycle.state is not EngineState.BACKWARD:
-                raise RuntimeError(
-                    "a zerocore-managed parameter got a gradient outside engine.backward(); call "
-                    "engine.backward(loss) instead of loss.backward(), so gradients are scaled, reduced and "
-                    "sharded (nothing was accumulated: the engine's gradients are as they were)")
+                raise RuntimeError(_stray_gradient_message(routing, name))
 
+        _LIVE_ROUTINGS.add(self)
         for index, (owner, local) in enumerate(self.param_slots):
             param = owner.params[local]
             # The parameter's gradient accumulator runs only when a backward accumulates into .grad (not for
             # torch.autograd.grad); its pre-hook rejects a stray loss.backward() before anything accumulates.
             with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():  # reads no values of a sharded param
                 accumulator = param.view_as(param).grad_fn.next_functions[0][0]
-            self._hook_handles.append(accumulator.register_prehook(before_accumulation))
+            self._hook_handles.append(accumulator.register_prehook(
+                functools.partial(before_accumulation, name=owner.names[local])))
             self._grad_accumulators.append(accumulator)  # keeps the node (and so its hook) alive
 
             def hook(p: torch.Tensor, index: int = index) -> None:
