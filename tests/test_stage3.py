@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import zerocore
@@ -486,6 +487,71 @@ def test_a_mixture_of_experts_routing_ranks_to_other_experts_trains_with_its_lay
     errors = run_ranks(moe_worker, 2, [MoE, Block], expect_errors=True)
     for status, message in errors:
         assert status == "error" and "RanksDivergedError" in message and "units=[" in message, message
+
+
+class VisionBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.relu(self.linear(h))
+
+
+class VisionLanguage(nn.Module):
+    """A vision tower that only the ranks whose batch has an image run (LLaVA-style), before text blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.vision = nn.ModuleList(VisionBlock() for _ in range(2))
+        self.project = nn.Linear(DIM, DIM)
+        self.text = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(tokens)
+        if image is not None:
+            for block in self.vision:
+                image = block(image)
+            h = torch.cat([self.project(image), h], dim=1)
+        for block in self.text:
+            h = block(h)
+        return self.head(h)[:, -tokens.shape[1]:]
+
+
+def vision_language_worker(rank: int, world: int, units: list | None) -> list[str]:
+    torch.manual_seed(0)
+    model = VisionLanguage()
+    reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01,
+                                                                 foreach=False),
+                              wrap=lambda m: DDP(m, find_unused_parameters=True))
+    engine = zerocore.initialize(model, config(), units=units)
+    for step in range(4):
+        tokens, target = data(step, rank)
+        # rank 0 has an image at even steps, rank 1 at odd ones: every step one rank skips the tower
+        image = torch.randn(tokens.shape[0], 3, DIM, generator=torch.Generator().manual_seed(step)) \
+            if (rank + step) % 2 == 0 else None
+        loss = nn.functional.cross_entropy(engine(tokens, image).reshape(-1, VOCAB), target.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        reference.train_step(lambda module, dtype: nn.functional.cross_entropy(
+            module(tokens, None if image is None else image.to(dtype)).reshape(-1, VOCAB), target.reshape(-1)))
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label="vision tower on some ranks")
+    return [u.name for u in engine.stage3.units]
+
+
+def test_a_tower_that_some_ranks_skip_trains_outside_the_units_as_ddp_with_unused_parameters():
+    """A vision tower run only where the batch has an image: as a unit (the default: its blocks repeat) the
+    ranks diverge, and the error names the way out; with units=[the text blocks] it stays gathered with the
+    root, the ranks that skip it reduce zeros for its gradients, and training matches DDP's
+    find_unused_parameters."""
+    errors = run_ranks(vision_language_worker, 2, None, expect_errors=True)
+    for status, message in errors:
+        assert status == "error" and "RanksDivergedError" in message and "units=[TheTextBlockClass]" in message, \
+            message
+    for names in run_ranks(vision_language_worker, 2, [Block]):
+        assert names == ["<root>", "text.0", "text.1", "text.2"]
 
 
 def bf16_memory_worker(rank: int, world: int) -> dict:

@@ -135,7 +135,10 @@ class DivergenceCheck:
                     "breaks that, and so does a forward that raised part-way on some ranks (look for an earlier "
                     "error on any rank first). If the model picks modules by its inputs (a mixture of experts "
                     "routing each rank's tokens to other experts), make the module that encloses them the unit, "
-                    "so the ranks gather it whole: zerocore.initialize(..., units=[TheEnclosingBlockClass])."
+                    "so the ranks gather it whole: zerocore.initialize(..., units=[TheEnclosingBlockClass]). If a "
+                    "module runs only on the ranks whose batch needs it (a vision tower for batches with images), "
+                    "name as units only the blocks every rank runs (units=[TheTextBlockClass]), so that module stays "
+                    "gathered with the model's root, or run it on every rank (a dummy input, its output times 0)."
                 )
 
     def _what(self, row: list[int]) -> str:
