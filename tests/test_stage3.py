@@ -554,6 +554,81 @@ def test_a_tower_that_some_ranks_skip_trains_outside_the_units_as_ddp_with_unuse
         assert names == ["<root>", "text.0", "text.1", "text.2"]
 
 
+class TwoTower(nn.Module):
+    """CLIP's shape: two towers of units, their embeddings and projections in the root, and methods that
+    run one tower (get_text_features / get_image_features) without the model's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.patch = nn.Linear(8, DIM)
+        self.text = nn.ModuleList(Block() for _ in range(2))
+        self.vision = nn.ModuleList(Block() for _ in range(2))
+        self.text_projection = nn.Linear(DIM, 8, bias=False)
+        self.image_projection = nn.Linear(DIM, 8, bias=False)
+
+    def text_features(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.text:
+            h = block(h)
+        return self.text_projection(h.mean(1))
+
+    def image_features(self, patches: torch.Tensor) -> torch.Tensor:
+        h = self.patch(patches)
+        for block in self.vision:
+            h = block(h)
+        return self.image_projection(h.mean(1))
+
+
+class ContrastiveLoss(nn.Module):
+    """The user's loss over the model's feature methods (a module, so DDP can wrap the reference)."""
+
+    def __init__(self, model: TwoTower) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        text = nn.functional.normalize(self.model.text_features(tokens), dim=-1)
+        image = nn.functional.normalize(self.model.image_features(patches), dim=-1)
+        logits = 10.0 * text @ image.T
+        labels = torch.arange(len(text))
+        return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+
+
+def feature_methods_worker(rank: int, world: int, qwz: bool) -> bool:
+    torch.manual_seed(0)
+    model = TwoTower()
+    reference = ReferencePair(ContrastiveLoss(model), lambda m: torch.optim.AdamW(
+        m.parameters(), lr=1e-2, weight_decay=0.01, foreach=False), wrap=DDP)
+    engine = zerocore.initialize(model, config(zero_quantized_weights=qwz))
+    probe = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():  # before any forward or step: the root is sharded
+        before = model.image_features(probe)
+        if not qwz:
+            torch.testing.assert_close(before, reference.models[0].model.image_features(probe))
+    for step in range(3):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        tokens, patches = torch.randint(0, VOCAB, (4, 5), generator=g), torch.randn(4, 6, 8, generator=g)
+        loss = ContrastiveLoss(model)(tokens, patches)
+        engine.backward(loss)
+        engine.step()
+        reference_loss, _ = reference.train_step(lambda module, dtype: module(tokens, patches.to(dtype)))
+        if not qwz:
+            torch.testing.assert_close(loss.detach(), reference_loss, rtol=1e-5, atol=1e-6)
+    if not qwz:
+        reference.assert_matches({f"model.{k}": v for k, v in engine.full_state_dict(rank0_only=False).items()},
+                                 label="feature methods")
+    return True
+
+
+@pytest.mark.parametrize("qwz", [False, True])
+def test_a_models_own_methods_gather_the_root_they_run(qwz: bool) -> None:
+    """Note [Modules of persistent units run on their own]: the embeddings and projections that the feature
+    methods run are the root's; they gather it when it is sharded (before any forward, after a step's update)
+    instead of refusing, and training through the methods matches DDP (with qwZ: it runs)."""
+    assert all(run_ranks(feature_methods_worker, 2, qwz))
+
+
 def bf16_memory_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     # Every parameter is a multiple of 64 * world elements, so Psi is exact (no layout padding).

@@ -353,6 +353,12 @@ class Stage3Runtime:
             self.ensure_gathered(unit, "all_gather_external")
             self._pin(unit)
 
+    def gather_persistent_for_module(self, unit: Unit) -> None:
+        """A module owning parameters of persistent ``unit`` runs while the unit is sharded (Note [Modules of
+        persistent units run on their own] in _stage3_access.py)."""
+        if not self._in_backward():  # a backward finds every persistent unit its forward used gathered
+            self.ensure_gathered(unit, "all_gather_external")
+
     def _pin(self, unit: Unit) -> None:
         unit.pinned = True
         if torch.is_grad_enabled():
@@ -470,7 +476,8 @@ class Stage3Runtime:
         else:  # forward gathers refresh the hpZ slice the backward will gather from
             comms, unit.quantized_storages = self._gather_comms(unit, label)
             # (not in a forward without grad, which no backward follows: a teacher model would hold 1/K of itself)
-            evaluating = self.in_forward and not torch.is_grad_enabled()
+            evaluating = not torch.is_grad_enabled() and (
+                self.in_forward or (label == "all_gather_external" and not self._in_backward()))
             keep = self.hpz_slot if not unit.in_backward and not evaluating and label in _QUANTIZED_LABELS else None
             unit.start_gather(comms, label, self.divergence, tag, keep)
         self.live_elements += unit.numel

@@ -14,6 +14,19 @@ parameters. A pinned unit stays gathered through the backward, which needs the s
 released when the backward ends (at the end of the forward when it runs without grad: units pinned by an
 earlier grad-enabled forward stay, since its backward is still to come; after a ``retain_graph`` backward
 they stay for the next one). Reads outside a forward gather nothing (Note [Sharded placeholders]).
+
+Note [Modules of persistent units run on their own]
+---------------------------------------------------
+A model's own methods often run its parts without its forward: CLIP's ``get_text_features`` (the text tower,
+then a projection), an encoder-decoder's ``get_encoder()`` inside ``generate``, a contrastive loss built
+from both. The units inside run their own gather hooks, but the modules that own the root's parameters (the
+embeddings, the projections) are no unit's, and the root was gathered only by the model's forward: whether
+such a call worked depended on whether a step had just started the root's gather. A module owning parameters
+of a persistent unit (the root, or a unit under ``stage3_param_persistence_threshold``: units that stay
+gathered until the step anyway) gathers that unit when it runs while it is sharded, as the model's forward
+would (every rank runs the same code, so every rank gathers it at the same point); it stays gathered until
+the step, as after a forward. A module inside any other unit, run on its own while that unit is sharded,
+still raises: nothing would release the unit after it.
 """
 
 from __future__ import annotations
@@ -73,7 +86,7 @@ def install_access_checks(model: nn.Module, units: list[Unit], unit_of_param: di
         mine = [owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner]
         if mine:
             # Registered after the units' gather hooks, so a unit module gathers before it is checked.
-            handles.append(module.register_forward_pre_hook(lambda m, args, mine=mine: _check_gathered(mine)))
+            handles.append(module.register_forward_pre_hook(lambda m, args, mine=mine: _check_gathered(mine, runtime)))
             # model.state_dict() (torch.save, save_pretrained) would write NaN placeholders: raise.
             handles.append(module.register_state_dict_pre_hook(
                 lambda m, prefix, keep_vars, mine=mine: _check_state_dict(mine, runtime)))
@@ -91,10 +104,12 @@ def remove_external_access(model: nn.Module) -> None:
             module._parameters = dict(module._parameters)
 
 
-def _check_gathered(params: list[tuple[Unit, str]]) -> None:
+def _check_gathered(params: list[tuple[Unit, str]], runtime: Stage3Runtime) -> None:
     for unit, name in params:
         if unit.state is UnitState.GATHERING:  # started ahead (Note [Gathers started in the step]): lands
             unit.wait()
+        if unit.state is UnitState.SHARDED and unit.persistent:
+            runtime.gather_persistent_for_module(unit)  # Note [Modules of persistent units run on their own]
         if unit.state is UnitState.SHARDED:
             raise RuntimeError(
                 f"parameter {name!r} is sharded by ZeRO stage 3 (unit {unit.name!r} is not gathered): run "
