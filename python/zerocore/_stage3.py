@@ -551,7 +551,9 @@ class Stage3Runtime:
             self._position += 1
             return
         self.order_changes += 1
-        if not self._warned:
+        # An evaluation (no grad) may run other paths than training (generate: the encoder once, then the
+        # decoder with a cache): it gathers on demand from here, silently, and the next forward tries the order again
+        if not self._warned and torch.is_grad_enabled():
             names = {u.index: u.name for u in self.units}
             warnings.warn(
                 f"zerocore stage 3: the forward order changed at step {self.step}: expected module "
