@@ -294,9 +294,38 @@ def no_optimizer_worker(rank: int, world: int, directory: str) -> bool:
     torch.manual_seed(4)
     engine = zerocore.initialize(Net(), _config(1))
     engine.load_checkpoint(directory, load_optimizer_states=False)
-    assert engine.global_steps == 0
+    # DeepSpeed's counting: the steps and the schedule go on, the optimizer (Adam's step, its moments) starts over
+    assert engine.global_steps == 3 and engine.optimizer_state.step_count == 0
     assert all(not s.exp_avg.any() and not s.exp_avg_sq.any() for s in engine.optimizer_state.shards)
+    weights = engine.full_state_dict(rank0_only=False)
+    lr = engine.get_lr()
+    assert lr == [engine.lr_scheduler.get_last_lr()[0]] != [0.0]  # the schedule's lr at step 3, not its first
+    rng = torch.get_rng_state()  # the checkpoint's (dropout)
     _train(engine, rank, 3, 1)  # trains on from the loaded weights with a fresh optimizer
+    # ... whose first update is a fresh engine's first update from those weights at that lr
+    torch.manual_seed(6)
+    fresh = zerocore.initialize(Net(), _config(1))
+    with zerocore.gathered(list(fresh.module.parameters()), modifier_rank=0):
+        fresh.module.load_state_dict(weights)
+    for group, value in zip(fresh.optimizer.param_groups, lr):
+        group["lr"] = value
+    fresh.lr_scheduler = None
+    torch.set_rng_state(rng)
+    _train(fresh, rank, 3, 1)
+    after = engine.full_state_dict(rank0_only=False)
+    assert all(torch.equal(v, after[k]) for k, v in fresh.full_state_dict(rank0_only=False).items())
+    fresh.close()
+    # a save of the resumed run records both counts: a load continues Adam's step from 1, not from 4
+    assert engine.global_steps == 4
+    engine.save_checkpoint(directory, tag="resumed")
+    _train(engine, rank, 4, 1)
+    again = zerocore.initialize(Net(), _config(1))
+    again.load_checkpoint(directory, "resumed")
+    assert again.global_steps == 4 and again.optimizer_state.step_count == 1
+    _train(again, rank, 4, 1)
+    assert again.global_steps == 5
+    assert all(torch.equal(v, again.full_state_dict(rank0_only=False)[k])
+               for k, v in engine.full_state_dict(rank0_only=False).items())
     return True
 
 

@@ -28,11 +28,21 @@ def check_model(engine: Engine, index: Mapping[str, Any]) -> None:
             raise ValueError(f"parameter {name!r} has shape {list(theirs[name])} in the checkpoint but "
                              f"{list(ours[name])} in this model")
     counters = index["counters"]
+    steps = optimizer_steps(counters)
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= counters["global_steps"]:
+        raise ValueError(f"the index's counters.optimizer_steps ({steps!r}) must be a step count in "
+                         f"[0, {counters['global_steps']}] (its global_steps): the index is damaged")
     idle = counters.get("idle_steps", {})
     if not isinstance(idle, dict) or any(
-            name not in ours or not isinstance(n, int) or not 0 < n <= counters["global_steps"] for name, n in idle.items()):
+            name not in ours or not isinstance(n, int) or not 0 < n <= steps for name, n in idle.items()):
         raise ValueError(f"the index's counters.idle_steps ({idle!r}) must map trainable parameter names to step "
-                         f"counts in [1, {counters['global_steps']}]: the index is damaged")
+                         f"counts in [1, {steps}]: the index is damaged")
+
+
+def optimizer_steps(counters: dict[str, Any]) -> Any:
+    """The optimizer's own update count; checkpoints written before it was recorded had it equal to
+    ``global_steps``."""
+    return counters.get("optimizer_steps", counters["global_steps"])
 
 
 def group_names(engine: Engine) -> list[list[str]]:

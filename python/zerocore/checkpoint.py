@@ -56,10 +56,11 @@ from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
                                  index_identity,
                                  open_file, piece_sources, read_index, resolve_tag, tag_path, write_durably)
-from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, persistent_names,
-                                trainable_shapes)
+from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, optimizer_steps,
+                                persistent_names, trainable_shapes)
 from ._checkpoint_untracked import load_untracked, read_untracked, untracked_state, write_untracked
 from ._model_checks import all_gather_json
+from .lr_schedules import apply_current_values
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -232,7 +233,8 @@ def _write_index(engine: Engine, tmp: str, model_checksums: Any, untracked: dict
         "model_file": {"file": "model.safetensors", "checksums": model_checksums},
         "frozen_excluded": frozen_excluded,  # a load keeps the model's own frozen parameters
         "ranks": everyone,
-        "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+        "counters": {"global_steps": engine.global_steps, "optimizer_steps": engine.optimizer_state.step_count,
+                     "skipped_steps": engine.skipped_steps,
                      "micro_steps": engine.micro_steps,
                      # per parameter: the applied steps it got no gradient for (its own step count lags)
                      "idle_steps": dict(sorted(engine.optimizer_state.idle_steps.items()))},
@@ -293,7 +295,8 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
     if load_module_only:  # DeepSpeed's: the weights change, the training state (moments, counters, ...) stays
         return staged.path, json_state.decode(index["client_state"])
     counters = index["counters"]
-    engine.restore_counters(counters["global_steps"] if load_optimizer_states else 0,
+    # DeepSpeed's: the step counts continue; a fresh optimizer's own count (Adam's t) starts over
+    engine.restore_counters(counters["global_steps"], optimizer_steps(counters) if load_optimizer_states else 0,
                             counters["skipped_steps"], counters["micro_steps"],
                             counters.get("idle_steps", {}) if load_optimizer_states else {})
     if load_optimizer_states:
@@ -307,6 +310,8 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
                 group[key] = tuple(value) if key == "betas" else value
     if load_lr_scheduler_states and engine.lr_scheduler is not None and index["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(json_state.decode(index["lr_scheduler"]))
+        if not load_optimizer_states:  # the fresh groups hold the schedule's first values, not its current ones
+            apply_current_values(engine.lr_scheduler)
     if staged.rng is not None:  # RNG streams continue (another world size has other streams)
         torch.set_rng_state(staged.rng["rng.cpu"])
         if engine.device.type == "cuda" and "rng.cuda" in staged.rng:

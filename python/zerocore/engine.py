@@ -199,6 +199,8 @@ class Engine(DeepSpeedAccessors):
         self._comm_reset_at_step = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        # global_steps counts on from a checkpoint loaded with a fresh optimizer, whose Adam step starts over
+        self._steps_before_optimizer = 0
         self.step_applied = False  # whether the last step() updated the parameters (was_step_applied())
         self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
         self._last_grad_norm: float | None = None
@@ -221,8 +223,9 @@ class Engine(DeepSpeedAccessors):
 
     @property
     def global_steps(self) -> int:
-        """Optimizer updates applied (fp16 steps skipped for overflow are not counted)."""
-        return self.optimizer_state.step_count
+        """Optimizer updates applied (fp16 steps skipped for overflow are not counted), counting those before a
+        checkpoint loaded with ``load_optimizer_states=False`` as DeepSpeed does (its Adam step starts over)."""
+        return self._steps_before_optimizer + self.optimizer_state.step_count
 
     @property
     def param_storages(self) -> list[ShardedBuffer]:
@@ -605,9 +608,12 @@ class Engine(DeepSpeedAccessors):
             buffer.write_fingerprints = {}
         return prints
 
-    def restore_counters(self, global_steps: int, skipped_steps: int, micro_steps: int,
+    def restore_counters(self, global_steps: int, optimizer_steps: int, skipped_steps: int, micro_steps: int,
                          idle_steps: dict[str, int]) -> None:
-        self.optimizer_state.step_count = global_steps
+        """``optimizer_steps``: the optimizer's own update count (Adam's bias correction), ``global_steps`` minus
+        the updates before a fresh optimizer."""
+        self.optimizer_state.step_count = optimizer_steps
+        self._steps_before_optimizer = global_steps - optimizer_steps
         self.optimizer_state.idle_steps = dict(idle_steps)
         self.skipped_steps = skipped_steps
         self.micro_steps = micro_steps

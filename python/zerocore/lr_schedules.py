@@ -292,6 +292,19 @@ SCHEDULES: dict[str, type[_DeepSpeedSchedule]] = {
     cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 
 
+def apply_current_values(scheduler: LRScheduler) -> None:
+    """Gives the optimizer's param groups the values ``scheduler`` set at its last step: a
+    ``load_state_dict`` restores the schedule's position but changes no group, so a fresh optimizer (a
+    checkpoint loaded without its optimizer states) would run its next update with the schedule's first
+    lr (WarmupLR's minimum, 0 by default) instead of the one it had reached."""
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+    if isinstance(scheduler, OneCycle) and scheduler.cycle_momentum:
+        momentum = scheduler.momentum_at(scheduler.last_epoch - 1)
+        for group in scheduler.optimizer.param_groups:
+            group["betas"] = (momentum, 0.99)
+
+
 def build_lr_scheduler(config: Any, optimizer: Optimizer) -> LRScheduler | None:
     """The scheduler a :class:`~zerocore.config.SchedulerConfig` describes, over ``optimizer``; None for None.
 
