@@ -2,8 +2,9 @@
 rule), world 2: recurrent layers (whose forward reads its parameters through ``_flat_weights``), convolutions
 with BatchNorm and GroupNorm, ``nn.MultiheadAttention`` and ``nn.TransformerDecoder`` (fused in-projection
 weights read directly), ``weight_norm`` parametrizations (parameters under ``parametrizations.``), a
-``ParameterList`` and ``ParameterDict``. After training, an evaluation forward (BatchNorm's running
-statistics, rank 0's by DDP's rule) is compared by the same rule against DDP's."""
+``ParameterList`` and ``ParameterDict``. Between steps an evaluation runs under ``torch.inference_mode()``
+(Lightning's validation loop); after training, an evaluation forward (BatchNorm's running statistics, rank 0's
+by DDP's rule) is compared by the same rule against DDP's."""
 
 from __future__ import annotations
 
@@ -149,7 +150,8 @@ ZOO: dict[str, tuple[Callable[[], nn.Module], Batch, Callable[..., torch.Tensor]
     "parameter_containers": (ParameterContainers,
                              lambda g: (torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)), F.mse_loss),
     "conv1d_transpose": (Conv1dTranspose,
-                         lambda g: (torch.randn(4, 4, 16, generator=g), torch.randn(4, 4, 32, generator=g)), F.mse_loss),
+                         lambda g: (torch.randn(4, 4, 16, generator=g), torch.randn(4, 4, 32, generator=g)),
+                         F.mse_loss),
 }
 
 
@@ -165,17 +167,28 @@ def zoo_worker(rank: int, world: int, stage: int) -> list[str]:
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "allgather_bucket_size": 500}})
         for step in range(5):
             x, y = make_batch(torch.Generator().manual_seed(1000 * step + rank))
+            if step == 3:  # an evaluation between steps under inference_mode (Lightning's validation loop)
+                engine.eval()
+                with torch.inference_mode():
+                    assert torch.isfinite(engine(x)).all()
+                engine.train()
+                for module in reference.modules:  # the reference's forward broadcasts rank 0's buffers too
+                    module.eval()
+                    with torch.no_grad():
+                        module(as_dtype(x, next(module.parameters()).dtype))
+                    module.train()
             loss = loss_fn(engine(x), y)
             engine.backward(loss)
             engine.step()
-            ref_loss, _ = reference.train_step(lambda module, dtype: loss_fn(module(as_dtype(x, dtype)), as_dtype(y, dtype)))
+            ref_loss, _ = reference.train_step(
+                lambda module, dtype: loss_fn(module(as_dtype(x, dtype)), as_dtype(y, dtype)))
             torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
         reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"{name}, stage {stage}")
         engine.eval()
         outputs = []
         for module in (engine, *reference.modules):
             module.eval()
-            with torch.no_grad():
+            with torch.inference_mode():
                 outputs.append(module(as_dtype(x, torch.float64) if module is reference.modules[1] else x))
         ours, fp32 = (relative_distance(o, outputs[2]) for o in outputs[:2])
         assert ours <= FACTOR * fp32 + FLOOR, f"{name}, stage {stage}: evaluation output {ours:.3g} from the float64 " \
