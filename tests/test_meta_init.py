@@ -71,7 +71,7 @@ def hf_factory(name: str):
                                                              num_heads=4))
 
 
-def hf_worker(rank: int, world: int, name: str) -> bool:
+def hf_worker(rank: int, world: int, name: str, explicit: bool) -> bool:
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -79,17 +79,19 @@ def hf_worker(rank: int, world: int, name: str) -> bool:
     torch.manual_seed(0)
     expected, rng_after = reference(factory, lambda m: m._init_weights, seed=1)
     model = build(factory, seed=1)
-    engine = zerocore.initialize(model, config(), init_fn=model._init_weights)
+    # without init_fn a Hugging Face model takes its own _init_weights, not torch's reset_parameters()
+    engine = zerocore.initialize(model, config(), **({"init_fn": model._init_weights} if explicit else {}))
     assert len(engine.stage3.units) > 1  # the layers are units: materialized and sharded one by one
     assert torch.equal(torch.get_rng_state(), rng_after), "the RNG must advance exactly as the unsharded init"
     assert_all_equal(engine, expected)
     return True
 
 
+@pytest.mark.parametrize("explicit", [True, False])
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "t5"])
-def test_hugging_face_meta_build_with_init_weights_equals_the_unsharded_build(name):
+def test_hugging_face_meta_build_with_init_weights_equals_the_unsharded_build(name, explicit):
     pytest.importorskip("transformers", minversion="5")  # v5: _init_weights recomputes buffers
-    assert all(run_ranks(hf_worker, 2, name, timeout=240))
+    assert all(run_ranks(hf_worker, 2, name, explicit, timeout=240))
 
 
 # ---- plain torch models -------------------------------------------------------------------------------

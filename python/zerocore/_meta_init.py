@@ -14,8 +14,13 @@ A model built under ``torch.device("meta")`` has shapes but no values: its const
   ``torch.manual_seed`` before the build the values equal those of the unsharded model materialized and
   initialized by ``model.apply(init_fn)`` (for Hugging Face models: the eager build re-initialized with
   ``model.apply(model._init_weights)`` after the same seed).
-* no ``init_fn``: each module owning meta tensors runs its own ``reset_parameters()`` (what its constructor
-  ran), children first; a tied parameter keeps the value of its first initializer (the tie came after both).
+* no ``init_fn``, a Hugging Face model (a ``transformers.PreTrainedModel``): ``init_fn`` is its own
+  ``_init_weights``, what its constructor's ``post_init()`` would have applied. ``reset_parameters()`` would
+  silently give it torch's defaults instead (Kaiming-uniform linears, N(0, 1) embeddings, where Hugging Face
+  draws N(0, initializer_range), 0.02 as a rule), a model that trains otherwise than the one the user built.
+* no ``init_fn``, any other model: each module owning meta tensors runs its own ``reset_parameters()`` (what
+  its constructor ran), children first; a tied parameter keeps the value of its first initializer (the tie
+  came after both).
 
 To hold only a few units at a time, ``init_fn`` first runs once on the meta tensors themselves (no memory,
 the RNG state saved and restored, the modules' attributes restored), recording which tensors each call
@@ -302,12 +307,23 @@ def _dry_run(order: list[nn.Module], init_fn: Callable[[nn.Module], None], devic
     return accessed
 
 
+def hugging_face_init(model: nn.Module) -> Callable[[nn.Module], None] | None:
+    """A Hugging Face model's ``_init_weights`` (Note [Meta-device materialization]); None for other models.
+    Recognized by its class, without importing transformers."""
+    hugging_face = any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+                       for cls in type(model).__mro__)
+    init = getattr(model, "_init_weights", None)
+    return init if hugging_face and callable(init) else None
+
+
 def materialize_units(model: nn.Module, units: list[Unit], device: torch.device,
                       init_fn: Callable[[nn.Module], None] | None, comm: Any = None) -> None:
     """See Note [Meta-device materialization]. ``comm`` (the engine's) broadcasts rank 0's values; None
     keeps each rank's own."""
     mat = _Materializer(model, device, comm)
     owner = {id(p): unit for unit in units for p in unit.all_params}
+    if init_fn is None:
+        init_fn = hugging_face_init(model)
     if init_fn is not None:
         order = _apply_order(model)
         accessed = _dry_run(order, init_fn, device, mat)

@@ -105,8 +105,9 @@ def initialize(
             (see Note [Collective algorithms] in bindings/comm.hpp).
         units: stage 3 units of gathering, module instances and/or classes (Note [Stage 3 units]);
             default: the model's repeated blocks.
-        init_fn: stage 3 with a model on the meta device: initializes one module's own parameters
-            (default: the module's ``reset_parameters()``).
+        init_fn: stage 3 with a model on the meta device: initializes one module's own parameters, run as
+            ``model.apply(init_fn)`` would (default: a Hugging Face model's own ``_init_weights``, else each
+            module's ``reset_parameters()``).
         device: where a meta-device model is materialized (default: the current CUDA device if any, else
             the CPU); ignored for a model that already has real tensors.
         strict_spmd: stage 3: before every gather, wait for a check that every rank gathers the same unit
