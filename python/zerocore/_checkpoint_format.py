@@ -10,8 +10,8 @@ import json
 import os
 import warnings
 import zlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, BinaryIO
 
 from . import _safetensors_io as stio
 
@@ -128,9 +128,15 @@ def fsync_dir(path: str) -> None:
 
 
 def write_durably(path: str, data: bytes) -> None:
+    write_file_durably(path, lambda f: f.write(data))
+
+
+def write_file_durably(path: str, write: Callable[[BinaryIO], object]) -> None:
+    """``write(f)`` fills a temporary file, which is fsynced and renamed to ``path``: a reader sees the old file
+    or the whole new one, also after a crash."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(data)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

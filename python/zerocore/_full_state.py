@@ -110,6 +110,7 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
 def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_filename: str) -> str:
     """Engine.save_16bit_model: the full state dict in the compute dtype, one safetensors file on rank 0
     (tied parameters once, under their first name); a collective."""
+    from ._checkpoint_format import write_file_durably
     from ._safetensors_io import write_tensors
 
     state = engine.full_state_dict(engine.compute_dtype)
@@ -123,10 +124,6 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_file
         if save_filename.endswith(".safetensors"):
             write_tensors(path, kept)
         else:  # DeepSpeed's default name, pytorch_model.bin: a torch.save file, which is what loaders expect there
-            with open(path + ".tmp", "wb") as f:  # durable and whole, as write_tensors' file
-                torch.save(kept, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(path + ".tmp", path)
+            write_file_durably(path, lambda f: torch.save(kept, f))  # durable and whole, as write_tensors' file
     dist.barrier(group=engine.process_group)
     return path
