@@ -255,15 +255,20 @@ class OneCycle(_DeepSpeedSchedule):
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
         lrs = self._lrs_at(self.last_epoch - 1)
-        if self.cycle_momentum:
-            momentum = self.momentum_at(self.last_epoch - 1)
-            if not 0.0 <= momentum < 1.0:
-                raise ValueError(f"{_P}decay_mom_rate: at step {self.last_epoch} OneCycle's momentum (Adam's beta1) "
-                                 f"would be {momentum}, outside [0, 1); lower decay_mom_rate or "
-                                 "cycle_max_mom, or set decay_mom_rate to 0")
-            for group in self.optimizer.param_groups:
-                group["betas"] = (momentum, 0.99)
+        self.apply_momentum()
         return lrs
+
+    def apply_momentum(self) -> None:
+        """With ``cycle_momentum``: every group's betas become (the momentum at this step, 0.99)."""
+        if not self.cycle_momentum:
+            return
+        momentum = self.momentum_at(self.last_epoch - 1)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"{_P}decay_mom_rate: at step {self.last_epoch} OneCycle's momentum (Adam's beta1) "
+                             f"would be {momentum}, outside [0, 1); lower decay_mom_rate or "
+                             "cycle_max_mom, or set decay_mom_rate to 0")
+        for group in self.optimizer.param_groups:
+            group["betas"] = (momentum, 0.99)
 
     _get_closed_form_lr = get_lr
 
@@ -299,10 +304,8 @@ def apply_current_values(scheduler: LRScheduler) -> None:
     lr (WarmupLR's minimum, 0 by default) instead of the one it had reached."""
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
-    if isinstance(scheduler, OneCycle) and scheduler.cycle_momentum:
-        momentum = scheduler.momentum_at(scheduler.last_epoch - 1)
-        for group in scheduler.optimizer.param_groups:
-            group["betas"] = (momentum, 0.99)
+    if isinstance(scheduler, OneCycle):
+        scheduler.apply_momentum()
 
 
 def build_lr_scheduler(config: Any, optimizer: Optimizer) -> LRScheduler | None:
