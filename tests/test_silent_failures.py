@@ -163,6 +163,18 @@ def test_an_unmaterialized_lazy_module_is_refused_by_name():
         zerocore.initialize(model, _config(1))
 
 
+def test_a_complex_parameter_is_refused_naming_its_real_view():
+    """model.float() leaves complex tensors alone, so the float64 advice would not help; the real view would."""
+    model = nn.Linear(4, 4).to(torch.cfloat)
+    weight = model.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"'weight' is torch.complex64.*torch.view_as_real\(w\)"):
+        zerocore.initialize(model, _config(1))
+    assert torch.equal(model.weight, weight)
+    model.weight = nn.Parameter(torch.view_as_real(weight))
+    model.bias.requires_grad_(False)
+    zerocore.initialize(model, _config(1)).close()
+
+
 def mixed_dtypes_worker(rank: int, world: int, stage: int) -> list[str]:
     model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 2).bfloat16())
     with pytest.warns(UserWarning, match=r"several dtypes \(float32: 2 \(0.weight, 0.bias\); bfloat16: 2 .*cast"):
@@ -197,6 +209,58 @@ def cast_worker(rank: int, world: int, stage: int) -> bool:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_only_what_deepspeed_casts_is_cast(stage):
     assert all(run_ranks(cast_worker, 2, stage))
+
+
+class WithOddFrozenTensors(nn.Module):
+    """Tensors of dtypes mixed precision must not touch: a complex filter (an FFT-based layer's), a complex
+    buffer (Llama's rotary freqs_cis) and integer positions above 256, which bf16 cannot hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.filter = nn.Parameter(torch.randn(8, 8, dtype=torch.cfloat), requires_grad=False)
+        self.positions = nn.Parameter(torch.arange(257, 265), requires_grad=False)
+        self.register_buffer("turn", torch.polar(torch.ones(8), torch.linspace(0, 3, 8)))  # Llama's freqs_cis
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x.to(torch.cfloat) @ self.filter * self.turn).imag + (self.positions % 7).float()
+        h = h.to(x.dtype)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return h
+
+
+def odd_frozen_worker(rank: int, world: int, stage: int, precision: str, directory: str) -> bool:
+    torch.manual_seed(0)
+    model = WithOddFrozenTensors()
+    kept = {k: v.clone() for k, v in model.state_dict().items() if k in ("filter", "positions", "turn")}
+    config = _config(stage, **{precision: {"enabled": True}})
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # stage 3 shards them too
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    engine = zerocore.initialize(model, config)
+    for step in range(2):
+        engine.backward(engine(_x(step, rank, dtype)).float().square().mean())
+        engine.step()
+    state = engine.full_state_dict(rank0_only=False)
+    assert all(torch.equal(state[k], v) for k, v in kept.items()), {k: state[k].dtype for k in kept}
+    engine.save_checkpoint(directory, tag="t")
+    engine.close()
+    assert all(torch.equal(getattr(model, k), v) for k, v in kept.items())  # handed back whole and exact
+    torch.manual_seed(1)
+    fresh = zerocore.initialize(WithOddFrozenTensors(), config)
+    fresh.load_checkpoint(directory, tag="t")
+    loaded = fresh.full_state_dict(rank0_only=False)
+    assert all(torch.equal(loaded[k], v) for k, v in kept.items())
+    fresh.close()
+    return True
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "fp16"), (3, "bf16")])
+def test_mixed_precision_casts_no_complex_or_integer_frozen_parameter(stage, precision, tmp_path):
+    """Before, stages 1-2 cast the model with module.to(dtype), which turns a complex tensor real (its
+    imaginary part dropped, with only torch's warning); DeepSpeed's module.bfloat16() casts floating-point
+    tensors only. Stage 3 keeps non-floating frozen parameters whole and uncast (checked here too)."""
+    assert all(run_ranks(odd_frozen_worker, 2, stage, precision, str(tmp_path), timeout=200))
 
 
 # ---- item 18 ----------------------------------------------------------------------------------------

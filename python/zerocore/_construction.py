@@ -245,7 +245,9 @@ def whole_model_buffer(engine: Engine, params: list[nn.Parameter], group_of: dic
                                [group_of[id(p)] for p in params], engine.buckets.reduce)
     buffer.build_from([p.detach() for p in params])
     if engine.compute_dtype != torch.float32:
-        engine.module.to(engine.compute_dtype)  # the rest (frozen params, buffers); trainable ones are already cast
+        # the rest (frozen params, buffers; trainable ones are already cast), floating-point ones only, as
+        # DeepSpeed's module.bfloat16()/.half(): module.to(dtype) would also cast complex tensors to real
+        engine.module.bfloat16() if engine.compute_dtype == torch.bfloat16 else engine.module.half()
     return buffer
 
 

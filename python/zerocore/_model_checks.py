@@ -201,9 +201,10 @@ def collect_trainable(
 
 
 def check_trainable_dtypes(model: nn.Module) -> None:
-    """The optimizer keeps fp32 master weights and the compute dtype comes from the config: a float64 (or
-    complex) trainable parameter would be silently cast to fp32, so it is refused before anything changes; so is a
-    module producing sparse gradients (nn.Embedding(sparse=True)), which would fail inside the first backward."""
+    """The optimizer keeps fp32 master weights and the compute dtype comes from the config: a float64
+    trainable parameter would be silently cast to fp32, and a complex one has no real master, so both are refused
+    before anything changes; so is a module producing sparse gradients (nn.Embedding(sparse=True)), which would
+    fail inside the first backward."""
     for name, param in model.named_parameters():
         if isinstance(param, nn.parameter.UninitializedParameter):
             raise ValueError(
@@ -213,6 +214,13 @@ def check_trainable_dtypes(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if param.requires_grad:
             trainable_dtypes.setdefault(param.dtype, []).append(name)
+        if param.requires_grad and param.is_complex():
+            # model.float() leaves a complex tensor as it is, so the float64 advice would send the user in a circle
+            raise ValueError(
+                f"parameter {name!r} is {param.dtype}: zerocore's fp32 master weights hold real numbers. Keep it "
+                "as its real view, nn.Parameter(torch.view_as_real(w)) (a trailing dimension of 2), and use "
+                "torch.view_as_complex(self.<name>) in forward: torch's Adam updates a complex parameter as "
+                "exactly that real view, so the training is the same; or freeze it (requires_grad=False)")
         if param.requires_grad and param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"parameter {name!r} is {param.dtype}: zerocore trains fp32 master weights (bf16/fp16 compute when "

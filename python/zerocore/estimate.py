@@ -277,7 +277,7 @@ def _stage3_buffers(model: nn.Module, units: Any, world: int, compute: torch.dty
 
 def _frozen_bytes(model: nn.Module, compute: torch.dtype, sharded: set[int]) -> int:
     """memory_report's frozen_params after initialize, of the frozen parameters held whole (not the
-    ``sharded`` ids): floating ones follow the compute dtype (``module.to(dtype)`` in stages 1-2,
+    ``sharded`` ids): floating ones follow the compute dtype (``module.bfloat16()`` or ``.half()`` in stages 1-2,
     ``cast_untracked_tensors`` in stage 3); tied ones count once."""
     total = 0
     for param in model.parameters():
