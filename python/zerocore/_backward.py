@@ -19,7 +19,8 @@ of the forward's gathers: Note [A forward that raised on one rank] in _stage3.py
 own and its flag in the exchange: every rank drops the window at the same backward and the next batch starts
 in lockstep. The same all-reduce carries each rank's count of training forwards since the last exchange and
 whether one of them raised, for what no play-out covers (a forward inside no_sync() at stages 1-2, where
-nothing is exchanged): a forward that raised on any rank since the last exchange makes the window's backward
+nothing is exchanged; a KeyboardInterrupt, which reaches the ranks at different points, so that a play-out could
+pair with anything, unless there is one rank): a forward that raised on any rank since the last exchange makes the window's backward
 raise on every rank, dropping the window (which holds a batch some ranks skipped, or, with unequal counts,
 pairs different batches), and the counts start over. Unequal counts alone are no error: a rank may run extra
 forwards that it never back-propagates (a loss term of its own, a forward logged with grad enabled), as under
@@ -333,8 +334,10 @@ def outcome_problem(failed: list[int], forwards: list[int], forward_raised: list
         ) + ", so their gradients are missing"
     elif forward_raised:
         counts = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(forwards))
-        what = (f"a training forward raised on rank(s) {forward_raised} since the last backward exchange (inside "
-                "no_sync(), where nothing is exchanged at once), so this window holds a batch that some ranks "
+        what = (f"a training forward raised on rank(s) {forward_raised} since the last backward exchange, where "
+                "no collective answered it (inside no_sync(), which exchanges nothing at once, or by a "
+                "KeyboardInterrupt, which reaches the ranks at different points), so this window holds a batch that "
+                "some ranks "
                 + (f"skipped and the ranks ran different numbers of training forwards ({counts}): this backward "
                    "paired different batches across ranks" if len(set(forwards)) > 1 else "skipped"))
     else:

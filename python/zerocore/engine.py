@@ -40,6 +40,7 @@ from ._construction import (broadcast_module_state, build_comms, build_reducer, 
                             cast_untracked_tensors, default_process_group, optimizer_state_for,
                             param_file_for_config, training_device, whole_model_buffer)
 from ._deepspeed_api import DeepSpeedAccessors
+from ._deferred_signals import deferred_interrupts
 from ._divergence import RanksDivergedError, ShardReadError
 from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
 from ._gathered import refuse_managed, unregister
@@ -273,7 +274,9 @@ class Engine(DeepSpeedAccessors):
         except BaseException as error:
             life.forward_raised |= training
             self.buffer_sync.after_forward(training and life.state is not EngineState.NO_SYNC)  # as the peers' ends
-            if isinstance(error, Exception) and not _raised_in_lockstep(error):
+            # A KeyboardInterrupt reaches the ranks at different points, so its play-out could pair with
+            # anything; with no peer (a notebook's Ctrl-C, one process) there is nothing to pair with
+            if (isinstance(error, Exception) or self.world_size == 1) and not _raised_in_lockstep(error):
                 self._play_out_forward(error, training)
             raise
         self.buffer_sync.after_forward(training and life.state is not EngineState.NO_SYNC)
@@ -283,7 +286,7 @@ class Engine(DeepSpeedAccessors):
                 life.to(EngineState.FORWARD)
         return out
 
-    def _play_out_forward(self, error: Exception, training: bool) -> None:
+    def _play_out_forward(self, error: BaseException, training: bool) -> None:
         """This rank's forward raised; its peers' may not have: the collectives their forward and the backward
         after it still issue are issued here too (stage 3's gathers: Note [A forward that raised on one rank]
         in _stage3.py; the backward's reductions and outcome exchange: Note [Backward outcome]), so every rank
@@ -304,7 +307,10 @@ class Engine(DeepSpeedAccessors):
             error.add_note(f"zerocore: issuing the collectives of the other ranks' forward and backward after this "
                            f"error failed too ({type(failure).__name__}: {failure}); the ranks may be out of lockstep")
             return
-        if backward_follows:
+        if backward_follows and self.world_size == 1:
+            error.add_note("zerocore: this accumulation window's gradients were dropped; the engine is ready for "
+                           "the next batch")
+        elif backward_follows:
             error.add_note("zerocore: this rank played out the collectives of the other ranks' forward and backward "
                            "of this batch (with no gradient from this rank), and every rank dropped this accumulation "
                            "window (where the forward did not raise, the backward raises naming this rank). Go on "
@@ -434,22 +440,26 @@ class Engine(DeepSpeedAccessors):
         life.to(EngineState.IDLE)
         self.step_applied = False
         if boundary:
-            skipped = self.skipped_steps
-            self._update_due = True
-            try:
-                self.optimizer.step()
-            except BaseException as error:  # never added to the next window's gradients
-                self.zero_grad()
-                error.add_note("zerocore: this accumulation window's gradients were dropped and the engine is ready "
-                               "for the next batch")
-                raise
-            finally:
-                self._update_due = False
-            self.step_applied = self.skipped_steps == skipped
-            if self.lr_scheduler is not None and self.step_applied:
-                self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip
+            with deferred_interrupts("the optimizer step"):  # Note [Interrupts deferred in an update]
+                self._boundary_step()
+
+    def _boundary_step(self) -> None:
+        skipped = self.skipped_steps
+        self._update_due = True
+        try:
+            self.optimizer.step()
+        except BaseException as error:  # never added to the next window's gradients
             self.zero_grad()
-            life.local_grads = False
+            error.add_note("zerocore: this accumulation window's gradients were dropped and the engine is ready "
+                           "for the next batch")
+            raise
+        finally:
+            self._update_due = False
+        self.step_applied = self.skipped_steps == skipped
+        if self.lr_scheduler is not None and self.step_applied:
+            self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip
+        self.zero_grad()
+        self.lifecycle.local_grads = False
 
     def apply_update(self) -> None:
         """The sharded optimizer step; called by ``optimizer.step()`` (so lr schedulers see it).
