@@ -24,7 +24,8 @@ from _dist import run_ranks
 from _models import MLP, batch, build, loss_fn
 from _parity import ReferencePair
 from zerocore.config import OffloadOptimizerConfig, OffloadParamConfig, SchedulerConfig, ZeroConfig, hidden_size_of
-from zerocore.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_lr_scheduler
+from zerocore.lr_schedules import (LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, apply_current_values,
+                                  build_lr_scheduler)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -311,6 +312,34 @@ def test_one_cycle_values_by_hand():
     asymmetric = _lrs_used(OneCycle(_optimizer(), cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=2,
                                     cycle_second_step_size=4, cycle_momentum=False), 8)
     assert asymmetric == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0], rel=1e-14, abs=1e-15)
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: OneCycle(o, cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=3, cycle_min_mom=0.8,
+                       cycle_max_mom=0.95),
+    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1.0, total_steps=20, base_momentum=0.8,
+                                                  max_momentum=0.95),
+    lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.1, max_lr=1.0, step_size_up=3, base_momentum=0.8,
+                                                max_momentum=0.95),
+    lambda o: WarmupDecayLR(o, total_num_steps=20, warmup_max_lr=1.0, warmup_num_steps=3),
+], ids=["OneCycle", "OneCycleLR", "CyclicLR", "WarmupDecayLR"])
+def test_a_loaded_schedule_gives_fresh_groups_the_lr_and_momentum_it_had_reached(make):
+    """A checkpoint loaded with load_optimizer_states=False: load_state_dict restores the schedule's position
+    and sets no group, so apply_current_values must give the fresh optimizer what the schedule last set."""
+    opt = _optimizer(groups=2, betas=(0.9, 0.99))
+    sched = make(opt)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    fresh = _optimizer(groups=2, betas=(0.9, 0.99))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # OneCycle's beta2 advice
+        loaded = make(fresh)
+    loaded.load_state_dict(sched.state_dict())
+    apply_current_values(loaded)
+    for mine, theirs in zip(fresh.param_groups, opt.param_groups):
+        assert (mine["lr"], mine["betas"]) == (theirs["lr"], theirs["betas"])
+    assert opt.param_groups[0]["betas"] != (0.9, 0.99) or isinstance(sched, WarmupDecayLR)  # momentum did move
 
 
 def test_one_cycle_momentum_warns_about_beta2_and_can_be_turned_off():

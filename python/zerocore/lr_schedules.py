@@ -306,6 +306,12 @@ def apply_current_values(scheduler: LRScheduler) -> None:
         group["lr"] = lr
     if isinstance(scheduler, OneCycle):
         scheduler.apply_momentum()
+    elif getattr(scheduler, "cycle_momentum", False):
+        # torch's OneCycleLR and CyclicLR set the momentum (beta1) as a side effect of get_lr(), at the position
+        # load_state_dict restored; torch warns that get_lr() is meant for step(), which is what this replays
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.get_lr()
 
 
 def build_lr_scheduler(config: Any, optimizer: Optimizer) -> LRScheduler | None:
