@@ -261,6 +261,42 @@ def test_a_backward_whose_collective_failed_leaves_the_engine_idle_not_in_backwa
         assert states and all(s == "EngineState.IDLE" for s in states), states
 
 
+def failed_gather_worker(rank: int, world: int) -> list[str]:
+    from zerocore._stage3_unit import UnitState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    engine.backward(engine(_x(0, rank)).square().mean())
+    engine.step()
+    unit = next(u for u in engine.stage3.units if u.state is UnitState.SHARDED)
+    engine.stage3._gather(unit, "all_gather_user")  # in flight, as a prefetch is
+    for pending in unit.pending:
+        pending.wait()  # landed; now the transport "fails" instead
+
+    class Broken:
+        def wait(self) -> None:
+            raise RuntimeError("simulated transport failure")
+
+    unit.pending = [Broken()]
+    messages = []
+    for _ in range(2):  # the second wait is the cleanup's (a release while the first error unwinds)
+        try:
+            unit.wait()
+        except Exception as error:  # noqa: BLE001 - the type is the point
+            messages.append(f"{type(error).__name__}: {error}")
+    return messages
+
+
+def test_a_gather_that_failed_says_so_again_when_the_cleanup_waits_for_it():
+    """The backward's cleanup waits for the gathers in flight once more; a gather whose transport had failed
+    raised TypeError ('cannot unpack non-iterable NoneType') there instead of naming the failure."""
+    first, second = run_ranks(failed_gather_worker, 2)[0]
+    assert first == "RuntimeError: simulated transport failure", first
+    assert second.startswith("RuntimeError: the gather of unit") and "simulated transport failure" in second, second
+
+
 def config_worker(rank: int, world: int, case: str) -> str:
     zero = {"stage": 3}
     optimizer = {"type": "AdamW", "params": {"lr": 1e-3}}

@@ -52,6 +52,7 @@ class Unit:
         self.hooks_backward: bool | None = None  # its last forward with grad returned outputs that require grad
         self.user_holds = 0  # zerocore.gathered() blocks holding it whole: no hook releases it meanwhile
         self._tag_check: Any = None
+        self._gather_failed: BaseException | None = None  # the transport's error from a gather that never landed
         # hpZ: this rank's slice of each storage's values from its last forward gather, which its backward
         # gathers within the partition (Stage3Runtime.hpz_slot says which slice)
         self.secondary: list[torch.Tensor] | None = None
@@ -112,11 +113,18 @@ class Unit:
     def wait(self) -> None:
         """GATHERING -> GATHERED: the tag is checked first (Note [Divergence tags]), then the gathers land."""
         if self.state is UnitState.GATHERING:
+            if self._gather_failed is not None:  # a later wait (a release while the error unwinds) says so again
+                raise RuntimeError(f"the gather of unit {self.name!r} failed earlier ({self._gather_failed}); the "
+                                   "ranks' collectives are out of step") from self._gather_failed
             check, tag = self._tag_check
             check.after_gather(tag)  # raises while ranks diverged: then every later wait raises it again
+            try:
+                for pending in self.pending:
+                    pending.wait()
+            except BaseException as error:
+                self._gather_failed = error
+                raise
             self._tag_check = None
-            for pending in self.pending:
-                pending.wait()
             self.pending = []
             self._move(UnitState.GATHERING, UnitState.GATHERED)
             if self._keep_secondary is not None:
