@@ -119,6 +119,57 @@ def test_a_forward_error_on_one_rank_drops_that_batch_on_every_rank(stage):
     assert seen[0]["state"] == seen[1]["state"] == reference[0]["state"]
 
 
+class SometimesSkips(nn.Module):
+    """Blocks every rank runs, except at step 0, where every rank skips block 1 (a LayerDrop draw shared by
+    the ranks, a first batch that needs fewer layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.skip: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                x = torch.tanh(block(x))
+        return x
+
+
+def order_then_failure_worker(rank: int, world: int, skip_everywhere: bool) -> dict:
+    import warnings
+
+    torch.manual_seed(0)
+    model = SometimesSkips()
+    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    seen = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            model.skip = 1 if step == 0 else None
+            if step == 3 and skip_everywhere:
+                continue
+            x = torch.randn(4, 7) if rank == 1 and step == 3 else _x(step, rank)  # a bad batch on rank 1 only
+            _step_or_note(engine, x, seen)
+    changed = [str(w.message).split(":")[0] for w in caught if "forward order changed" in str(w.message)]
+    _assert_in_lockstep(engine)
+    return {"seen": seen, "changed": changed, "state": {k: v.tolist() for k, v in engine.full_state_dict(
+        rank0_only=False).items()}}
+
+
+def test_the_prefetch_order_follows_the_latest_forward_so_a_one_rank_failure_plays_out_the_right_one():
+    """The first forward's order used to be the schedule for good: after a first step that skipped a block,
+    every later step warned and gathered on demand, and a forward failing on one rank played out the first
+    step's order while its peers ran the whole model (mismatched collectives; a hang on some transports)."""
+    results = run_ranks(order_then_failure_worker, 2, False, timeout=120)
+    for result in results:  # step 1 returns to the whole order, once; then the schedule is the whole order
+        assert result["changed"] == ["zerocore stage 3"], result["changed"]
+    assert len(results[0]["seen"]) == 1 and "rank(s) [1] raised" in results[0]["seen"][0], results[0]["seen"]
+    assert len(results[1]["seen"]) == 1 and "mat1 and mat2" in results[1]["seen"][0], results[1]["seen"]
+    reference = run_ranks(order_then_failure_worker, 2, True, timeout=120)
+    assert results[0]["state"] == results[1]["state"] == reference[0]["state"]
+
+
 def no_sync_forward_fails_worker(rank: int, world: int, stage: int, skip_everywhere: bool) -> dict:
     torch.manual_seed(0)
     engine = zerocore.initialize(Net(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},

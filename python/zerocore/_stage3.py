@@ -138,6 +138,7 @@ class Stage3Runtime:
         self.step = 0
         self.recorded_order: list[int] | None = None
         self._recorded_position: dict[int, int] = {}  # a unit's first place in recorded_order
+        self._recording_training = False  # the forward being recorded runs with grad
         self._reads_ahead = engine.param_file is not None  # Note [NVMe parameter shards]
         self._order: list[int] = []
         self._open: list[Unit] = []  # units whose forward began and has not ended, outermost first
@@ -409,6 +410,7 @@ class Stage3Runtime:
         """A forward of the whole model starts: several per step with gradient accumulation or inference."""
         self._end_order_record()
         self._whole_forward = True
+        self._recording_training = torch.is_grad_enabled()
         self._forward_done = False  # a forward that raises part-way never becomes the recorded order
         self._open = []
         self._grad_flowing = False  # a unit's output in this forward required grad
@@ -416,9 +418,14 @@ class Stage3Runtime:
         self._prefetch_enabled = self.recorded_order is not None and not self._warned
 
     def _end_order_record(self) -> None:
-        """The first whole forward (one that began at the model, not a unit called on its own) becomes the
-        schedule that later steps prefetch by."""
-        if self.recorded_order is None and self._order and self._whole_forward and self._forward_done:
+        """A whole forward (one that began at the model, not a unit called on its own) that completed becomes the
+        schedule that later forwards prefetch by, and a forward that raised plays out (Note [A forward that
+        raised on one rank]): the first one, and later every training forward that ran another order (a first
+        step that skipped a layer must not leave every later step without prefetching, or a one-rank failure
+        playing out the wrong order). An evaluation on another path (generate) leaves the training order. Every
+        rank runs the same forwards, so every rank records the same order."""
+        if self._order and self._whole_forward and self._forward_done and (
+                self.recorded_order is None or (self._recording_training and self._order != self.recorded_order)):
             self.recorded_order = list(self._order)
             self._recorded_slots = [self._slot_of[index] for index in self.recorded_order]
             self._recorded_position = {}
