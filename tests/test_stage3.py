@@ -494,6 +494,47 @@ def test_a_mixture_of_experts_routing_ranks_to_other_experts_trains_with_its_lay
         assert status == "error" and "RanksDivergedError" in message and "units=[" in message, message
 
 
+class MoEEveryExpert(MoEModel):
+    """Routes by token id modulo 3: rank 0's batch reaches every expert of each layer, rank 1's only expert 0."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, tokens % 3)
+        return self.head(h)
+
+
+def moe_uneven_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, target = data(step, rank)
+    return (tokens if rank == 0 else tokens - tokens % 3), target
+
+
+def moe_uneven_worker(rank: int, world: int) -> list[str]:
+    import os
+    os.environ["ZEROCORE_SHARED_MEMORY"] = "1"  # the transport that compares the ranks' collectives one by one
+    torch.manual_seed(0)
+    model = MoEEveryExpert()
+    reference = ReferencePair(copy.deepcopy(model), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
+                                                                                weight_decay=0.01, foreach=False))
+    engine = zerocore.initialize(model, config())
+    engine.comm.set_logging(True)
+    for step in range(3):
+        engine.backward(loss_of(engine, *moe_uneven_data(step, rank)))
+        engine.step()
+        reference.train_step(lambda module, dtype: sum(loss_of(module, *moe_uneven_data(step, r))
+                                                       for r in range(world)) / world)
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label="moe, uneven experts")
+    return list(engine.comm.log())
+
+
+def test_a_mixture_of_experts_whose_ranks_reach_different_numbers_of_experts_issues_the_same_collectives():
+    """Note [Parameters this backward will not reach]: a layer whose every expert got a gradient on rank 0
+    launched its reduce-scatter at once, while rank 1's waited for experts it never ran, until the end of the
+    backward: the ranks' collectives came in different orders ('different collectives' on shared memory)."""
+    logs = run_ranks(moe_uneven_worker, 2)
+    assert logs[0] == logs[1]
+
+
 def bf16_memory_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     # Every parameter is a multiple of 64 * world elements, so Psi is exact (no layout padding).

@@ -92,6 +92,11 @@ class GradientRouting:
         self._warned: set[str] = set()  # parameters warn_untrained named already
         self._grad_accumulators: list[Any] = []
         self._last_got_grad: bytearray | None = None  # got_grad as the last completed backward left it
+        self._marked = bytearray(len(param_slots))  # handed to the reducer in this backward
+        self._units_reached: set[int] = set()  # stage 3: units whose first gradient of this backward came
+        self._indices_of_buffer: dict[int, list[int]] = {}
+        for index, (buffer, _) in enumerate(param_slots):
+            self._indices_of_buffer.setdefault(id(buffer), []).append(index)
         self._register_hooks()
 
     def _register_hooks(self) -> None:
@@ -146,6 +151,8 @@ class GradientRouting:
         self._run_engine_hooks_last()
         self.reducing = reducing
         self.finalized = not reducing and self.stage3 is None
+        self._marked = bytearray(len(self.param_slots))
+        self._units_reached.clear()
         if reducing:
             self.reducer.begin_backward(self._reductions_add())
 
@@ -216,6 +223,39 @@ class GradientRouting:
             param.grad = None
         if self.stage3 is not None:
             self.stage3.grad_ready(buffer, index)
+            if self.reducing and id(buffer) not in self._units_reached:
+                self._units_reached.add(id(buffer))
+                self._settle_unreachable(buffer)
+
+    # Note [Parameters this backward will not reach]
+    # ----------------------------------------------
+    # Stage 3 reduce-scatters a unit's gradients as soon as they are all in, between the backward's gathers of
+    # the units before it, on the same ordered collectives. A parameter that this rank's backward never
+    # reaches (an expert no token of this rank went to, inside a layer that is the unit; a parameter frozen
+    # after initialize) would hold its unit's reduction back to the end of the backward on this rank only,
+    # while a rank whose tokens reached every expert launches it at once: the two ranks' collectives would
+    # then come in different orders (a shared-memory "different collectives" error, a hang or mixed buffers
+    # on other transports). So when a unit's first gradient arrives, the parameters of the unit whose
+    # gradient accumulator this backward's graph will not run are settled right there, as the end of the
+    # backward would settle them (with what no_sync() accumulated for them, else zeros): every rank launches
+    # the unit's reduction after its last gradient that does come, at the same point of the gather sequence.
+    # The graph asked is the running one, so a unit inside a reentrant activation checkpoint, whose
+    # gradients come from the recomputation's own backward, is asked there.
+    def _settle_unreachable(self, buffer: Any) -> None:
+        if torch._C._are_functorch_transforms_active():
+            return
+        for index in self._indices_of_buffer[id(buffer)]:
+            if self._marked[index] or torch._C._will_engine_execute_node(self._grad_accumulators[index]):
+                continue
+            _, local = self.param_slots[index]
+            param = buffer.params[local]
+            grad = buffer.grad_or_zeros(local) if buffer.grad_buffer is not None else param.grad
+            if grad is None:
+                grad = torch.zeros(param.shape, dtype=buffer.dtype, device=buffer.device)
+            self._marked[index] = 1
+            self.reducer.mark_ready(index, grad)
+            param.grad = None
+            self.stage3.grad_ready(buffer, index)
 
     def _reduce(self, index: int, param: torch.Tensor) -> None:
         """Hands parameter ``index``'s gradient to the reducer; the first one of a backward also queues the
@@ -224,6 +264,7 @@ class GradientRouting:
         if self.finalized:
             raise RuntimeError(f"parameter {buffer.names[local]!r} produced a gradient after the backward was "
                                "finalized")
+        self._marked[index] = 1
         try:
             self.reducer.mark_ready(index, param.grad)
         except RuntimeError as error:
