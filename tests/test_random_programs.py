@@ -1,0 +1,304 @@
+"""Random training programs at world 2 against a replicated reference that sees every rank's batches.
+
+Each seed draws a config (stage, accumulation, clipping, bucket sizes, overlap, all-reduce or reduce-scatter,
+stage 3's persistence and prefetch settings, optimizer state in memory, on the host or on NVMe, parameter
+shards on NVMe) and a program of what users do between and around steps: accumulation windows, no_sync()
+windows, evaluation (also inside a window), save and load into the same engine, a resume into a fresh engine,
+writes inside gathered(), lr writes, zero_grad(), forwards that raise on every rank or on one (caught, the
+batch skipped, as the README asks), a parameter frozen for a window, a block every rank or one rank skips, and
+state reads. The engine's parameters must stay within the fp32 reference's rounding noise of the float64 run
+(tests/_parity.py) after every read and at the end. The seeds are fixed, so a run is deterministic;
+ZEROCORE_RANDOM_PROGRAMS=FIRST:COUNT runs other ones (e.g. `0:200` to hunt)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zerocore
+from _dist import run_ranks
+from _parity import ReferencePair, as_dtype
+
+pytestmark = pytest.mark.timeout(600)
+WORLD = 2
+OPS = ("window", "window", "window", "eval", "save_load", "resume", "gathered_write", "lr", "zero_grad",
+       "fail_all", "fail_one", "fail_mid", "read", "freeze", "skip_all", "skip_one", "eval_mid")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + torch.tanh(self.fc(x)))
+
+
+class Net(nn.Module):
+    """``fail_on``: the rank (or "all") whose forward raises; ``skip``: (the rank or "all", block index) a
+    forward leaves out; the reference passes rank -1 through ``rank``."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(3))
+        self.head = nn.Linear(dim, 4)
+        self.rank = int(os.environ.get("RANK", -1))
+        self.fail_on: int | str | None = None
+        self.skip: tuple[int | str, int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail_on in ("all", self.rank):
+            raise RuntimeError("simulated bad batch")
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            if self.skip is None or self.skip[1] != i or self.skip[0] not in ("all", self.rank):
+                h = block(h)
+        return self.head(h)
+
+
+def draw_config(rng: random.Random, directory: str) -> dict:
+    stage = rng.choice([1, 2, 3])
+    zero = {"stage": stage, "reduce_bucket_size": rng.choice([50, 300, 5000]),
+            "allgather_bucket_size": rng.choice([50, 300, 5000]), "overlap_comm": rng.choice([True, False]),
+            "reduce_scatter": rng.choice([True, False])}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=rng.choice([0, 20, 100_000]),
+                    stage3_prefetch_bucket_size=rng.choice([0, 300, 50_000]),
+                    stage3_max_live_parameters=rng.choice([1, 1_000_000_000]))
+    where = rng.choice(["memory", "memory", "cpu", "nvme"])
+    if where == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    elif where == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": directory}
+        zero["sub_group_size"] = rng.choice([100, 1000, 10**9])
+        if stage == 3 and rng.random() < 0.5:
+            zero["offload_param"] = {"device": "nvme", "nvme_path": directory, "max_in_cpu": rng.choice([0, 100])}
+    return {"optimizer": {"type": "AdamW", "params": {"lr": rng.choice([1e-2, 3e-3]),
+                                                      "weight_decay": rng.choice([0.0, 0.1]), "betas": [0.9, 0.99]}},
+            "gradient_accumulation_steps": rng.choice([1, 1, 2, 3]), "gradient_clipping": rng.choice([0.0, 0.0, 0.3]),
+            "zero_optimization": zero}
+
+
+def batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100_000 + 1000 * step + 10 * rank + micro)
+    return torch.randn(3, 8, generator=g), torch.randn(3, 4, generator=g)
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    decays = {n: n.endswith("weight") and "norm" not in n for n, _ in model.named_parameters()}
+    return [{"params": [p for n, p in model.named_parameters() if decays[n]]},
+            {"params": [p for n, p in model.named_parameters() if not decays[n]], "weight_decay": 0.0}]
+
+
+class Program:
+    """One rank's run of a drawn program beside the reference; ``trace`` names what ran."""
+
+    def __init__(self, rank: int, seed: int, directory: str) -> None:
+        self.rank, self.seed, self.directory = rank, seed, directory
+        self.rng = random.Random(seed)
+        self.config = draw_config(self.rng, directory)
+        self.accumulation = self.config["gradient_accumulation_steps"]
+        self.stage = self.config["zero_optimization"]["stage"]
+        params = self.config["optimizer"]["params"]
+        torch.manual_seed(seed)
+        self.model = Net()
+        self.reference = ReferencePair(self.model, lambda m: torch.optim.AdamW(
+            param_groups(m), lr=params["lr"], weight_decay=params["weight_decay"], betas=(0.9, 0.99), foreach=False))
+        for replica in self.reference.models:
+            replica.rank = -1
+        self.engine = zerocore.initialize(self.model, self.config, param_groups=param_groups(self.model))
+        self.step = 0
+        self.trace: list[str] = []
+        self.skipped_last = False
+
+    def run(self) -> list[str]:
+        ops = OPS if self.accumulation > 1 else (*OPS, "no_sync")
+        for op in [self.rng.choice(ops) for _ in range(self.rng.randint(5, 12))]:
+            if op in ("fail_one", "fail_mid") and self.stage == 3 and self.skipped_last:
+                # a one-rank failure right after every rank changed the order plays out the previous order
+                # (the README's limitation: a failing rank cannot know its peers' new path)
+                op = "fail_all"
+            if op in ("window", "no_sync", "eval_mid", "freeze", "skip_all", "skip_one"):
+                self.skipped_last = op.startswith("skip")
+            self.trace.append(op)
+            getattr(self, op)()
+        self.check("end")
+        self.engine.close()
+        return self.trace
+
+    def check(self, when: str) -> None:
+        self.reference.assert_matches(self.engine.full_state_dict(rank0_only=False),
+                                      label=f"seed {self.seed} {when} {self.config} {self.trace}")
+
+    def _train(self, micro_batches: int, scale: float = 1.0, no_sync_until: int = 0) -> None:
+        for micro in range(micro_batches):
+            x, y = batch(self.step, self.rank, micro)
+            loss = F.mse_loss(self.engine(x), y) * scale
+            if micro < no_sync_until:
+                with self.engine.no_sync():
+                    self.engine.backward(loss)
+            else:
+                self.engine.backward(loss)
+                self.engine.step()
+
+    def _reference_window(self, micro_batches: int, skip: tuple[int | str, int] | None = None) -> None:
+        def loss_of(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+            total = 0
+            for rank in range(WORLD):
+                module.skip = None if skip is None or skip[0] not in ("all", rank) else ("all", skip[1])
+                for micro in range(micro_batches):
+                    x, y = batch(self.step, rank, micro)
+                    total = total + F.mse_loss(module(as_dtype(x, dtype)), as_dtype(y, dtype))
+            module.skip = None
+            return total / (micro_batches * WORLD)
+
+        self.reference.train_step(loss_of, clip=self.config["gradient_clipping"])
+        self.step += 1
+
+    def window(self) -> None:
+        self._train(self.accumulation)
+        self._reference_window(self.accumulation)
+
+    def no_sync(self) -> None:  # accumulation by hand: every backward but the last inside no_sync()
+        count = self.rng.choice([2, 3])
+        self._train(count, scale=1 / count, no_sync_until=count - 1)
+        self._reference_window(count)
+
+    def eval_mid(self) -> None:  # an evaluation between two micro-steps of a window
+        for micro in range(self.accumulation):
+            x, y = batch(self.step, self.rank, micro)
+            self.engine.backward(F.mse_loss(self.engine(x), y))
+            if micro == 0:
+                with torch.no_grad():
+                    self.engine(batch(self.step, self.rank, 7)[0])
+            self.engine.step()
+        self._reference_window(self.accumulation)
+
+    def eval(self) -> None:
+        self.engine.eval()
+        x, _ = batch(self.step, self.rank, 9)
+        with torch.no_grad():
+            out, expected = self.engine(x), self.reference.fp32(x)
+        self.engine.train()
+        assert float((out - expected).norm() / expected.norm()) < 1e-4, self.trace
+
+    def _save(self) -> tuple[str, str, dict[str, torch.Tensor]]:
+        where, tag = os.path.join(self.directory, "checkpoints"), f"t{len(self.trace)}"
+        before = self.engine.full_state_dict(rank0_only=False)
+        self.engine.save_checkpoint(where, tag=tag)
+        return where, tag, before
+
+    def _assert_unchanged(self, before: dict[str, torch.Tensor]) -> None:
+        after = self.engine.full_state_dict(rank0_only=False)
+        assert all(torch.equal(before[k], after[k]) for k in before), self.trace
+
+    def save_load(self) -> None:
+        where, tag, before = self._save()
+        self.engine.load_checkpoint(where, tag=tag)
+        self._assert_unchanged(before)
+
+    def resume(self) -> None:  # a new process's engine on a freshly initialized model
+        where, tag, before = self._save()
+        self.engine.close()
+        torch.manual_seed(self.seed + 1)
+        self.model = Net()
+        self.engine = zerocore.initialize(self.model, self.config, param_groups=param_groups(self.model))
+        self.engine.load_checkpoint(where, tag=tag)
+        self._assert_unchanged(before)
+
+    def gathered_write(self) -> None:  # rank 0 scales one parameter; the others receive it
+        name, factor = self.rng.choice([n for n, _ in self.model.named_parameters()]), self.rng.choice([0.5, 1.5])
+        param = self.model.get_parameter(name)
+        with zerocore.gathered([param], modifier_rank=0), torch.no_grad():
+            if self.rank == 0:
+                param.mul_(factor)
+        for replica in self.reference.models:
+            with torch.no_grad():
+                replica.get_parameter(name).mul_(factor)
+        self.trace[-1] += f"({name} x{factor})"
+
+    def lr(self) -> None:
+        value, group = self.rng.choice([1e-3, 5e-3, 2e-2]), self.rng.choice([0, 1])
+        for optimizer in (self.engine.optimizer, *self.reference.optimizers):
+            optimizer.param_groups[group]["lr"] = value
+        self.trace[-1] += f"(group {group}: {value})"
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def read(self) -> None:
+        self.check("mid")
+
+    def _failing(self, who: int | str, at_micro: int) -> None:
+        """Micro-steps before ``at_micro`` train; that one raises on ``who`` (and so, naming it, in the
+        others' backward); every rank drops the window, so the reference does nothing."""
+        self._train(at_micro)
+        x, y = batch(self.step, self.rank, at_micro)
+        self.model.fail_on = who
+        try:
+            with pytest.raises(RuntimeError):
+                self.engine.backward(F.mse_loss(self.engine(x), y))
+                self.engine.step()
+        finally:
+            self.model.fail_on = None
+        self.trace[-1] += f"({who} at micro {at_micro})"
+        self.step += 1
+
+    def fail_all(self) -> None:
+        self._failing("all", 0)
+
+    def fail_one(self) -> None:
+        self._failing(self.rng.choice(range(WORLD)), 0)
+
+    def fail_mid(self) -> None:
+        self._failing(self.rng.choice(range(WORLD)), self.rng.randrange(self.accumulation))
+
+    def freeze(self) -> None:  # frozen for one window: left alone, as torch's AdamW leaves a None .grad
+        name = self.rng.choice([n for n, _ in self.model.named_parameters()])
+        models = (self.model, *self.reference.models)
+        for model in models:
+            model.get_parameter(name).requires_grad_(False)
+        self.window()
+        for model in models:
+            model.get_parameter(name).requires_grad_(True)
+        self.trace[-1] += f"({name})"
+
+    def _skipping(self, who: int | str) -> None:
+        skip = (who, self.rng.randrange(3))
+        self.model.skip = skip
+        try:
+            self._train(self.accumulation)
+        finally:
+            self.model.skip = None
+        self._reference_window(self.accumulation, skip)
+        self.trace[-1] += f"({skip})"
+
+    def skip_all(self) -> None:
+        self._skipping("all")
+
+    def skip_one(self) -> None:  # stage 3: a unit one rank skips is a divergence (raised), so every rank skips
+        self._skipping(self.rng.choice(range(WORLD)) if self.stage < 3 else "all")
+
+
+def program_worker(rank: int, world: int, seed: int, directory: str) -> list[str]:
+    return Program(rank, seed, directory).run()
+
+
+def _seeds() -> list[int]:
+    chosen = os.environ.get("ZEROCORE_RANDOM_PROGRAMS")
+    if chosen:
+        first, count = (int(v) for v in chosen.split(":"))
+        return list(range(first, first + count))
+    return [1, 6, 12, 14, 17, 24, 30, 32, 36, 38]  # every stage, offload kind and operation
+
+
+@pytest.mark.parametrize("seed", _seeds())
+def test_a_random_program_trains_like_the_replicated_reference(seed, tmp_path):
+    run_ranks(program_worker, WORLD, seed, str(tmp_path), timeout=180, pg_timeout=60)
