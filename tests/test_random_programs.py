@@ -1,5 +1,8 @@
 """Random training programs at world 2 against a replicated reference that sees every rank's batches.
 
+The model's layers route each row to one of two experts inside them, so the ranks' backwards reach different
+parameters of the same unit.
+
 Each seed draws a config (stage, accumulation, clipping, bucket sizes, overlap, all-reduce or reduce-scatter,
 stage 3's persistence and prefetch settings, optimizer state in memory, on the host or on NVMe, parameter
 shards on NVMe) and a program of what users do between and around steps: accumulation windows, no_sync()
@@ -31,13 +34,23 @@ OPS = ("window", "window", "window", "eval", "save_load", "resume", "gathered_wr
 
 
 class Block(nn.Module):
+    """A layer with two experts inside it: each row goes to the one its features pick, so a rank's batch may
+    reach both experts or one (Note [Parameters this backward will not reach])."""
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.fc = nn.Linear(dim, dim)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + torch.tanh(self.fc(x)))
+        h = torch.tanh(self.fc(x))
+        second = h[..., 0] > 0
+        routed = torch.zeros_like(h)
+        for chosen, expert in ((~second, self.experts[0]), (second, self.experts[1])):
+            if chosen.any():
+                routed[chosen] = expert(h[chosen])
+        return self.norm(x + h + routed)
 
 
 class Net(nn.Module):
