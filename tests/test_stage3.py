@@ -450,16 +450,19 @@ class MoE(nn.Module):
 
 
 class MoEModel(nn.Module):
-    def __init__(self) -> None:
+    """Each token goes to expert ``token id % routes`` of each layer."""
+
+    def __init__(self, routes: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.layers = nn.ModuleList(MoE() for _ in range(2))
         self.head = nn.Linear(DIM, VOCAB)
+        self.routes = routes
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         for layer in self.layers:
-            h = layer(h, tokens % 2)
+            h = layer(h, tokens % self.routes)
         return self.head(h)
 
 
@@ -468,71 +471,48 @@ def moe_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens - tokens % 2 + rank % 2, target  # rank 0 even tokens, rank 1 odd
 
 
-def moe_worker(rank: int, world: int, units: list | None) -> list[str]:
+def moe_uneven_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """With 3 routes: rank 0's batch reaches every expert of each layer, rank 1's only expert 0."""
+    tokens, target = data(step, rank)
+    return (tokens if rank == 0 else tokens - tokens % 3), target
+
+
+def moe_worker(rank: int, world: int, units: list | None, uneven: bool = False) -> tuple[list[str], list[str]]:
+    import os
+    os.environ["ZEROCORE_SHARED_MEMORY"] = "1"  # the transport that compares the ranks' collectives one by one
+    batch_of = moe_uneven_data if uneven else moe_data
     torch.manual_seed(0)
-    model = MoEModel()
+    model = MoEModel(routes=3 if uneven else 2)
     reference = ReferencePair(copy.deepcopy(model), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
                                                                                 weight_decay=0.01, foreach=False))
     engine = zerocore.initialize(model, config(), units=units)
+    engine.comm.set_logging(True)
     for step in range(3):
-        engine.backward(loss_of(engine, *moe_data(step, rank)))
+        engine.backward(loss_of(engine, *batch_of(step, rank)))
         engine.step()
-        reference.train_step(lambda module, dtype: sum(loss_of(module, *moe_data(step, r))
+        reference.train_step(lambda module, dtype: sum(loss_of(module, *batch_of(step, r))
                                                        for r in range(world)) / world)
     reference.assert_matches(engine.full_state_dict(rank0_only=False), label="moe")
-    return [u.name for u in engine.stage3.units]
+    return [u.name for u in engine.stage3.units], list(engine.comm.log())
 
 
 def test_a_mixture_of_experts_routing_ranks_to_other_experts_trains_with_its_layers_as_units():
     """By default the outermost repeated blocks are units: the experts, listed inside each layer, are gathered
     with it, so ranks whose tokens go to different experts still gather the same modules (Note [Stage 3
     units]); made units of their own they diverge, and the error names the way out."""
-    for names in run_ranks(moe_worker, 2, None):
+    for names, _ in run_ranks(moe_worker, 2, None):
         assert names == ["<root>", "layers.0", "layers.1"]
     errors = run_ranks(moe_worker, 2, [MoE, Block], expect_errors=True)
     for status, message in errors:
         assert status == "error" and "RanksDivergedError" in message and "units=[" in message, message
 
 
-class MoEEveryExpert(MoEModel):
-    """Routes by token id modulo 3: rank 0's batch reaches every expert of each layer, rank 1's only expert 0."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h, tokens % 3)
-        return self.head(h)
-
-
-def moe_uneven_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, target = data(step, rank)
-    return (tokens if rank == 0 else tokens - tokens % 3), target
-
-
-def moe_uneven_worker(rank: int, world: int) -> list[str]:
-    import os
-    os.environ["ZEROCORE_SHARED_MEMORY"] = "1"  # the transport that compares the ranks' collectives one by one
-    torch.manual_seed(0)
-    model = MoEEveryExpert()
-    reference = ReferencePair(copy.deepcopy(model), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
-                                                                                weight_decay=0.01, foreach=False))
-    engine = zerocore.initialize(model, config())
-    engine.comm.set_logging(True)
-    for step in range(3):
-        engine.backward(loss_of(engine, *moe_uneven_data(step, rank)))
-        engine.step()
-        reference.train_step(lambda module, dtype: sum(loss_of(module, *moe_uneven_data(step, r))
-                                                       for r in range(world)) / world)
-    reference.assert_matches(engine.full_state_dict(rank0_only=False), label="moe, uneven experts")
-    return list(engine.comm.log())
-
-
 def test_a_mixture_of_experts_whose_ranks_reach_different_numbers_of_experts_issues_the_same_collectives():
     """Note [Parameters this backward will not reach]: a layer whose every expert got a gradient on rank 0
     launched its reduce-scatter at once, while rank 1's waited for experts it never ran, until the end of the
     backward: the ranks' collectives came in different orders ('different collectives' on shared memory)."""
-    logs = run_ranks(moe_uneven_worker, 2)
-    assert logs[0] == logs[1]
+    (_, log), (_, other) = run_ranks(moe_worker, 2, None, True)
+    assert log == other
 
 
 def bf16_memory_worker(rank: int, world: int) -> dict:
