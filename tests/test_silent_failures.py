@@ -313,25 +313,47 @@ def test_an_exception_in_backward_leaves_the_engine_usable(stage):
 
 
 # ---- item 20 ----------------------------------------------------------------------------------------
+class HalfCheckpointed(nn.Module):
+    """A block (a stage 3 unit) of which one half runs inside a reentrant checkpoint: that half's gradients
+    come from the recomputation's own backward, the other half's from the outer one."""
+
+    def __init__(self, inside: str) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.second = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.inside = inside
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for half in (self.first, self.second):
+            h = torch.utils.checkpoint.checkpoint(half, h, use_reentrant=True) if half is getattr(self, self.inside) \
+                else half(h)
+        return h
+
+
 class Checkpointed(nn.Module):
-    def __init__(self) -> None:
+    """``where``: "block" checkpoints each block whole (Hugging Face's gradient_checkpointing_enable), "first" or
+    "second" half of each."""
+
+    def __init__(self, where: str = "block") -> None:
         super().__init__()
         self.inp = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) if where == "block"
+                                    else HalfCheckpointed(where) for _ in range(3))
         self.out = nn.Linear(16, 4)
+        self.where = where
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for block in self.blocks:
-            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True) if self.where == "block" else block(h)
         return self.out(h)
 
 
-def reentrant_worker(rank: int, world: int, stage: int) -> bool:
+def reentrant_worker(rank: int, world: int, stage: int, where: str) -> bool:
     from _parity import ReferencePair
 
     torch.manual_seed(0)
-    model = Checkpointed()
+    model = Checkpointed(where)
     reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0,
                                                                  foreach=False))
     engine = zerocore.initialize(model, _config(stage, zero_optimization={"stage": stage,
@@ -345,9 +367,11 @@ def reentrant_worker(rank: int, world: int, stage: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_reentrant_activation_checkpointing_trains_like_ddp(stage):
-    assert all(run_ranks(reentrant_worker, 2, stage))
+@pytest.mark.parametrize("stage,where", [(1, "block"), (2, "block"), (3, "block"), (3, "first"), (3, "second")])
+def test_reentrant_activation_checkpointing_trains_like_ddp(stage, where):
+    """At stage 3 a unit half inside a checkpoint gets its gradients from two backwards, one inside the other:
+    its reduction waits for both (Note [Parameters this backward will not reach])."""
+    assert all(run_ranks(reentrant_worker, 2, stage, where))
 
 
 # ---- item 24 ----------------------------------------------------------------------------------------

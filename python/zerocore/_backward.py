@@ -93,10 +93,13 @@ class GradientRouting:
         self._grad_accumulators: list[Any] = []
         self._last_got_grad: bytearray | None = None  # got_grad as the last completed backward left it
         self._marked = bytearray(len(param_slots))  # handed to the reducer in this backward
-        self._units_reached: set[int] = set()  # stage 3: units whose first gradient of this backward came
+        self._behind: dict[int, Any] = {}  # stage 3: buffers of the units whose backward began, not settled yet
+        self._outer_task: int | None = None  # the graph task of engine.backward's own loss.backward()
         self._indices_of_buffer: dict[int, list[int]] = {}
         for index, (buffer, _) in enumerate(param_slots):
             self._indices_of_buffer.setdefault(id(buffer), []).append(index)
+        if stage3 is not None:
+            stage3.before_backward_gather = self.settle_units_behind
         self._register_hooks()
 
     def _register_hooks(self) -> None:
@@ -152,7 +155,8 @@ class GradientRouting:
         self.reducing = reducing
         self.finalized = not reducing and self.stage3 is None
         self._marked = bytearray(len(self.param_slots))
-        self._units_reached.clear()
+        self._behind.clear()
+        self._outer_task = None
         if reducing:
             self.reducer.begin_backward(self._reductions_add())
 
@@ -223,9 +227,6 @@ class GradientRouting:
             param.grad = None
         if self.stage3 is not None:
             self.stage3.grad_ready(buffer, index)
-            if self.reducing and id(buffer) not in self._units_reached:
-                self._units_reached.add(id(buffer))
-                self._settle_unreachable(buffer)
 
     # Note [Parameters this backward will not reach]
     # ----------------------------------------------
@@ -235,16 +236,41 @@ class GradientRouting:
     # after initialize) would hold its unit's reduction back to the end of the backward on this rank only,
     # while a rank whose tokens reached every expert launches it at once: the two ranks' collectives would
     # then come in different orders (a shared-memory "different collectives" error, a hang or mixed buffers
-    # on other transports). So when a unit's first gradient arrives, the parameters of the unit whose
-    # gradient accumulator this backward's graph will not run are settled right there, as the end of the
-    # backward would settle them (with what no_sync() accumulated for them, else zeros): every rank launches
-    # the unit's reduction after its last gradient that does come, at the same point of the gather sequence.
-    # The graph asked is the running one, so a unit inside a reentrant activation checkpoint, whose
-    # gradients come from the recomputation's own backward, is asked there.
+    # on other transports). So before each unit's backward gathers, the units whose backward began before it
+    # (the same ones on every rank: their outputs' gradients arrived) settle their parameters whose gradient
+    # accumulator the running graph will not run, as the end of the backward would settle them (with what
+    # no_sync() accumulated for them, else zeros). In a model whose units run one after another, a unit's
+    # backward is over when the one before it begins (its gradients in, also those of a reentrant activation
+    # checkpoint inside it, whose recomputation runs a backward of its own before the gradients flow on), so
+    # every rank launches that unit's reduction before the same gather: on a rank that reached every
+    # parameter, after its last gradient; elsewhere, here. What the running graph still runs is left to arrive.
+    # Inside a reentrant checkpoint's own backward nothing is settled (that graph does not show what the outer
+    # one will still run): a model checkpointed whole block by block with use_reentrant=True settles at the end
+    # of the backward, as before, so its ranks must reach the same experts (use_reentrant=False does not).
+    def backward_root(self, loss: torch.Tensor) -> Any:
+        """Stage 3: ``loss``, about to be back-propagated, names its graph task as the outer one when the backward
+        starts (a tensor hook on the root runs first); returns the hook's handle, for removal after."""
+        def outer(grad: torch.Tensor) -> None:
+            self._outer_task = torch._C._current_graph_task_id()
+
+        return loss.register_hook(outer) if self.stage3 is not None and loss.requires_grad else None
+
+    def settle_units_behind(self, unit: Any) -> None:
+        """Stage 3, ``unit``'s backward begins and is about to gather (Note [Parameters this backward will not
+        reach]). Only in the outer graph: a reentrant checkpoint's recomputation runs a backward of its own, which
+        cannot tell what the outer one will still run (the model's root, say: its head's gradients came first,
+        its embedding's come last)."""
+        if (self.reducing and not self.finalized and self._behind and self._outer_task is not None
+                and torch._C._current_graph_task_id() == self._outer_task
+                and not torch._C._are_functorch_transforms_active()):
+            for buffer in self._behind.values():
+                self._settle_unreachable(buffer)
+            self._behind.clear()
+        if unit.buffer is not None and unit.buffer.params:
+            self._behind[id(unit.buffer)] = unit.buffer
+
     def _settle_unreachable(self, buffer: Any) -> None:
-        if torch._C._are_functorch_transforms_active():
-            return
-        for index in self._indices_of_buffer[id(buffer)]:
+        for index in self._indices_of_buffer.get(id(buffer), ()):
             if self._marked[index] or torch._C._will_engine_execute_node(self._grad_accumulators[index]):
                 continue
             _, local = self.param_slots[index]

@@ -139,6 +139,7 @@ class Stage3Runtime:
         self.recorded_order: list[int] | None = None
         self._recorded_position: dict[int, int] = {}  # a unit's first place in recorded_order
         self._recording_training = False  # the forward being recorded runs with grad
+        self.before_backward_gather: Callable[[Unit], None] | None = None
         self._reads_ahead = engine.param_file is not None  # Note [NVMe parameter shards]
         self._order: list[int] = []
         self._open: list[Unit] = []  # units whose forward began and has not ended, outermost first
@@ -401,6 +402,8 @@ class Stage3Runtime:
                 self._unpin_no_grad_forward()
 
     def pre_backward(self, unit: Unit) -> None:
+        if self.before_backward_gather is not None:  # (GradientRouting.settle_units_behind: logged before "pre")
+            self.before_backward_gather(unit)
         self._log("pre", unit.index)
         self.ensure_gathered(unit, "all_gather_backward")
         unit.in_backward = True

@@ -336,8 +336,10 @@ class Engine(DeepSpeedAccessors):
         gradients = self.gradients
         scale = self.loss_scaler.scale / (self.config.gradient_accumulation_steps if scale_wrt_gas else 1)
         self._begin_backward(no_sync, retain_graph)
+        root = loss * scale if scale != 1.0 else loss
+        outer = gradients.backward_root(root)
         try:
-            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            root.backward(retain_graph=retain_graph)
         except RanksDivergedError:
             life.to(EngineState.NO_SYNC if no_sync else EngineState.AWAITING_STEP)  # no collective may follow
             raise
@@ -350,6 +352,9 @@ class Engine(DeepSpeedAccessors):
             error.add_note("zerocore: this accumulation window's gradients were dropped and the engine is ready "
                            "for the window's first forward again")
             raise
+        finally:
+            if outer is not None:
+                outer.remove()
         life.to(EngineState.NO_SYNC if no_sync else EngineState.AWAITING_STEP)
         if not gradients.finalized:  # no parameter got a gradient in this backward
             gradients.finalize()
