@@ -19,12 +19,12 @@ of the forward's gathers: Note [A forward that raised on one rank] in _stage3.py
 own and its flag in the exchange: every rank drops the window at the same backward and the next batch starts
 in lockstep. The same all-reduce carries each rank's count of training forwards since the last exchange and
 whether one of them raised, for what no play-out covers (a forward inside no_sync() at stages 1-2, where
-nothing is exchanged; a KeyboardInterrupt, which reaches the ranks at different points, so that a play-out could
-pair with anything, unless there is one rank): a forward that raised on any rank since the last exchange makes the window's backward
-raise on every rank, dropping the window (which holds a batch some ranks skipped, or, with unequal counts,
-pairs different batches), and the counts start over. Unequal counts alone are no error: a rank may run extra
-forwards that it never back-propagates (a loss term of its own, a forward logged with grad enabled), as under
-DDP.
+nothing is exchanged; a KeyboardInterrupt, which reaches the ranks at different points, so that a play-out
+could pair with anything, unless there is one rank): a forward that raised on any rank since the last exchange
+makes the window's backward raise on every rank, dropping the window (which holds a batch some ranks skipped,
+or, with unequal counts, pairs different batches), and the counts start over. Unequal counts alone are no
+error: a rank may run extra forwards that it never back-propagates (a loss term of its own, a forward logged
+with grad enabled), as under DDP.
 On CPU the exchange is a few microseconds; on an accelerator it is one host sync per backward.
 """
 
