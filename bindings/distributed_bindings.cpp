@@ -116,6 +116,7 @@ void bind_distributed(py::module_& m) {
       .def("finalize", &GradReducer::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("in_backward", &GradReducer::in_backward)
       .def("unmarked_params", &GradReducer::unmarked_params)
+      .def("is_marked", &GradReducer::is_marked, py::arg("param"))
       .def_property_readonly("wire_dtype", &GradReducer::wire_dtype)
       .def_property_readonly("buffer_bytes", &GradReducer::buffer_bytes)
       .def_property_readonly("peak_buffer_bytes", &GradReducer::peak_buffer_bytes);

@@ -69,6 +69,8 @@ class GradReducer {
   bool in_backward() const { return tracker_.state() == ReadyTracker::State::kInBackward; }
   // The parameters not marked ready in this backward, in index order.
   std::vector<int64_t> unmarked_params() const;
+  // Whether parameter `param` got its gradient (or a zero fill) in the backward in progress.
+  bool is_marked(int64_t param) const { return tracker_.is_marked(param); }
   // The dtype buckets travel in: the reduce dtype, or the gradients' when the reduction widens them.
   at::ScalarType wire_dtype() const { return wire_dtype_; }
   int64_t buffer_bytes() const;       // bytes of the pool now

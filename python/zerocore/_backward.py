@@ -92,7 +92,6 @@ class GradientRouting:
         self._warned: set[str] = set()  # parameters warn_untrained named already
         self._grad_accumulators: list[Any] = []
         self._last_got_grad: bytearray | None = None  # got_grad as the last completed backward left it
-        self._marked = bytearray(len(param_slots))  # handed to the reducer in this backward
         self._behind: dict[int, Any] = {}  # stage 3: buffers of the units whose backward began, not settled yet
         self._outer_task: int | None = None  # the graph task of engine.backward's own loss.backward()
         self._indices_of_buffer: dict[int, list[int]] = {}
@@ -154,7 +153,6 @@ class GradientRouting:
         self._run_engine_hooks_last()
         self.reducing = reducing
         self.finalized = not reducing and self.stage3 is None
-        self._marked = bytearray(len(self.param_slots))
         self._behind.clear()
         self._outer_task = None
         if reducing:
@@ -271,16 +269,11 @@ class GradientRouting:
 
     def _settle_unreachable(self, buffer: Any) -> None:
         for index in self._indices_of_buffer.get(id(buffer), ()):
-            if self._marked[index] or torch._C._will_engine_execute_node(self._grad_accumulators[index]):
+            if self.reducer.is_marked(index) or torch._C._will_engine_execute_node(self._grad_accumulators[index]):
                 continue
-            _, local = self.param_slots[index]
-            param = buffer.params[local]
-            grad = buffer.grad_or_zeros(local) if buffer.grad_buffer is not None else param.grad
-            if grad is None:
-                grad = torch.zeros(param.shape, dtype=buffer.dtype, device=buffer.device)
-            self._marked[index] = 1
-            self.reducer.mark_ready(index, grad)
-            param.grad = None
+            if not self._reduce_local_gradient(index):  # nothing accumulated: zeros, as finalize fills them
+                shape = buffer.params[self.param_slots[index][1]].shape
+                self.reducer.mark_ready(index, torch.zeros(shape, dtype=buffer.dtype, device=buffer.device))
             self.stage3.grad_ready(buffer, index)
 
     def _reduce(self, index: int, param: torch.Tensor) -> None:
@@ -290,7 +283,6 @@ class GradientRouting:
         if self.finalized:
             raise RuntimeError(f"parameter {buffer.names[local]!r} produced a gradient after the backward was "
                                "finalized")
-        self._marked[index] = 1
         try:
             self.reducer.mark_ready(index, param.grad)
         except RuntimeError as error:
@@ -356,12 +348,19 @@ class GradientRouting:
         locally (earlier accumulation micro-steps of stage 1, or no_sync() backwards): it is reduced too,
         as DDP does, instead of counting as zero."""
         for index in self.reducer.unmarked_params():
-            buffer, local = self.param_slots[index]
-            param = buffer.params[local]
-            grad = buffer.grad_or_zeros(local) if buffer.grad_buffer is not None else param.grad
-            if grad is not None:
-                self.reducer.mark_ready(index, grad)
-                param.grad = None
+            self._reduce_local_gradient(index)
+
+    def _reduce_local_gradient(self, index: int) -> bool:
+        """Hands the reducer what parameter ``index`` accumulated on this rank in the window (stage 1's buffer,
+        no_sync() backwards), if anything; returns whether there was something."""
+        buffer, local = self.param_slots[index]
+        param = buffer.params[local]
+        grad = buffer.grad_or_zeros(local) if buffer.grad_buffer is not None else param.grad
+        if grad is None:
+            return False
+        self.reducer.mark_ready(index, grad)
+        param.grad = None
+        return True
 
 
 def exchanges_outcome(policy: StagePolicy, no_sync: bool) -> bool:
