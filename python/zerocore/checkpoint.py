@@ -281,49 +281,56 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
     # everything is read and checked on every rank: from here on the engine changes, and an interrupt waits until
     # it has changed whole (Note [Interrupts deferred in an update] in _deferred_signals.py)
     with deferred_interrupts("the checkpoint load"):
-        with torch.no_grad():
-            state = engine.optimizer_state
-            if staged.fresh:
-                state.adopt({key: value.view(torch.float32) for key, value in staged.fresh.items()})
-            for shard in state.shards:
-                with state.resident(shard, write=True) as values:
-                    for key, at, source in staged.copies.get(shard.index, ()):
-                        values[key][at : at + source.numel()].copy_(source)
-                    if not load_optimizer_states and not load_module_only:  # a fresh optimizer: zero moments
-                        values["exp_avg"].zero_()
-                        values["exp_avg_sq"].zero_()
-                    if shard.separate_master:  # the compute-dtype values are the master's rounding
-                        shard.params.copy_(values["master"])
-            load_untracked(engine, staged.untracked, staged.untracked_values, staged.frozen_shards)
-        engine.reload_params_from_shards()
-        if load_module_only:  # DeepSpeed's: the weights change, the training state (moments, counters, ...) stays
-            return staged.path, json_state.decode(index["client_state"])
-        counters = index["counters"]
-        # DeepSpeed's: the step counts continue; a fresh optimizer's own count (Adam's t) starts over
-        engine.restore_counters(counters["global_steps"], optimizer_steps(counters) if load_optimizer_states else 0,
-                                counters["skipped_steps"], counters["micro_steps"],
-                                counters.get("idle_steps", {}) if load_optimizer_states else {})
-        if load_optimizer_states:
-            # Only a dynamic fp16 scale resumes, and only from fp16 training: a bf16 or fp32 engine's scale is 1
-            # (given an fp16 checkpoint's 32768, every gradient would be 32768x too large: norms, clipping and Adam's
-            # eps all wrong), and a static scale is the config's.
-            if engine.loss_scaler.dynamic and index["compute_dtype"] == "float16":
-                engine.loss_scaler.load_state_dict(index["loss_scaler"])
-            for group, saved in zip(engine.optimizer.param_groups, index["param_groups"]):
-                for key, value in saved.items():
-                    group[key] = tuple(value) if key == "betas" else value
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and index["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(json_state.decode(index["lr_scheduler"]))
-            if not load_optimizer_states:  # the fresh groups hold the schedule's first values, not its current ones
-                apply_current_values(engine.lr_scheduler)
-        if staged.rng is not None:  # RNG streams continue (another world size has other streams)
-            torch.set_rng_state(staged.rng["rng.cpu"])
-            if engine.device.type == "cuda" and "rng.cuda" in staged.rng:
-                torch.cuda.set_rng_state(staged.rng["rng.cuda"], engine.device)
-            random.setstate(_python_rng(index["ranks"][engine.rank]["python_rng"]))
+        _apply_staged(engine, staged, load_optimizer_states, load_lr_scheduler_states, load_module_only)
     # no barrier: every rank read everything before the verdicts, and a barrier here would wait for the
     # parameter all-gathers that reload_params_from_shards leaves in flight for the next forward to overlap
     return staged.path, json_state.decode(index["client_state"])
+
+
+def _apply_staged(engine: Engine, staged: _Staged, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                  load_module_only: bool) -> None:
+    """Puts what ``load_checkpoint`` read and checked into the engine (see its arguments)."""
+    index = staged.index
+    with torch.no_grad():
+        state = engine.optimizer_state
+        if staged.fresh:
+            state.adopt({key: value.view(torch.float32) for key, value in staged.fresh.items()})
+        for shard in state.shards:
+            with state.resident(shard, write=True) as values:
+                for key, at, source in staged.copies.get(shard.index, ()):
+                    values[key][at : at + source.numel()].copy_(source)
+                if not load_optimizer_states and not load_module_only:  # a fresh optimizer: zero moments
+                    values["exp_avg"].zero_()
+                    values["exp_avg_sq"].zero_()
+                if shard.separate_master:  # the compute-dtype values are the master's rounding
+                    shard.params.copy_(values["master"])
+        load_untracked(engine, staged.untracked, staged.untracked_values, staged.frozen_shards)
+    engine.reload_params_from_shards()
+    if load_module_only:  # DeepSpeed's: the weights change, the training state (moments, counters, ...) stays
+        return
+    counters = index["counters"]
+    # DeepSpeed's: the step counts continue; a fresh optimizer's own count (Adam's t) starts over
+    engine.restore_counters(counters["global_steps"], optimizer_steps(counters) if load_optimizer_states else 0,
+                            counters["skipped_steps"], counters["micro_steps"],
+                            counters.get("idle_steps", {}) if load_optimizer_states else {})
+    if load_optimizer_states:
+        # Only a dynamic fp16 scale resumes, and only from fp16 training: a bf16 or fp32 engine's scale is 1
+        # (given an fp16 checkpoint's 32768, every gradient would be 32768x too large: norms, clipping and Adam's
+        # eps all wrong), and a static scale is the config's.
+        if engine.loss_scaler.dynamic and index["compute_dtype"] == "float16":
+            engine.loss_scaler.load_state_dict(index["loss_scaler"])
+        for group, saved in zip(engine.optimizer.param_groups, index["param_groups"]):
+            for key, value in saved.items():
+                group[key] = tuple(value) if key == "betas" else value
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and index["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(json_state.decode(index["lr_scheduler"]))
+        if not load_optimizer_states:  # the fresh groups hold the schedule's first values, not its current ones
+            apply_current_values(engine.lr_scheduler)
+    if staged.rng is not None:  # RNG streams continue (another world size has other streams)
+        torch.set_rng_state(staged.rng["rng.cpu"])
+        if engine.device.type == "cuda" and "rng.cuda" in staged.rng:
+            torch.cuda.set_rng_state(staged.rng["rng.cuda"], engine.device)
+        random.setstate(_python_rng(index["ranks"][engine.rank]["python_rng"]))
 
 
 class _Staged:
