@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import zerocore
+from zerocore.engine import EngineState
 from _dist import run_ranks
 from _parity import ReferencePair
 
@@ -45,11 +46,13 @@ def worker(rank: int, world: int, stage: int, mode: str) -> bool:
                                                                  foreach=False))
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-              "gradient_accumulation_steps": 2 if mode == "accumulation" else 1}
+              "gradient_accumulation_steps": 1 if mode == "no_sync" else 2}
     engine = zerocore.initialize(model, config)
     for step in range(3):
         # micro-step 0 uses both blocks, micro-step 1 (the reducing one) only the first
         for micro, use_second in ((0, True), (1, False)):
+            if mode.startswith("manual"):  # DeepSpeed's manual window, as Accelerate's DeepSpeed wrapper sets it
+                engine.set_gradient_accumulation_boundary(micro == 1)
             x, y = _batch(step, micro, rank)
             loss = _loss(engine, x, y, use_second)
             if mode == "no_sync" and micro == 0:
@@ -58,9 +61,13 @@ def worker(rank: int, world: int, stage: int, mode: str) -> bool:
             elif mode == "no_sync":
                 engine.backward(loss / 2)
                 engine.step()
+            elif mode == "manual" and micro == 0:
+                engine.backward(loss)  # no step(): the next forward ends this micro-step
+                assert not engine.is_gradient_accumulation_boundary()
             else:
                 engine.backward(loss)
                 engine.step()
+                assert engine.was_step_applied() == (micro == 1)
         reference.train_step(lambda module, dtype: sum(
             _loss(module, *_batch(step, micro, r), use_second) for r in range(world)
             for micro, use_second in ((0, True), (1, False))) / (2 * world))
@@ -68,8 +75,8 @@ def worker(rank: int, world: int, stage: int, mode: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("stage,mode", [(1, "accumulation"), (2, "accumulation"), (3, "accumulation"),
-                                        (1, "no_sync"), (2, "no_sync"), (3, "no_sync")])
+@pytest.mark.parametrize("stage,mode", [(stage, mode) for mode in ("accumulation", "no_sync", "manual", "manual_stepped")
+                                        for stage in (1, 2, 3)])
 def test_a_parameter_without_a_gradient_in_the_last_micro_step_keeps_its_accumulated_one(stage, mode):
     assert all(run_ranks(worker, 2, stage, mode))
 
@@ -123,3 +130,60 @@ def scale_wrt_gas_worker(rank: int, world: int, stage: int) -> list[list[float]]
 def test_backward_without_scaling_by_the_accumulation_steps(stage):
     for default, divided_by_caller in run_ranks(scale_wrt_gas_worker, 2, stage):
         assert default == divided_by_caller
+
+
+def manual_boundary_worker(rank: int, world: int, stage: int, directory: str) -> list[str]:
+    """Note [Manual accumulation boundary]: what DeepSpeed's set_gradient_accumulation_boundary() allows, and a
+    setting changed between a backward and its step() refused with nothing changed."""
+    torch.manual_seed(0)
+    model = TwoBlocks()
+    reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0,
+                                                                 foreach=False))
+    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                         "zero_optimization": {"stage": stage}, "gradient_accumulation_steps": 2})
+    errors = []
+
+    def micro_step(step: int, micro: int) -> None:
+        engine.backward(_loss(engine, *_batch(step, micro, rank), use_second=True))
+
+    engine.set_gradient_accumulation_boundary(False)
+    micro_step(0, 0)
+    engine.set_gradient_accumulation_boundary(True)  # too late: that backward ran as no boundary
+    with pytest.raises(RuntimeError, match=r"set_gradient_accumulation_boundary\(True\) was called after") as error:
+        engine.step()
+    errors.append(str(error.value))
+    assert engine.state is EngineState.AWAITING_STEP and not engine.was_step_applied()
+    engine.set_gradient_accumulation_boundary(False)
+    engine.step()  # ends the micro-step, updates nothing
+    engine.set_gradient_accumulation_boundary(True)
+    micro_step(0, 1)
+    engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 1
+
+    engine.set_gradient_accumulation_boundary(False)
+    micro_step(1, 0)
+    with pytest.raises(RuntimeError, match="inside an accumulation window") as error:
+        engine.save_checkpoint(directory)  # the next forward would end the micro-step; the window stays open
+    errors.append(str(error.value))
+    engine.step()
+    engine.set_gradient_accumulation_boundary(True)
+    micro_step(1, 1)
+    engine.step()
+
+    engine.set_gradient_accumulation_boundary(None)  # counting gradient_accumulation_steps again
+    for micro in range(2):
+        assert engine.is_gradient_accumulation_boundary() == (micro == 1)
+        micro_step(2, micro)
+        engine.step()
+    assert engine.global_steps == 3 and engine.was_step_applied()
+    for step in range(3):
+        reference.train_step(lambda module, dtype: sum(_loss(module, *_batch(step, micro, r), use_second=True)
+                                                       for r in range(world) for micro in range(2)) / (2 * world))
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"stage {stage} manual boundary")
+    return errors
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_manual_boundary_changed_after_its_backward_is_refused_and_the_window_trains_on(stage, tmp_path):
+    for errors in run_ranks(manual_boundary_worker, 2, stage, str(tmp_path)):
+        assert len(errors) == 2

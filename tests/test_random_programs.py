@@ -118,6 +118,9 @@ class Program:
     def __init__(self, rank: int, seed: int, directory: str, precision: str = "fp32") -> None:
         self.rank, self.seed, self.directory = rank, seed, directory
         self.rng = random.Random(seed)
+        # draws of what a program adds since its seeds were chosen (DeepSpeed's manual accumulation boundary),
+        # apart so that a seed still draws the config and operations it did
+        self.side = random.Random(seed + 7_000_003)
         self.config = draw_config(self.rng, directory)
         self.precision = precision
         if precision != "fp32":  # fp16: a dynamic loss scale starting low enough to skip some steps
@@ -167,7 +170,16 @@ class Program:
         return F.mse_loss(self.engine(x.to(self.dtype)).float(), y)
 
     def _train(self, micro_batches: int, scale: float = 1.0, no_sync_until: int = 0) -> None:
+        """Some windows set their boundary by hand, as Accelerate does (set_gradient_accumulation_boundary()
+        before each micro-step; step() at the boundary only, or after each); counting resumes after them."""
+        manual = no_sync_until == 0 and self.side.random() < 0.3
+        step_each = self.side.random() < 0.5
+        if manual:
+            self.trace[-1] += "(manual" + (" stepped)" if step_each else ")")
         for micro in range(micro_batches):
+            boundary = micro == self.accumulation - 1  # a failing window's first micro-steps never end it
+            if manual:
+                self.engine.set_gradient_accumulation_boundary(boundary)
             x, y = batch(self.step, self.rank, micro)
             loss = self._loss(x, y) * scale
             if micro < no_sync_until:
@@ -175,7 +187,9 @@ class Program:
                     self.engine.backward(loss)
             else:
                 self.engine.backward(loss)
-                self.engine.step()
+                if boundary or not manual or step_each:
+                    self.engine.step()
+        self.engine.set_gradient_accumulation_boundary(None)
 
     def _reference_window(self, micro_batches: int, skip: tuple[int | str, int] | None = None) -> None:
         def loss_of(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:

@@ -450,7 +450,7 @@ def test_at_stage_3_a_backward_error_on_one_rank_raises_on_every_rank_instead_of
 
 
 def stage3_forward_fails_worker(rank: int, world: int, failing_block: int, zero: dict, accumulation: int,
-                                skip_everywhere: bool) -> dict:
+                                skip_everywhere: bool, manual: bool = False) -> dict:
     engine = _failing_chain_engine(rank, failing_block, zero, accumulation)
     seen = []
     # a window's last micro-step (a window dropped part-way starts over at the next micro-step), the first
@@ -460,6 +460,9 @@ def stage3_forward_fails_worker(rank: int, world: int, failing_block: int, zero:
         if skip_everywhere and any(f // accumulation * accumulation <= step <= f for f in failing):
             continue  # the reference: no rank ran what the dropped windows held
         FailingBlock.forward_fails_on = 0 if step in failing and not skip_everywhere else None
+        boundary = step % accumulation == accumulation - 1
+        if manual:  # Accelerate's way: no step() inside the window, so the failing forward follows a backward
+            engine.set_gradient_accumulation_boundary(boundary)
         try:
             loss = engine(_x(step, rank)).square().mean()
             if step == 2:  # an evaluation forward raising on rank 1 alone: its peers' gathers are played out
@@ -471,7 +474,8 @@ def stage3_forward_fails_worker(rank: int, world: int, failing_block: int, zero:
                         seen.append(f"eval: {error}")
                     FailingBlock.forward_fails_on = None
             engine.backward(loss)
-            engine.step()
+            if boundary or not manual:
+                engine.step()
         except RuntimeError as error:
             seen.append(str(error).splitlines()[0])
     _assert_in_lockstep(engine)
@@ -480,20 +484,22 @@ def stage3_forward_fails_worker(rank: int, world: int, failing_block: int, zero:
 
 
 @pytest.mark.parametrize("failing_block", [0, 2, 5])  # 2: a unit of frozen weights
-@pytest.mark.parametrize("zero,accumulation", [({}, 1), ({}, 2), ({"stage3_prefetch_bucket_size": 10**6}, 1),
-                                               ({"zero_quantized_weights": True, "zero_hpz_partition_size": 2}, 1)],
-                         ids=["plain", "accumulation", "prefetch_all", "zeropp"])
+@pytest.mark.parametrize("zero,accumulation,manual", [
+    ({}, 1, False), ({}, 2, False), ({}, 2, True), ({"stage3_prefetch_bucket_size": 10**6}, 1, False),
+    ({"zero_quantized_weights": True, "zero_hpz_partition_size": 2}, 1, False)],
+    ids=["plain", "accumulation", "manual_boundary", "prefetch_all", "zeropp"])
 def test_at_stage_3_a_forward_error_on_one_rank_drops_the_batch_on_every_rank_instead_of_a_hang(
-        failing_block, zero, accumulation):
+        failing_block, zero, accumulation, manual):
     """Note [A forward that raised on one rank]: the failing rank plays out the rest of its peers' forward
     (gathers, prefetches, releases) and their backward; every rank drops the window, and training goes on as if
-    no rank had run it."""
-    results = run_ranks(stage3_forward_fails_worker, 2, failing_block, zero, accumulation, False, timeout=90)
+    no rank had run it. ``manual``: windows set by set_gradient_accumulation_boundary() without step() inside
+    them (Note [Manual accumulation boundary])."""
+    results = run_ranks(stage3_forward_fails_worker, 2, failing_block, zero, accumulation, False, manual, timeout=90)
     assert results[0]["seen"] == ["simulated bad batch on this rank"] * 2, results
     first, evaluation, last = results[1]["seen"]
     assert evaluation == "eval: simulated bad batch on this rank", results
     assert all("rank(s) [0] raised an exception in this batch's forward" in m for m in (first, last)), results
-    reference = run_ranks(stage3_forward_fails_worker, 2, failing_block, zero, accumulation, True, timeout=90)
+    reference = run_ranks(stage3_forward_fails_worker, 2, failing_block, zero, accumulation, True, manual, timeout=90)
     assert results[0]["steps"] == results[1]["steps"] == reference[0]["steps"] == 3
     assert results[0]["state"] == reference[0]["state"]
 

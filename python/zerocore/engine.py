@@ -5,8 +5,10 @@ Note [Engine lifecycle]
 A training iteration is DeepSpeed's: ``loss = engine(batch)``, ``engine.backward(loss)``,
 ``engine.step()``, repeated ``gradient_accumulation_steps`` times per optimizer update. ``step()`` counts
 micro-steps and updates only at the accumulation boundary. Every backward outside ``no_sync()`` must be
-followed by ``step()`` before the next one; backwards inside ``no_sync()`` only accumulate locally. The
-states and their legal transitions: Note [Engine states] in _lifecycle.py.
+followed by ``step()`` before the next one (except one set as no boundary by DeepSpeed's
+``set_gradient_accumulation_boundary(False)``: Note [Manual accumulation boundary]); backwards inside
+``no_sync()`` only accumulate locally. The states and their legal transitions: Note [Engine states] in
+_lifecycle.py.
 
 What the stage changes is a policy (Note [Stage policy]); the storage is one ShardedBuffer per unit
 (Note [Sharded buffer]; stages 1-2: one for the whole model; stage 3: one per unit, scheduled by
@@ -200,6 +202,12 @@ class Engine(DeepSpeedAccessors):
                                       for m in model.modules())
         self._comm_reset_at_step = 0
         self.micro_steps = 0
+        self._micro_steps_in_window = 0  # micro-steps ended since the last boundary (the open window's)
+        # Note [Manual accumulation boundary]
+        self._boundary_override: bool | None = None
+        self._backward_boundary = False  # whether the synced backward awaiting step() ends its window
+        self._backward_set_manually = False  # ... as set_gradient_accumulation_boundary() decided
+        self._micro_step_ended_unstepped = False  # a manual non-boundary micro-step ended without its step()
         self.skipped_steps = 0
         # global_steps counts on from a checkpoint loaded with a fresh optimizer, whose Adam step starts over
         self._steps_before_optimizer = 0
@@ -261,6 +269,7 @@ class Engine(DeepSpeedAccessors):
         DeepSpeed's auto_cast does (keyword arguments never are)."""
         life = self.lifecycle
         life.require("forward()", *_USABLE)
+        self._end_unstepped_micro_step()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args = cast_floating(args, torch.float16)
         self._refuse_recast_params()
@@ -316,13 +325,47 @@ class Engine(DeepSpeedAccessors):
                            "window (where the forward did not raise, the backward raises naming this rank). Go on "
                            "with the next batch on every rank; the engine is ready for it.")
 
+    # Note [Manual accumulation boundary]
+    # -----------------------------------
+    # DeepSpeed's engine.set_gradient_accumulation_boundary(is_boundary), which Accelerate's DeepSpeed wrapper
+    # calls before every backward, replaces the count of gradient_accumulation_steps: the next backward ends
+    # the window when True (its step() updates) and accumulates when False, and then step() may be left out
+    # (Accelerate calls it only at the boundary): the next forward, backward or no_sync() ends that micro-step
+    # as its step() would, and a step() called for it afterwards does nothing, as on DeepSpeed. step() applies
+    # what the backward was run as (stage 1 reduces only in the boundary's backward), so a setting changed
+    # between a backward and its step() is refused rather than updating from unreduced gradients or leaving
+    # reduced ones. Losses are still divided by gradient_accumulation_steps (scale_wrt_gas), as DeepSpeed does.
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's manual accumulation boundary (Note [Manual accumulation boundary]): set before each
+        micro-step's forward and backward, True for the window's last one; None counts
+        ``gradient_accumulation_steps`` again."""
+        self._boundary_override = None if is_boundary is None else bool(is_boundary)
+
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        """Whether the next backward ends the accumulation window (its step() updates the parameters)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return self._micro_steps_in_window + 1 >= self.config.gradient_accumulation_steps
+
+    def _end_micro_step(self, boundary: bool) -> None:
+        self.micro_steps += 1
+        self._micro_steps_in_window = 0 if boundary else self._micro_steps_in_window + 1
+        self.step_applied = False
+
+    def _end_unstepped_micro_step(self) -> None:
+        """A backward set as no boundary awaits a step() that the caller leaves out (Note [Manual accumulation
+        boundary]): ends its micro-step as step() would."""
+        life = self.lifecycle
+        if life.state is EngineState.AWAITING_STEP and self._backward_set_manually and not self._backward_boundary:
+            self._end_micro_step(boundary=False)
+            life.to(EngineState.FORWARD if life.forward_pending else EngineState.IDLE)
+            self._micro_step_ended_unstepped = True
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Back-propagates ``loss``, scaled for fp16 and (``scale_wrt_gas``, DeepSpeed's) divided by the
         accumulation steps, so that a window's gradient is the mean of its micro-steps'."""
         life = self.lifecycle
+        self._end_unstepped_micro_step()
         if life.state is EngineState.AWAITING_STEP:
             raise RuntimeError(
                 "backward() was called twice without step() in between. Call engine.step() after every "
@@ -370,7 +413,11 @@ class Engine(DeepSpeedAccessors):
         """A backward starts (``backward()``, or one played out for a forward that raised): whether it reduces,
         stage 3's per-backward state, the state machine."""
         self.land_param_gathers()  # parameters the forward did not read
-        reduces = not no_sync and (self.policy.reduce_every_sync or self.is_gradient_accumulation_boundary())
+        boundary = self.is_gradient_accumulation_boundary()
+        reduces = not no_sync and (self.policy.reduce_every_sync or boundary)
+        if not no_sync:
+            self._backward_boundary, self._backward_set_manually = boundary, self._boundary_override is not None
+            self._micro_step_ended_unstepped = False
         self.gradients.begin(reduces)
         if self.stage3 is not None:
             self.stage3.begin_backward(retain_graph)
@@ -407,7 +454,9 @@ class Engine(DeepSpeedAccessors):
             finally:
                 gradients.finalized = True
                 self.zero_grad()
-                self.micro_steps -= self.micro_steps % self.config.gradient_accumulation_steps
+                self.micro_steps -= self._micro_steps_in_window
+                self._micro_steps_in_window = 0
+                self._micro_step_ended_unstepped = False
                 life = self.lifecycle
                 life.forward_pending = False
                 life.local_grads = False
@@ -419,6 +468,7 @@ class Engine(DeepSpeedAccessors):
 
         Stage 2 then holds full gradients until the next synced backward, like FSDP's ``no_sync``.
         """
+        self._end_unstepped_micro_step()
         entered = self.lifecycle.enter_no_sync()
         try:
             yield
@@ -430,6 +480,9 @@ class Engine(DeepSpeedAccessors):
     def step(self) -> None:
         """Ends a micro-step; at the accumulation boundary, updates the parameters on every rank."""
         life = self.lifecycle
+        if life.state in (EngineState.IDLE, EngineState.FORWARD) and self._micro_step_ended_unstepped:
+            self._micro_step_ended_unstepped = False  # its micro-step has ended already
+            return
         if life.state in (EngineState.IDLE, EngineState.FORWARD):
             if life.local_grads:
                 raise RuntimeError(
@@ -438,12 +491,17 @@ class Engine(DeepSpeedAccessors):
                     "too). Run the last backward of the accumulation window outside no_sync(), then step().")
             raise RuntimeError("step() was called before backward(); call engine.backward(loss) first")
         life.require("step()", EngineState.AWAITING_STEP)
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary = self._backward_boundary
+        if self._boundary_override is not None and self._boundary_override != boundary:
+            raise RuntimeError(
+                f"set_gradient_accumulation_boundary({self._boundary_override}) was called after this micro-step's "
+                f"backward, which ran {'as' if boundary else 'as not'} the accumulation boundary: set it before the "
+                "forward and backward it is meant for (Accelerate and DeepSpeed's examples do). Nothing was "
+                f"changed: call set_gradient_accumulation_boundary({boundary}) and step() to end this micro-step")
         if boundary and self.stage3 is not None:
             self.stage3.refuse_while_held("step()")
-        self.micro_steps += 1
+        self._end_micro_step(boundary)
         life.to(EngineState.IDLE)
-        self.step_applied = False
         if boundary:
             with deferred_interrupts("the optimizer step"):  # Note [Interrupts deferred in an update]
                 self._boundary_step()
@@ -555,12 +613,13 @@ class Engine(DeepSpeedAccessors):
         collective: every rank calls it, at an accumulation boundary. Returns the checkpoint's path."""
         from .checkpoint import save_checkpoint
 
+        self._end_unstepped_micro_step()  # (then refused below as inside its window)
         self.lifecycle.require("save_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
         self._refuse_inside_window("save_checkpoint()", "would lose its gradients")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def _refuse_inside_window(self, action: str, why: str) -> None:
-        if self.micro_steps % self.config.gradient_accumulation_steps or self.lifecycle.local_grads:
+        if self._micro_steps_in_window or self.lifecycle.local_grads:
             raise RuntimeError(f"{action} inside an accumulation window (or with no_sync() gradients pending) {why}; "
                                "call it after the step() that ends the window")
 
@@ -580,6 +639,7 @@ class Engine(DeepSpeedAccessors):
             raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...) is not supported: a "
                              "zerocore checkpoint loads into the model it was saved from, every parameter checked; "
                              "load weights of another model into the plain model before zerocore.initialize")
+        self._end_unstepped_micro_step()  # (then refused below as inside its window)
         self.lifecycle.require("load_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
         self._refuse_inside_window("load_checkpoint()", "would apply the window's gradients, computed from the "
                                    "weights before the load, to the loaded ones")
@@ -633,6 +693,7 @@ class Engine(DeepSpeedAccessors):
         self.optimizer_state.idle_steps = dict(idle_steps)
         self.skipped_steps = skipped_steps
         self.micro_steps = micro_steps
+        self._micro_steps_in_window = 0  # (saved and loaded at a window's end only)
 
     def reload_params_from_shards(self) -> None:
         """The optimizer shards were overwritten (a checkpoint load): the parameters follow them, every rank
