@@ -71,13 +71,13 @@ class ReferenceRuntime:
             budget -= unit.numel
         return self.gathered
 
-    def prefetch_for_backward(self, recorded_order: list[int], unit: int) -> int | None:
-        """Backward: from just before the last occurrence of `unit`, look back for the first unit at rest and
-        not persistent; gather it if it fits, and stop there either way."""
-        if unit not in recorded_order:
+    def prefetch_for_backward(self, recorded_order: list[int], unit: int, visit: int = 0) -> int | None:
+        """Backward: from just before the `visit`-th occurrence of `unit` counted from the end, look back for the
+        first unit at rest and not persistent; gather it if it fits, and stop there either way."""
+        occurrences = [i for i, u in enumerate(recorded_order) if u == unit]
+        if visit >= len(occurrences):
             return None
-        last = max(i for i, u in enumerate(recorded_order) if u == unit)
-        for index in reversed(recorded_order[:last]):
+        for index in reversed(recorded_order[:occurrences[-1 - visit]]):
             previous = self.units[index]
             if previous.state is State.SHARDED and not previous.persistent:
                 if self.live_elements + previous.numel <= self.max_live:
@@ -134,10 +134,10 @@ def forward(numel, sharded, order, position, live, max_live, budget, persistent=
         unit_persistent=persistent, live_elements=live, max_live=max_live, prefetch_budget=budget)
 
 
-def backward(numel, sharded, persistent, order, unit, live, max_live):
+def backward(numel, sharded, persistent, order, unit, live, max_live, visit=0):
     return _C.plan_backward_prefetch(
-        recorded_order=order, unit=unit, unit_numel=numel, unit_sharded=sharded, unit_persistent=persistent,
-        live_elements=live, max_live=max_live)
+        recorded_order=order, unit=unit, visit=visit, unit_numel=numel, unit_sharded=sharded,
+        unit_persistent=persistent, live_elements=live, max_live=max_live)
 
 
 # ---- forward --------------------------------------------------------------------------------------------
@@ -227,9 +227,10 @@ def test_forward_plan_examples():
 def test_backward_plan_matches_reference(schedule, data):
     numel, sharded, persistent, order, live, max_live, _ = schedule
     unit = data.draw(st.sampled_from(order) if order and data.draw(st.booleans()) else st.integers(0, len(numel) - 1))
+    visit = data.draw(st.integers(0, 3))
     reference = ReferenceRuntime(numel, sharded, persistent, live_elements=live, max_live=max_live)
-    expected = reference.prefetch_for_backward(order, unit)
-    assert backward(numel, sharded, persistent, order, unit, live, max_live) == expected
+    expected = reference.prefetch_for_backward(order, unit, visit)
+    assert backward(numel, sharded, persistent, order, unit, live, max_live, visit) == expected
 
 
 @given(schedules(backward=True), st.data())
@@ -237,13 +238,15 @@ def test_backward_plan_properties(schedule, data):
     numel, sharded, persistent, order, live, max_live, _ = schedule
     assume(order)
     unit = data.draw(st.sampled_from(order))
-    chosen = backward(numel, sharded, persistent, order, unit, live, max_live)
-    last = len(order) - 1 - order[::-1].index(unit)
-    eligible = [i for i in range(last) if sharded[order[i]] and not persistent[order[i]]]
+    calls = [i for i, u in enumerate(order) if u == unit]
+    visit = data.draw(st.integers(0, len(calls) - 1))
+    chosen = backward(numel, sharded, persistent, order, unit, live, max_live, visit)
+    call = calls[-1 - visit]  # the backward meets the calls last first
+    eligible = [i for i in range(call) if sharded[order[i]] and not persistent[order[i]]]
     if not eligible:
         assert chosen is None
         return
-    # the nearest eligible unit before the last call of `unit` is the only candidate; it goes if it fits
+    # the nearest eligible unit before the visited call of `unit` is the only candidate; it goes if it fits
     candidate = order[eligible[-1]]
     assert chosen == (candidate if live + numel[candidate] <= max_live else None)
 
@@ -251,8 +254,11 @@ def test_backward_plan_properties(schedule, data):
 def test_backward_plan_examples():
     flags = [True] * 4
     rest = [False] * 4
-    # the unit before the LAST occurrence of the unit
+    # the unit before the LAST occurrence of the unit, on its first backward; on its second, the one before
+    # the occurrence before (the units in between, done already, are never candidates); no third
     assert backward([1] * 4, flags, rest, [0, 1, 2, 1, 3], 1, 0, 100) == 2
+    assert backward([1] * 4, flags, rest, [0, 1, 2, 1, 3], 1, 0, 100, visit=1) == 0
+    assert backward([1] * 4, flags, rest, [0, 1, 2, 1, 3], 1, 0, 100, visit=2) is None
     # not sharded or persistent units are skipped
     assert backward([1] * 4, [True, False, True, True], [False, False, True, False], [0, 1, 2, 3], 3, 0, 100) == 0
     # the first candidate that does not fit ends the search
@@ -266,7 +272,7 @@ def test_backward_plan_examples():
 # ---- bad inputs -----------------------------------------------------------------------------------------
 FORWARD_OK = {"recorded_order": [0, 1], "position": 0, "unit_numel": [1, 2], "unit_sharded": [True, True],
               "unit_persistent": [False, False], "live_elements": 0, "max_live": 10, "prefetch_budget": 10}
-BACKWARD_OK = {"recorded_order": [0, 1], "unit": 1, "unit_numel": [1, 2], "unit_sharded": [True, True],
+BACKWARD_OK = {"recorded_order": [0, 1], "unit": 1, "visit": 0, "unit_numel": [1, 2], "unit_sharded": [True, True],
                "unit_persistent": [False, False], "live_elements": 0, "max_live": 10}
 
 
@@ -294,6 +300,7 @@ def test_forward_plan_rejects_bad_input(change, name):
     ({"recorded_order": [0, 5]}, "recorded_order"),
     ({"unit": 2}, "unit"),
     ({"unit": -1}, "unit"),
+    ({"visit": -1}, "visit"),
     ({"unit_numel": [-1, 2]}, "unit_numel"),
     ({"unit_sharded": [True, True, True]}, "unit_sharded"),
     ({"unit_persistent": [False]}, "unit_persistent"),

@@ -55,18 +55,30 @@ class Block(nn.Module):
         return self.norm(x + h + routed)
 
 
+FEATURES = ("checkpointed", "tied", "reused")
+
+
 class Net(nn.Module):
     """``fail_on``: the rank (or "all") whose forward raises; ``skip``: (the rank or "all", block index) a
-    forward leaves out; the reference passes rank -1 through ``rank``."""
+    forward leaves out; the reference passes rank -1 through ``rank``. ``features``: the blocks recomputed in
+    backward (non-reentrant activation checkpointing, as Hugging Face's gradient checkpointing), the input
+    projection's weight used again at the output (tied weights: one parameter in the first and the last stage-3
+    unit), the first block run again after the last (a unit called twice per forward)."""
 
-    def __init__(self, dim: int = 16) -> None:
+    def __init__(self, dim: int = 16, features: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.embed = nn.Linear(8, dim)
         self.blocks = nn.ModuleList(Block(dim) for _ in range(3))
         self.head = nn.Linear(dim, 4)
+        self.features = features
         self.rank = int(os.environ.get("RANK", -1))
         self.fail_on: int | str | None = None
         self.skip: tuple[int | str, int] | None = None
+
+    def _block(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if "checkpointed" in self.features and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return block(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fail_on in ("all", self.rank):
@@ -74,8 +86,13 @@ class Net(nn.Module):
         h = self.embed(x)
         for i, block in enumerate(self.blocks):
             if self.skip is None or self.skip[1] != i or self.skip[0] not in ("all", self.rank):
-                h = block(h)
-        return self.head(h)
+                h = self._block(block, h)
+        if "reused" in self.features:
+            h = self._block(self.blocks[0], h)
+        out = self.head(h)
+        if "tied" in self.features:
+            out = out + F.linear(h, self.embed.weight.t())[..., :4]
+        return out
 
 
 def draw_config(rng: random.Random, directory: str) -> dict:
@@ -129,8 +146,9 @@ class Program:
         self.accumulation = self.config["gradient_accumulation_steps"]
         self.stage = self.config["zero_optimization"]["stage"]
         params = self.config["optimizer"]["params"]
+        self.features = frozenset(f for f in FEATURES if self.side.random() < 0.25)
         torch.manual_seed(seed)
-        self.model = Net()
+        self.model = Net(features=self.features)
         self.reference = ReferencePair(self.model, lambda m: torch.optim.AdamW(
             param_groups(m), lr=params["lr"], weight_decay=params["weight_decay"], betas=(0.9, 0.99), foreach=False))
         for replica in self.reference.models:
@@ -143,9 +161,11 @@ class Program:
     def run(self) -> list[str]:
         ops = OPS if self.accumulation > 1 else (*OPS, "no_sync")
         for op in [self.rng.choice(ops) for _ in range(self.rng.randint(5, 12))]:
-            if op in ("fail_one", "fail_mid") and self.stage == 3 and self.skipped_last:
-                # a one-rank failure right after every rank changed the order plays out the previous order
-                # (the README's limitation: a failing rank cannot know its peers' new path)
+            if op in ("fail_one", "fail_mid") and self.stage == 3 and (self.skipped_last or (
+                    "reused" in self.features and self.engine.stage3.recorded_order is None)):
+                # a one-rank failure right after every rank changed the order plays out the previous order,
+                # and before any forward was recorded the model's units each once (the README's limitations: a
+                # failing rank cannot know its peers' path)
                 op = "fail_all"
             if op in ("window", "no_sync", "eval_mid", "freeze", "skip_all", "skip_one"):
                 self.skipped_last = op.startswith("skip")
@@ -156,7 +176,7 @@ class Program:
         return self.trace
 
     def check(self, when: str) -> None:
-        label = f"seed {self.seed} {when} {self.config} {self.trace}"
+        label = f"seed {self.seed} {when} {self.config} {sorted(self.features)} {self.trace}"
         state = self.engine.full_state_dict(rank0_only=False)
         if self.precision == "fp32":
             self.reference.assert_matches(state, label=label)
@@ -252,7 +272,7 @@ class Program:
         where, tag, before = self._save()
         self.engine.close()
         torch.manual_seed(self.seed + 1)
-        self.model = Net()
+        self.model = Net(features=self.features)
         self.engine = zerocore.initialize(self.model, self.config, param_groups=param_groups(self.model))
         self.engine.load_checkpoint(where, tag=tag)
         self._assert_unchanged(before)

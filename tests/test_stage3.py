@@ -3,6 +3,7 @@ build, divergence detection, memory at rest and during a step, comm volume, gath
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import warnings
@@ -452,16 +453,17 @@ class MoE(nn.Module):
 class MoEModel(nn.Module):
     """Each token goes to expert ``token id % routes`` of each layer."""
 
-    def __init__(self, routes: int = 2) -> None:
+    def __init__(self, routes: int = 2, reuse_first: bool = False, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(MoE() for _ in range(2))
+        self.layers = nn.ModuleList(MoE() for _ in range(layers))
         self.head = nn.Linear(DIM, VOCAB)
         self.routes = routes
+        self.reuse_first = reuse_first  # the first layer runs again after the last (a unit called twice)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
-        for layer in self.layers:
+        for layer in [*self.layers, *self.layers[:1]] if self.reuse_first else self.layers:
             h = layer(h, tokens % self.routes)
         return self.head(h)
 
@@ -477,21 +479,28 @@ def moe_uneven_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (tokens if rank == 0 else tokens - tokens % 3), target
 
 
-def moe_worker(rank: int, world: int, units: list | None, uneven: bool = False) -> tuple[list[str], list[str]]:
+def moe_worker(rank: int, world: int, units: list | None, uneven: bool = False, reuse_first: bool = False,
+               no_sync: bool = False) -> tuple[list[str], list[str]]:
+    """``no_sync``: each step's first micro-batch (its step number + 10) accumulates inside no_sync()."""
     import os
     os.environ["ZEROCORE_SHARED_MEMORY"] = "1"  # the transport that compares the ranks' collectives one by one
     batch_of = moe_uneven_data if uneven else moe_data
     torch.manual_seed(0)
-    model = MoEModel(routes=3 if uneven else 2)
+    model = MoEModel(routes=3 if uneven else 2, reuse_first=reuse_first)
     reference = ReferencePair(copy.deepcopy(model), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
                                                                                 weight_decay=0.01, foreach=False))
     engine = zerocore.initialize(model, config(), units=units)
     engine.comm.set_logging(True)
+    micro_batches = (10, 0) if no_sync else (0,)
     for step in range(3):
-        engine.backward(loss_of(engine, *batch_of(step, rank)))
+        for micro in micro_batches:
+            loss = loss_of(engine, *batch_of(step + micro, rank)) / len(micro_batches)
+            with engine.no_sync() if micro else contextlib.nullcontext():
+                engine.backward(loss)
         engine.step()
-        reference.train_step(lambda module, dtype: sum(loss_of(module, *batch_of(step, r))
-                                                       for r in range(world)) / world)
+        reference.train_step(lambda module, dtype: sum(loss_of(module, *batch_of(step + micro, r))
+                                                       for r in range(world) for micro in micro_batches)
+                             / (world * len(micro_batches)))
     reference.assert_matches(engine.full_state_dict(rank0_only=False), label="moe")
     return [u.name for u in engine.stage3.units], list(engine.comm.log())
 
@@ -513,6 +522,61 @@ def test_a_mixture_of_experts_whose_ranks_reach_different_numbers_of_experts_iss
     backward: the ranks' collectives came in different orders ('different collectives' on shared memory)."""
     (_, log), (_, other) = run_ranks(moe_worker, 2, None, True)
     assert log == other
+
+
+def test_a_mixture_of_experts_layer_called_twice_with_no_sync_accumulation_issues_the_same_collectives():
+    """A layer run again after the last (a unit called twice) whose ranks reach different experts, with
+    micro-steps inside no_sync(): the second call's backward prefetched from the unit's last call, so it
+    gathered units whose backward was over, released on one rank (its batch reached all their experts) and
+    still held on the other: different gathers (Note [Stage 3 prefetch plan]); and inside no_sync() such a
+    unit stayed gathered to the end of the backward on the rank that missed an expert."""
+    (_, log), (_, other) = run_ranks(moe_worker, 2, None, True, True, True)
+    assert log == other
+
+
+def reused_layer_gathers_worker(rank: int, world: int) -> list[str]:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(MoEModel(reuse_first=True), config())
+    runtime, gathers = engine.stage3, []
+    gather = runtime._gather
+    runtime._gather = lambda unit, label, step=None: (gathers.append((unit.name, label)), gather(unit, label, step))
+    for step in range(3):
+        loss = loss_of(engine, *moe_data(step, rank))
+        gathers.clear()
+        engine.backward(loss)
+        engine.step()
+    return [name for name, label in gathers if label == "all_gather_backward"]
+
+
+def test_the_second_backward_of_a_unit_called_twice_prefetches_what_comes_before_its_first_call():
+    """layers.0 runs first and last: the backward meets its last call first, then layers.1, then its first
+    call, whose prefetch looked before its last call again and gathered layers.1 a second time (its backward
+    over, released)."""
+    for gathers in run_ranks(reused_layer_gathers_worker, 2):
+        assert gathers.count("layers.1") == 1, gathers
+
+
+def no_sync_release_worker(rank: int, world: int) -> dict[str, int]:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(MoEModel(routes=3, layers=4), config())
+    peaks = {}
+    for step, kind in enumerate(("first", "synced", "no_sync")):  # (the first forward does not prefetch)
+        loss = loss_of(engine, *moe_uneven_data(step, rank))
+        with engine.no_sync() if kind == "no_sync" else contextlib.nullcontext():
+            engine.backward(loss)
+        peaks[kind] = engine.stage3.peak_live_bytes
+        if kind == "no_sync":
+            engine.backward(loss_of(engine, *moe_uneven_data(step + 10, rank)))
+        engine.step()
+    return peaks
+
+
+def test_inside_no_sync_a_layer_whose_experts_this_rank_missed_is_released_when_its_backward_is_over():
+    """Note [Parameters this backward will not reach]: rank 1's tokens reach one expert of three; inside
+    no_sync() its layers stayed gathered to the end of the backward (every layer at once), while a synced
+    backward released each when the one before it began."""
+    for peaks in run_ranks(no_sync_release_worker, 2):
+        assert peaks["no_sync"] == peaks["synced"], peaks
 
 
 def bf16_memory_worker(rank: int, world: int) -> dict:

@@ -73,7 +73,7 @@ std::vector<int64_t> plan_forward_prefetch(const std::vector<int64_t>& recorded_
 }
 
 std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& recorded_order, int64_t unit,
-                                              const std::vector<int64_t>& unit_numel,
+                                              int64_t visit, const std::vector<int64_t>& unit_numel,
                                               const std::vector<uint8_t>& unit_sharded,
                                               const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
                                               int64_t max_live) {
@@ -82,16 +82,18 @@ std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& record
   check_persistent(unit_persistent, n);
   ZC_CHECK_ARG(unit >= 0 && unit < static_cast<int64_t>(n), "unit must be a unit index in [0, ", n, "), got ",
                unit);
+  ZC_CHECK_ARG(visit >= 0, "visit must be >= 0, got ", visit);
 
-  size_t last = recorded_order.size();
+  size_t occurrence = recorded_order.size();
+  int64_t to_skip = visit;
   for (size_t i = recorded_order.size(); i-- > 0;) {
-    if (recorded_order[i] == unit) {
-      last = i;
+    if (recorded_order[i] == unit && to_skip-- == 0) {
+      occurrence = i;
       break;
     }
   }
-  if (last == recorded_order.size()) return std::nullopt;
-  for (size_t i = last; i-- > 0;) {
+  if (occurrence == recorded_order.size()) return std::nullopt;
+  for (size_t i = occurrence; i-- > 0;) {
     const int64_t previous = recorded_order[i];
     if (unit_sharded[previous] && !unit_persistent[previous]) {
       if (fits(live_elements, unit_numel[previous], max_live)) return previous;

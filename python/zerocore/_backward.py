@@ -245,6 +245,10 @@ class GradientRouting:
     # Inside a reentrant checkpoint's own backward nothing is settled (that graph does not show what the outer
     # one will still run): a model checkpointed whole block by block with use_reentrant=True settles at the end
     # of the backward, as before, so its ranks must reach the same experts (use_reentrant=False does not).
+    # A backward that does not reduce (inside no_sync()) settles the same parameters for the unit's release
+    # only: without it a unit would stay gathered to the end of the backward on the ranks whose batch missed
+    # one of its experts (memory: with experts in every layer, most of the model) and be released at once on
+    # the others, and what the backward gathers next must not depend on that (Note [Stage 3 prefetch plan]).
     def backward_root(self, loss: torch.Tensor) -> Any:
         """Stage 3: ``loss``, about to be back-propagated, names its graph task as the outer one when the backward
         starts (a tensor hook on the root runs first); returns the hook's handle, for removal after."""
@@ -258,7 +262,7 @@ class GradientRouting:
         reach]). Only in the outer graph: a reentrant checkpoint's recomputation runs a backward of its own, which
         cannot tell what the outer one will still run (the model's root, say: its head's gradients came first,
         its embedding's come last)."""
-        if (self.reducing and not self.finalized and self._behind and self._outer_task is not None
+        if (not self.finalized and self._behind and self._outer_task is not None
                 and torch._C._current_graph_task_id() == self._outer_task
                 and not torch._C._are_functorch_transforms_active()):
             for buffer in self._behind.values():
@@ -269,9 +273,11 @@ class GradientRouting:
 
     def _settle_unreachable(self, buffer: Any) -> None:
         for index in self._indices_of_buffer.get(id(buffer), ()):
-            if self.reducer.is_marked(index) or torch._C._will_engine_execute_node(self._grad_accumulators[index]):
+            if ((self.reducing and self.reducer.is_marked(index))
+                    or torch._C._will_engine_execute_node(self._grad_accumulators[index])):
                 continue
-            if not self._reduce_local_gradient(index):  # nothing accumulated: zeros, as finalize fills them
+            # reducing, with nothing accumulated: zeros, as finalize fills them
+            if self.reducing and not self._reduce_local_gradient(index):
                 shape = buffer.params[self.param_slots[index][1]].shape
                 self.reducer.mark_ready(index, torch.zeros(shape, dtype=buffer.dtype, device=buffer.device))
             self.stage3.grad_ready(buffer, index)

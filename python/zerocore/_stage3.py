@@ -145,6 +145,7 @@ class Stage3Runtime:
         self._open: list[Unit] = []  # units whose forward began and has not ended, outermost first
         # Note [Backward events]: this backward's so far, and the last completed backward's
         self._events: list[tuple[str, int, str]] = []
+        self._backward_visits: dict[int, int] = {}
         self._logging = False
         self._recorded_events: list[tuple[str, int, str]] | None = None
         self._recorded_events_forward: list[int] = []  # the units of the forward those events back-propagated
@@ -407,7 +408,9 @@ class Stage3Runtime:
         self._log("pre", unit.index)
         self.ensure_gathered(unit, "all_gather_backward")
         unit.in_backward = True
-        self._prefetch_for_backward(unit)
+        visit = self._backward_visits.get(unit.index, 0)
+        self._backward_visits[unit.index] = visit + 1
+        self._prefetch_for_backward(unit, visit)
 
     def _begin_forward(self) -> None:
         """A forward of the whole model starts: several per step with gradient accumulation or inference."""
@@ -437,13 +440,14 @@ class Stage3Runtime:
         self._order = []
         self._position = 0
 
-    def _prefetch_for_backward(self, unit: Unit) -> None:
-        """Backward runs the recorded forward order in reverse: gather the unit before this one (the plan
-        is pure C++: cpp/include/zerocore/prefetch_plan.hpp)."""
+    def _prefetch_for_backward(self, unit: Unit, visit: int) -> None:
+        """Backward runs the recorded forward order in reverse: gather the unit before this one, before the
+        ``visit``-th call's backward of a unit called more than once (the plan is pure C++:
+        cpp/include/zerocore/prefetch_plan.hpp)."""
         if not self._prefetch_enabled or self.recorded_order is None:
             return
         slot = _C.plan_backward_prefetch(
-            recorded_order=self._recorded_slots, unit=self._slot_of[unit.index], unit_numel=self._numels,
+            recorded_order=self._recorded_slots, unit=self._slot_of[unit.index], visit=visit, unit_numel=self._numels,
             unit_sharded=self._sharded_flags(), unit_persistent=self._persistent,
             live_elements=self.live_elements, max_live=self.max_live)
         if slot is not None:
@@ -605,6 +609,7 @@ class Stage3Runtime:
     def begin_backward(self, retain_graph: bool = False) -> None:
         self._retain_graph = retain_graph
         self._events, self._logging = [], True
+        self._backward_visits = {}  # unit index -> its pre-backwards so far in this backward
         for unit in self.units:
             unit.grads_left = len(unit.params)
 

@@ -448,7 +448,8 @@ def _stage3_gathered_peak(plan: _Plan) -> int:
             release(open_units.pop())
         if sharded[slot]:
             gather(slot)
-        ahead = _C.plan_backward_prefetch(order, slot, numel, sharded, persistent, live, zo.stage3_max_live_parameters)
+        ahead = _C.plan_backward_prefetch(order, slot, 0, numel, sharded, persistent, live,
+                                            zo.stage3_max_live_parameters)
         if ahead is not None:
             gather(ahead)
         open_units.append(slot)

@@ -24,10 +24,14 @@
 // the units the step started (and, with a budget of k units, by k - 1 per unit, up to max_live).
 //
 // Backward, after `unit` was gathered for its backward: backward runs the recorded order in reverse, so
-// from just before the LAST occurrence of `unit` in recorded_order walk backwards to the first unit that
-// is sharded and not persistent; prefetch it if live_elements + its size <= max_live, and stop there
-// either way. Units that are not sharded, or persistent, are skipped. Nothing when `unit` is not in the
-// recorded order. The caller passes the states after gathering `unit` (so `unit` itself is not sharded).
+// its `visit`-th backward in this backward (0: the first) is its `visit`-th occurrence in recorded_order
+// counted from the end; from just before that occurrence walk backwards to the first unit that is sharded
+// and not persistent; prefetch it if live_elements + its size <= max_live, and stop there either way. Units
+// that are not sharded, or persistent, are skipped. Nothing when `unit` occurs `visit` times or fewer (or
+// not at all). The caller passes the states after gathering `unit` (so `unit` itself is not sharded). The
+// occurrence matters for a unit called twice: walking from its last occurrence on its second backward would
+// meet the units whose backward is over already, whose states the ranks need not share (a unit released
+// when its last gradient arrived, on ranks whose batch reached all its parameters).
 #pragma once
 
 #include <cstdint>
@@ -49,9 +53,9 @@ std::vector<int64_t> plan_forward_prefetch(const std::vector<int64_t>& recorded_
 
 // The unit to start gathering before `unit`'s backward, or nothing; see Note [Stage 3 prefetch plan].
 // Throws InvalidArgument (naming the argument) on the same bad inputs as plan_forward_prefetch, and when
-// `unit` is not a unit index.
+// `unit` is not a unit index or `visit` is negative.
 std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& recorded_order, int64_t unit,
-                                              const std::vector<int64_t>& unit_numel,
+                                              int64_t visit, const std::vector<int64_t>& unit_numel,
                                               const std::vector<uint8_t>& unit_sharded,
                                               const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
                                               int64_t max_live);
