@@ -897,3 +897,28 @@ def test_any_subset_of_frozen_parameters_trains_at_stage_3_bit_for_bit_as_at_sta
     for (losses2, state2), (losses3, state3) in zip(stage2, stage3):
         assert losses2 == losses3
         assert state2 == state3
+
+
+def whole_frozen_write_worker(rank: int, world: int, stage: int) -> dict[str, list[float]]:
+    """The DeepSpeed idiom for loading on one rank, at the stages that keep frozen parameters whole."""
+    torch.manual_seed(0)
+    model = Lora()
+    engine = zerocore.initialize(model, config(stage=stage))
+    frozen, trained = model.blocks[1].base.weight, model.head.weight
+    with zerocore.gathered(model.parameters(), modifier_rank=0), torch.no_grad():
+        frozen.fill_(0.5 if rank == 0 else -3.0)
+        trained.fill_(0.25 if rank == 0 else -3.0)
+    state = engine.full_state_dict(rank0_only=False)
+    after = {"frozen": state["blocks.1.base.weight"].unique().tolist(), "trained": state["head.weight"].unique().tolist()}
+    train(engine, rank, 0, 2)
+    after["frozen after training"] = engine.full_state_dict(rank0_only=False)["blocks.1.base.weight"].unique().tolist()
+    return after
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_frozen_parameter_written_on_the_modifier_rank_reaches_every_rank_where_it_is_held_whole(stage):
+    """Stages 1-2 hold frozen parameters whole on every rank, outside the engine's buffers: a write on
+    modifier_rank inside gathered() stayed on that rank alone (the ranks then trained different models, each
+    its own frozen base); stage 3 shards them and always sent it."""
+    for after in run_ranks(whole_frozen_write_worker, 2, stage):
+        assert after == {"frozen": [0.5], "trained": [0.25], "frozen after training": [0.5]}, after

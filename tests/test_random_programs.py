@@ -55,7 +55,7 @@ class Block(nn.Module):
         return self.norm(x + h + routed)
 
 
-FEATURES = ("checkpointed", "tied", "reused")
+FEATURES = ("checkpointed", "tied", "reused", "frozen")
 
 
 class Net(nn.Module):
@@ -63,7 +63,8 @@ class Net(nn.Module):
     forward leaves out; the reference passes rank -1 through ``rank``. ``features``: the blocks recomputed in
     backward (non-reentrant activation checkpointing, as Hugging Face's gradient checkpointing), the input
     projection's weight used again at the output (tied weights: one parameter in the first and the last stage-3
-    unit), the first block run again after the last (a unit called twice per forward)."""
+    unit), the first block run again after the last (a unit called twice per forward), the middle block's first
+    layer frozen before initialize (as a LoRA base: stage 3's frozen shards)."""
 
     def __init__(self, dim: int = 16, features: frozenset[str] = frozenset()) -> None:
         super().__init__()
@@ -71,6 +72,8 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(Block(dim) for _ in range(3))
         self.head = nn.Linear(dim, 4)
         self.features = features
+        if "frozen" in features:
+            self.blocks[1].fc.requires_grad_(False)
         self.rank = int(os.environ.get("RANK", -1))
         self.fail_on: int | str | None = None
         self.skip: tuple[int | str, int] | None = None
@@ -157,18 +160,22 @@ class Program:
         self.step = 0
         self.trace: list[str] = []
         self.skipped_last = False
+        self.backward_done = False  # a training backward completed in this engine
 
     def run(self) -> list[str]:
         ops = OPS if self.accumulation > 1 else (*OPS, "no_sync")
         for op in [self.rng.choice(ops) for _ in range(self.rng.randint(5, 12))]:
             if op in ("fail_one", "fail_mid") and self.stage == 3 and (self.skipped_last or (
-                    "reused" in self.features and self.engine.stage3.recorded_order is None)):
+                    self.features & {"reused", "checkpointed"} and not self.backward_done)):
                 # a one-rank failure right after every rank changed the order plays out the previous order,
-                # and before any forward was recorded the model's units each once (the README's limitations: a
-                # failing rank cannot know its peers' path)
+                # and before a backward completed in this engine the model's units each once, in reverse for the
+                # backward (no recomputation) (the README's limitations: a failing rank cannot know its peers' path)
                 op = "fail_all"
             if op in ("window", "no_sync", "eval_mid", "freeze", "skip_all", "skip_one"):
                 self.skipped_last = op.startswith("skip")
+                self.backward_done = True
+            elif op == "resume":
+                self.backward_done = False  # a fresh engine
             self.trace.append(op)
             getattr(self, op)()
         self.check("end")
@@ -325,7 +332,7 @@ class Program:
         self._failing(self.rng.choice(range(WORLD)), self.rng.randrange(self.accumulation))
 
     def freeze(self) -> None:  # frozen for one window: left alone, as torch's AdamW leaves a None .grad
-        name = self.rng.choice([n for n, _ in self.model.named_parameters()])
+        name = self.rng.choice([n for n, p in self.model.named_parameters() if p.requires_grad])
         models = (self.model, *self.reference.models)
         for model in models:
             model.get_parameter(name).requires_grad_(False)

@@ -40,18 +40,23 @@ class BufferSync:
 
 @outside_transforms  # the broadcast writes the module's own buffers (Note [torch.func transforms])
 def sync_buffers(comm: Any, module: nn.Module, world_size: int) -> None:
-    """Rank 0's buffers on every rank: one broadcast per buffer dtype."""
-    buffers = [b for b in module.buffers() if b.numel()]
-    if world_size == 1 or not buffers:
-        return
+    """Rank 0's buffers on every rank."""
+    if world_size > 1:
+        broadcast_tensors(comm, list(module.buffers()), 0)
+
+
+def broadcast_tensors(comm: Any, tensors: list[torch.Tensor], source: int) -> None:
+    """``source``'s values of ``tensors`` (the same shapes on every rank) on every rank: one broadcast per dtype.
+    Also for parameters every rank holds whole, written on one rank inside ``zerocore.gathered()``."""
+    tensors = [t for t in tensors if t.numel()]
     with torch.no_grad():
-        for dtype in sorted({b.dtype for b in buffers}, key=str):
-            same = [b for b in buffers if b.dtype == dtype]
-            flat = torch.cat([b.reshape(-1) for b in same])
-            comm.broadcast(flat, 0, -1).wait()
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in same])
+            comm.broadcast(flat, source, -1).wait()
             offset = 0
-            for b in same:
+            for t in same:
                 # through .data, as DDP's C++ broadcast writes: the buffer's autograd version stays, so a second
                 # forward before the backward (contrastive pairs) does not invalidate the first one's graph
-                b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
-                offset += b.numel()
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

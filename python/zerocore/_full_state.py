@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._buffer_sync import broadcast_tensors
 from ._names import canonical, named_parameters
 
 if TYPE_CHECKING:
@@ -78,7 +79,8 @@ def _buffers_of(engine: Engine, params: list[nn.Parameter]) -> list[ShardedBuffe
 
 
 def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: int | None) -> None:
-    """With ``modifier_rank``, that rank's values reach every rank's shard and fp32 master. Without it,
+    """With ``modifier_rank``, that rank's values reach every rank's shard and fp32 master (and the frozen
+    parameters every rank holds whole, stages 1-2). Without it,
     changes made inside the block are discarded on every rank, also where the parameters stay whole
     afterwards (stages 1-2, stage-3 units kept gathered): whether any rank wrote is agreed by one tiny
     all-reduce (so every rank issues the same collectives), and then the whole values come back from the
@@ -86,6 +88,8 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
     stage3 = engine.stage3
     buffers = _buffers_of(engine, params)
     if modifier_rank is not None:
+        wanted = {id(p) for p in params}
+        broadcast_tensors(engine.comm, [p for p in engine.whole_frozen_params if id(p) in wanted], modifier_rank)
         for buffer in buffers:
             if engine.rank == modifier_rank:
                 buffer.reattach_rebound()  # ``p.data = t`` inside the block: t's values are broadcast

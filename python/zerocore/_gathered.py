@@ -38,9 +38,11 @@ def engine_for(param: nn.Parameter) -> Engine | None:
 
 
 def refuse_managed(model: nn.Module) -> None:
-    """A model another live engine manages cannot be given to a second one."""
+    """A model another live engine manages cannot be given to a second one (a frozen parameter every rank holds
+    whole may be shared: no engine changes it)."""
     for name, param in model.named_parameters():
-        if _engine_for(param) is not None:
+        engine = _engine_for(param)
+        if engine is not None and id(param) not in engine.whole_frozen_ids:
             raise ValueError(f"parameter {name!r} is already managed by another zerocore engine; call "
                              "close() on that engine first (it hands the parameters back whole)")
 
@@ -60,7 +62,9 @@ def gathered(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int |
     ``modifier_rank`` set, changes that rank makes inside the block are written back to every rank's
     shard (and fp32 master) on exit; changes on other ranks are discarded. Without it, changes are
     discarded on every rank. Frozen parameters are gathered too where stage 3 shards them (Note [Frozen
-    shards]); those no engine holds (stages 1-2 keep them whole) are passed over, so
+    shards]); those every rank holds whole (stages 1-2) need no gathering, and with ``modifier_rank`` that
+    rank's values of them are broadcast on exit too (without it they stay as each rank left them, as with
+    DeepSpeed's at stages 1-2). Frozen parameters of no engine are passed over, so
     ``zerocore.gathered(model.parameters())`` works as DeepSpeed's ``GatheredParameters`` does.
 
     Raises:

@@ -186,7 +186,13 @@ class Engine(DeepSpeedAccessors):
             agree_on_state_files(self)
         self.optimizer = ZeroOptimizer(self, groups)
         self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer)  # None without a scheduler
-        register_managed(self, [p for group in groups for p in group["params"]] + self._frozen_params())
+        held = {id(p) for storage in self.param_storages for p in storage.params}
+        # frozen parameters every rank holds whole (stages 1-2): gathered() broadcasts a modifier rank's writes
+        self.whole_frozen_params = [p for p in dict.fromkeys(model.parameters()) if id(p) not in held
+                                    and not p.requires_grad]
+        self.whole_frozen_ids = {id(p) for p in self.whole_frozen_params}
+        register_managed(self, [p for group in groups for p in group["params"]] + self._frozen_params()
+                         + self.whole_frozen_params)
         self.loss_scaler = LossScaler(config.fp16)
         self.reducer, param_slots = build_reducer(self)
         self.lifecycle = Lifecycle()
@@ -583,7 +589,8 @@ class Engine(DeepSpeedAccessors):
         for buffer in self.buffers:  # stage 1's .grad are views of the engine's gradient buffer
             for param in buffer.params:
                 param.grad = None
-        unregister(self, [owner.params[local] for owner, local in self.gradients.param_slots] + self._frozen_params())
+        unregister(self, [owner.params[local] for owner, local in self.gradients.param_slots] + self._frozen_params()
+                   + self.whole_frozen_params)
         self.optimizer_state.close()  # an NVMe state file is removed
         if self.param_file is not None:
             self.param_file.close()  # every unit is whole in memory again
