@@ -153,3 +153,25 @@ def test_a_plain_loss_backward_is_named_as_such() -> None:
     """With no other engine in backward, the refusal keeps saying to call engine.backward()."""
     for message in run_ranks(stray_backward_worker, 2, 3, timeout=120):
         assert "another engine" not in message and "instead of loss.backward()" in message
+
+
+def shared_frozen_worker(rank: int, world: int, stage: int) -> str:
+    """Two networks over one frozen encoder, each its own engine: stages 1-2 hold the encoder whole and no engine
+    changes it, so the second engine may take it; a shared trainable parameter is refused."""
+    torch.manual_seed(0)
+    encoder = nn.Linear(8, 8).requires_grad_(False)
+    first, second = nn.Sequential(encoder, nn.Linear(8, 1)), nn.Sequential(encoder, nn.Linear(8, 1))
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
+    engines = [zerocore.initialize(first, config), zerocore.initialize(second, config)]
+    for engine in engines:
+        engine.backward(engine(torch.randn(4, 8)).square().mean())
+        engine.step()
+    with pytest.raises(ValueError, match="already managed by another zerocore engine") as refused:
+        zerocore.initialize(nn.Sequential(first[1]), config)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_engines_may_share_a_frozen_module_held_whole_but_not_a_trained_one(stage: int) -> None:
+    for message in run_ranks(shared_frozen_worker, 2, stage):
+        assert "'0.weight'" in message
