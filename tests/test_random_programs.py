@@ -55,7 +55,7 @@ class Block(nn.Module):
         return self.norm(x + h + routed)
 
 
-FEATURES = ("checkpointed", "tied", "reused", "frozen")
+FEATURES = ("checkpointed", "tied", "reused", "frozen", "shared")
 
 
 class Net(nn.Module):
@@ -64,7 +64,8 @@ class Net(nn.Module):
     backward (non-reentrant activation checkpointing, as Hugging Face's gradient checkpointing), the input
     projection's weight used again at the output (tied weights: one parameter in the first and the last stage-3
     unit), the first block run again after the last (a unit called twice per forward), the middle block's first
-    layer frozen before initialize (as a LoRA base: stage 3's frozen shards)."""
+    layer frozen before initialize (as a LoRA base: stage 3's frozen shards), one expert's weight shared by the
+    first and the last block (one parameter in two units)."""
 
     def __init__(self, dim: int = 16, features: frozenset[str] = frozenset()) -> None:
         super().__init__()
@@ -74,6 +75,8 @@ class Net(nn.Module):
         self.features = features
         if "frozen" in features:
             self.blocks[1].fc.requires_grad_(False)
+        if "shared" in features:
+            self.blocks[2].experts[0].weight = self.blocks[0].experts[0].weight
         self.rank = int(os.environ.get("RANK", -1))
         self.fail_on: int | str | None = None
         self.skip: tuple[int | str, int] | None = None
@@ -367,7 +370,9 @@ def _seeds() -> list[int]:
     if chosen:
         first, count = (int(v) for v in chosen.split(":"))
         return list(range(first, first + count))
-    return [1, 6, 12, 14, 17, 24, 30, 32, 36, 38]  # every stage, offload kind and operation
+    # every stage, offload kind, operation and model feature (26: a block called twice at stage 3; 42: a shared
+    # weight and checkpointed blocks at stage 3)
+    return [1, 6, 12, 14, 17, 24, 26, 30, 32, 36, 38, 42]
 
 
 @pytest.mark.parametrize("seed", _seeds())
