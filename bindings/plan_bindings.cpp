@@ -22,8 +22,8 @@ void bind_plan(py::module_& m) {
         "Units (indices into unit_numel) to start gathering before the forward of recorded_order[position:], "
         "in order; see Note [Stage 3 prefetch plan]. ValueError on bad input.");
   m.def("plan_backward_prefetch", &plan_backward_prefetch, py::arg("recorded_order"), py::arg("unit"),
-        py::arg("visit"), py::arg("unit_numel"), py::arg("unit_sharded"), py::arg("unit_persistent"), py::arg("live_elements"),
-        py::arg("max_live"),
+        py::arg("visit"), py::arg("unit_numel"), py::arg("unit_sharded"), py::arg("unit_persistent"),
+        py::arg("live_elements"), py::arg("max_live"),
         "The unit to start gathering before the `visit`-th backward (0: the first) of `unit` in this backward, or "
         "None; see Note [Stage 3 prefetch plan]. "
         "ValueError on bad input.");

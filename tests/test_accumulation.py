@@ -75,8 +75,8 @@ def worker(rank: int, world: int, stage: int, mode: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("stage,mode", [(stage, mode) for mode in ("accumulation", "no_sync", "manual", "manual_stepped")
-                                        for stage in (1, 2, 3)])
+@pytest.mark.parametrize("stage,mode", [(stage, mode) for mode in ("accumulation", "no_sync", "manual",
+                                                                   "manual_stepped") for stage in (1, 2, 3)])
 def test_a_parameter_without_a_gradient_in_the_last_micro_step_keeps_its_accumulated_one(stage, mode):
     assert all(run_ranks(worker, 2, stage, mode))
 

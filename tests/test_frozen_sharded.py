@@ -909,7 +909,8 @@ def whole_frozen_write_worker(rank: int, world: int, stage: int) -> dict[str, li
         frozen.fill_(0.5 if rank == 0 else -3.0)
         trained.fill_(0.25 if rank == 0 else -3.0)
     state = engine.full_state_dict(rank0_only=False)
-    after = {"frozen": state["blocks.1.base.weight"].unique().tolist(), "trained": state["head.weight"].unique().tolist()}
+    after = {"frozen": state["blocks.1.base.weight"].unique().tolist(),
+             "trained": state["head.weight"].unique().tolist()}
     train(engine, rank, 0, 2)
     after["frozen after training"] = engine.full_state_dict(rank0_only=False)["blocks.1.base.weight"].unique().tolist()
     return after

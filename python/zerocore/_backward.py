@@ -273,13 +273,14 @@ class GradientRouting:
 
     def _settle_unreachable(self, buffer: Any) -> None:
         for index in self._indices_of_buffer.get(id(buffer), ()):
-            if ((self.reducing and self.reducer.is_marked(index))
-                    or torch._C._will_engine_execute_node(self._grad_accumulators[index])):
+            if torch._C._will_engine_execute_node(self._grad_accumulators[index]):
                 continue
-            # reducing, with nothing accumulated: zeros, as finalize fills them
-            if self.reducing and not self._reduce_local_gradient(index):
-                shape = buffer.params[self.param_slots[index][1]].shape
-                self.reducer.mark_ready(index, torch.zeros(shape, dtype=buffer.dtype, device=buffer.device))
+            if self.reducing:
+                if self.reducer.is_marked(index):
+                    continue
+                if not self._reduce_local_gradient(index):  # nothing accumulated: zeros, as finalize fills them
+                    shape = buffer.params[self.param_slots[index][1]].shape
+                    self.reducer.mark_ready(index, torch.zeros(shape, dtype=buffer.dtype, device=buffer.device))
             self.stage3.grad_ready(buffer, index)
 
     def _reduce(self, index: int, param: torch.Tensor) -> None:

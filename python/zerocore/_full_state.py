@@ -88,8 +88,7 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
     stage3 = engine.stage3
     buffers = _buffers_of(engine, params)
     if modifier_rank is not None:
-        wanted = {id(p) for p in params}
-        broadcast_tensors(engine.comm, [p for p in engine.whole_frozen_params if id(p) in wanted], modifier_rank)
+        broadcast_tensors(engine.comm, [p for p in params if id(p) in engine.whole_frozen_ids], modifier_rank)
         for buffer in buffers:
             if engine.rank == modifier_rank:
                 buffer.reattach_rebound()  # ``p.data = t`` inside the block: t's values are broadcast
