@@ -831,6 +831,14 @@ class Stage3Runtime:
                                      for t in u.secondary),
                 "gather_spares": self.spares.held_bytes}  # Note [Spare gather storage]
 
+    def release_all(self) -> None:
+        """Every unit not held by a ``gathered()`` block is released and the spare gather storage freed
+        (``engine.empty_partition_cache()``): the persistent ones gather again when a forward next needs them."""
+        self.land_gathers()
+        for unit in self.units:
+            self.release(unit)
+        self.spares.clear()
+
     def forget_partition_slices(self) -> None:
         """The shards changed outside a step (a checkpoint load, a write in ``gathered()``): no backward may
         gather the hpZ slices of the old values."""

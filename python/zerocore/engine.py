@@ -596,6 +596,28 @@ class Engine(DeepSpeedAccessors):
             self.param_file.close()  # every unit is whole in memory again
         self.lifecycle.to(EngineState.CLOSED)
 
+    def destroy(self) -> None:
+        """DeepSpeed's name for letting go of an engine (Accelerate's ``free_memory()`` calls it): what
+        :meth:`close` does. The engine's optimizer state, gradients and files are released with it; under stage 3
+        the parameters come back whole, one unit at a time, where DeepSpeed's leaves them partitioned, so the
+        trained values stay with the model (save a model that only fits sharded with ``save_checkpoint`` first,
+        then drop the engine and the model instead). A collective."""
+        self.close()
+
+    def empty_partition_cache(self) -> None:
+        """Stage 3: releases the units that stay whole between steps (the model's root, units under
+        ``stage3_param_persistence_threshold``, those a step gathered ahead for the next forward) and the spare
+        gather storage, as DeepSpeed's ``empty_partition_cache()``: after an evaluation or generation their
+        memory is free until a forward gathers them again. Units a ``zerocore.gathered()`` block holds stay.
+        Between steps only (not between a forward and its backward); every rank calls it, as a forward's
+        gathers pair with the peers' only then. Stages 1-2 hold no gathered copies: nothing to release."""
+        self._end_unstepped_micro_step()
+        self.lifecycle.require("empty_partition_cache()", EngineState.IDLE, fix=(
+            "call it after the backward and step() (the units a forward gathered stay for its backward)"
+            if self.lifecycle.state is EngineState.FORWARD else None))
+        if self.stage3 is not None:
+            self.stage3.release_all()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full state dict on every rank (see :meth:`full_state_dict` to gather to rank 0 only)."""
         return self.full_state_dict(rank0_only=False)
