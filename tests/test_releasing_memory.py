@@ -40,8 +40,8 @@ def empty_cache_worker(rank: int, world: int) -> dict:
         seen["live_before"].append(engine.stage3.live_elements)
         if step % 2 == 0:
             engine.empty_partition_cache()
-            seen["live_after"].append((engine.stage3.live_elements, engine.memory_report()["bytes"]["gathered_params_live"],
-                                       engine.stage3.spares.held_bytes))
+            live_bytes = engine.memory_report()["bytes"]["gathered_params_live"]
+            seen["live_after"].append((engine.stage3.live_elements, live_bytes, engine.stage3.spares.held_bytes))
             before = forward_gathers(engine)
             with torch.no_grad():
                 engine(data(0, rank)[0])
