@@ -6,12 +6,13 @@ parameters of the same unit.
 Each seed draws a config (stage, accumulation, clipping, bucket sizes, overlap, all-reduce or reduce-scatter,
 stage 3's persistence and prefetch settings, optimizer state in memory, on the host or on NVMe, parameter
 shards on NVMe) and a program of what users do between and around steps: accumulation windows, no_sync()
-windows, evaluation (also inside a window), save and load into the same engine, a resume into a fresh engine,
-writes inside gathered(), lr writes, zero_grad(), forwards that raise on every rank or on one (caught, the
-batch skipped, as the README asks), a parameter frozen for a window, a block every rank or one rank skips, and
-state reads. The engine's parameters must stay within the fp32 reference's rounding noise of the float64 run
-(tests/_parity.py) after every read and at the end. The seeds are fixed, so a run is deterministic;
-ZEROCORE_RANDOM_PROGRAMS=FIRST:COUNT runs other ones (e.g. `0:200` to hunt)."""
+windows, evaluation (also inside a window; after one, maybe empty_partition_cache()), save and load into the
+same engine, a resume into a fresh engine, writes inside gathered(), lr writes, zero_grad(), forwards that
+raise on every rank or on one (caught, the batch skipped, as the README asks), a parameter frozen for a
+window, a block every rank or one rank skips, and state reads. The engine's parameters must stay within the
+fp32 reference's rounding noise of the float64 run (tests/_parity.py) after every read and at the end. The
+seeds are fixed, so a run is deterministic; ZEROCORE_RANDOM_PROGRAMS=FIRST:COUNT runs other ones (e.g. `0:200`
+to hunt)."""
 
 from __future__ import annotations
 
@@ -145,6 +146,7 @@ class Program:
         # draws of what a program adds since its seeds were chosen (DeepSpeed's manual accumulation boundary),
         # apart so that a seed still draws the config and operations it did
         self.side = random.Random(seed + 7_000_003)
+        self.releases = random.Random(seed + 11_000_007)  # (its own stream: the side stream's draws stay)
         self.config = draw_config(self.rng, directory)
         self.precision = precision
         if precision != "fp32":  # fp16: a dynamic loss scale starting low enough to skip some steps
@@ -261,6 +263,9 @@ class Program:
         with torch.no_grad():
             out, expected = self.engine(x.to(self.dtype)).float(), self.reference.fp32(x)
         self.engine.train()
+        if self.releases.random() < 0.5:  # DeepSpeed's call after an evaluation: stage 3's whole units go
+            self.engine.empty_partition_cache()
+            self.trace[-1] += "(cache emptied)"
         if self.precision == "fp32":
             assert float((out - expected).norm() / expected.norm()) < 1e-4, self.trace
             return

@@ -1,0 +1,346 @@
+"""``zerocore.doctor()`` and ``python -m zerocore.doctor``: what this machine gives a configuration before a long
+run is launched on it, measured rather than assumed.
+
+Note [Doctor]
+-------------
+Offloaded runs fail or crawl for reasons a config cannot show: an ``nvme_path`` on tmpfs (RAM, so offloading
+saves nothing) or on a file system without O_DIRECT, a disk too slow or too full for the state, more ranks
+than cores (the CPU Adam starves), more host memory planned than the machine has, a ``memlock`` limit below the
+pinned buffers. The doctor checks each one with the engine's own parts: the memory plan is
+``estimate_memory``'s (the engine's layout code), the disk is measured through the same C++ I/O engine and
+``aio`` settings the optimizer state file uses (a nameless file written, synced, evicted from the page cache and
+read back, so the read comes from the disk), and the optimizer's speed is the CPU Adam kernel's own, timed here
+at the threads a rank gets. From those it predicts the optimizer phase of a step on this node: each rank
+reads and writes its whole state file once per step (and, with ``offload_param: nvme``, reads its parameter
+shards for the forward and the backward gathers and writes them after the step), the node's ranks sharing the
+disk, while the Adam kernel runs on their shards; the step pipelines the two, so the slower one sets the time,
+and the doctor names it. Every check answers ``ok``, ``warn`` or ``fail`` with what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ._info import build_info
+from ._nvme_state import NamelessFile
+from ._safetensors_io import aligned_empty, open_io
+from .config import ZeroConfig
+from .estimate import estimate_memory
+
+_NOT_DISKS = {"tmpfs": "RAM, so state offloaded there takes the memory offloading was to save",
+              "ramfs": "RAM, so state offloaded there takes the memory offloading was to save",
+              "overlay": "a container's overlay, usually slow and without O_DIRECT: mount a disk instead",
+              "nfs": "a network file system: every step's state would cross the network",
+              "nfs4": "a network file system: every step's state would cross the network"}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok", "warn" or "fail"
+    detail: str
+
+
+def doctor(config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
+           params: int | None = None, world_size: int | None = None, local_world_size: int | None = None,
+           nvme_paths: Iterable[str] = (), probe_bytes: int = 256 << 20) -> dict[str, Any]:
+    """Checks this machine for ``config`` (Note [Doctor]).
+
+    Args:
+        config: a DeepSpeed config (dict or JSON path) or a :class:`ZeroConfig`; its ``nvme_path``s are probed.
+        params: the model's trainable parameter count: with ``world_size``, plans the memory per rank and
+            predicts the optimizer phase of a step.
+        world_size: data-parallel ranks of the run (default: ``WORLD_SIZE`` from the environment, else 1).
+        local_world_size: ranks on this machine (default: ``LOCAL_WORLD_SIZE``, else ``world_size``).
+        nvme_paths: more directories to probe.
+        probe_bytes: bytes written to and read back from each directory (rounded up to 4 KiB).
+
+    Returns:
+        ``{"ok": no check failed, "checks": [{"name", "status", "detail"}], "disks": {path: measurements},
+        "cpu": {...}, "plan": estimate_memory's result or None, "prediction": {...} or None}``.
+    """
+    checks: list[Check] = []
+    parsed = _read_config(config, checks)
+    world = int(world_size or os.environ.get("WORLD_SIZE", 1))
+    local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", 0) or world)
+    if world < 1 or not 1 <= local <= world:
+        raise ValueError(f"world_size must be >= 1 and local_world_size in [1, world_size], got {world} and {local}")
+    offloads = _offload_devices(parsed)
+    _check_build(checks)
+    cpu = _check_cpu(checks, local, offloads)
+    plan = None
+    if params is not None and parsed is not None:
+        plan = estimate_memory(params, parsed, world)
+        _check_memory(checks, plan, local, parsed)
+    paths = list(dict.fromkeys([*_nvme_paths(parsed), *nvme_paths]))
+    aio = _aio_settings(parsed)
+    disks = {path: _check_disk(checks, path, aio, probe_bytes, _nvme_bytes(plan, parsed, path) * local)
+             for path in paths}
+    prediction = None
+    if plan is not None and offloads:
+        prediction = _predict(checks, plan, world, local, cpu, disks, parsed)
+    return {"ok": all(c.status != "fail" for c in checks), "checks": [asdict(c) for c in checks], "disks": disks,
+            "cpu": cpu, "plan": plan, "prediction": prediction}
+
+
+def _read_config(config: Any, checks: list[Check]) -> ZeroConfig | None:
+    if config is None or isinstance(config, ZeroConfig):
+        return config
+    try:
+        return ZeroConfig.from_deepspeed(config)
+    except (ValueError, TypeError, OSError) as error:
+        checks.append(Check("config", "fail", str(error)))
+        return None
+
+
+def _offload_devices(config: ZeroConfig | None) -> set[str]:
+    if config is None:
+        return set()
+    zero = config.zero_optimization
+    return {zero.offload_optimizer.device, zero.offload_param.device} - {"none"}
+
+
+def _nvme_paths(config: ZeroConfig | None) -> list[str]:
+    if config is None:
+        return []
+    zero = config.zero_optimization
+    return [o.nvme_path for o in (zero.offload_optimizer, zero.offload_param) if o.device == "nvme" and o.nvme_path]
+
+
+def _aio_settings(config: ZeroConfig | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    aio = config.aio
+    return {"block_size": aio.block_size, "queue_depth": aio.queue_depth, "thread_count": aio.thread_count,
+            "single_submit": aio.single_submit, "overlap_events": aio.overlap_events}
+
+
+def _nvme_bytes(plan: dict[str, Any] | None, config: ZeroConfig | None, path: str) -> int:
+    """One rank's bytes in files under ``path`` (the optimizer state's and the parameter shards')."""
+    if plan is None or config is None:
+        return 0
+    zero = config.zero_optimization
+    return sum(plan[key] for offload, key in ((zero.offload_optimizer, "nvme_file_bytes"),
+                                              (zero.offload_param, "nvme_param_file_bytes"))
+               if offload.device == "nvme" and offload.nvme_path == path)
+
+
+def _check_build(checks: list[Check]) -> None:
+    info = build_info()
+    detail = (f"zerocore {info['version']}, CPU kernels {info['simd_active']} (best this CPU runs: "
+              f"{info['simd_best']}), CUDA kernels {'built' if info['cuda_compiled'] else 'not built'}")
+    status = "ok"
+    if info["simd_active"] != info["simd_best"]:
+        status, detail = "warn", detail + "; the kernels run a narrower path than this CPU supports (ZEROCORE_SIMD?)"
+    if info["cuda_available"] and not info["cuda_compiled"]:
+        status, detail = "warn", detail + ("; a GPU is present but the CUDA kernels were not built: reinstall with "
+                                           "nvcc on the PATH")
+    checks.append(Check("build", status, detail))
+
+
+def _check_cpu(checks: list[Check], local: int, offloads: set[str]) -> dict[str, Any]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_rank = max(1, cores // local)
+    threads = torch.get_num_threads()
+    detail = f"{cores} cores for {local} rank(s) here: {cores / local:g} per rank; torch uses {threads} thread(s)"
+    status = "ok"
+    if cores < local:
+        status, detail = "warn", detail + "; more ranks than cores: every rank's compute and I/O threads queue"
+    elif threads * local > cores:
+        status, detail = "warn", (detail + f"; {threads} threads x {local} ranks oversubscribe the cores: set "
+                                  f"OMP_NUM_THREADS={per_rank} (torchrun sets 1)")
+    if offloads and cores / local < 2:
+        status, detail = "warn", detail + ("; offloading runs the optimizer on the CPU, which then shares one core "
+                                           "with the rank's other work: fewer ranks per node, or more cores")
+    checks.append(Check("cpu", status, detail))
+    return {"cores": cores, "ranks_here": local, "cores_per_rank": cores / local, "torch_threads": threads,
+            "adam_threads": per_rank}
+
+
+def _meminfo() -> dict[str, int]:
+    values = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                values[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return values
+
+
+def _check_memory(checks: list[Check], plan: dict[str, Any], local: int, config: ZeroConfig) -> None:
+    gib = 2**30
+    host = plan["host_bytes"] * local
+    info = _meminfo()
+    total, available = info.get("MemTotal"), info.get("MemAvailable")
+    largest = sorted(((v, k) for k, v in plan["bytes"].items() if plan["where"][k] == "host" and v), reverse=True)
+    most = ", ".join(f"{key} {value / gib:,.2f}" for value, key in largest[:3])
+    detail = (f"the plan holds {host / gib:,.2f} GiB of host memory on this machine ({local} rank(s) x "
+              f"{plan['host_bytes'] / gib:,.2f} GiB: most in {most}) between steps")
+    if total is None:
+        checks.append(Check("host memory", "warn", detail + "; /proc/meminfo unreadable, nothing to compare with"))
+    elif host > total:
+        zero = config.zero_optimization
+        if largest and largest[0][1] == "nvme_buffers":
+            way = ("lower zero_optimization.sub_group_size: the NVMe pipeline holds three sub-groups of fp32 master "
+                   f"and moments (now {zero.sub_group_size:,} elements each)")
+        elif zero.offload_optimizer.device != "nvme":
+            way = "offload the optimizer state to NVMe (and at stage 3 the parameters), or use more machines"
+        else:
+            way = "use more machines, or offload stage 3's parameters to NVMe too"
+        checks.append(Check("host memory", "fail", detail + f", more than its {total / gib:,.2f} GiB: {way}"))
+    elif available is not None and host > available:
+        checks.append(Check("host memory", "warn", detail + f", more than the {available / gib:,.2f} GiB free now "
+                            "(other processes, or the page cache the kernel gives back)"))
+    else:
+        checks.append(Check("host memory", "ok", detail + f"; the machine has {total / gib:,.2f} GiB"))
+    if plan["device_bytes"] and torch.cuda.is_available():
+        free, whole = torch.cuda.mem_get_info()
+        status = "fail" if plan["device_bytes"] > whole else "warn" if plan["device_bytes"] > free else "ok"
+        checks.append(Check("device memory", status, f"{plan['device_bytes'] / gib:,.2f} GiB per rank planned "
+                            f"between steps, on a device of {whole / gib:,.2f} GiB ({free / gib:,.2f} free)"))
+    pinned = plan["pinned_host"] and torch.cuda.is_available()
+    if pinned:
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        need = plan["host_bytes"]
+        if soft != resource.RLIM_INFINITY and soft < need:
+            checks.append(Check("memlock", "warn", f"pin_memory pins about {need / gib:,.2f} GiB per rank but "
+                                f"`ulimit -l` allows {soft / gib:,.2f} GiB: raise it, or set pin_memory false"))
+
+
+def _filesystem(path: str) -> str:
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                point = fields[1].replace("\\040", " ")
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _check_disk(checks: list[Check], path: str, aio: Mapping[str, Any], probe_bytes: int,
+                needed: int) -> dict[str, Any]:
+    name = f"nvme_path {path}"
+    path = os.path.abspath(path)
+    result: dict[str, Any] = {"filesystem": _filesystem(path)}
+    try:
+        result["free_bytes"] = shutil.disk_usage(path).free
+        probe = NamelessFile(open_io(aio), path, name, "zerocore-doctor")
+    except OSError as error:
+        checks.append(Check(name, "fail", str(error)))
+        return result
+    try:
+        result.update(_measure(probe, -(-probe_bytes // 4096) * 4096))
+    except OSError as error:
+        checks.append(Check(name, "fail", f"the probe file failed: {error}"))
+        return result
+    finally:
+        probe.close()
+    gib = 2**30
+    detail = (f"{result['filesystem']}, {'O_DIRECT' if result['direct'] else 'no O_DIRECT (page cache)'}, write "
+              f"{result['write_gbps']:.2f} GB/s, read {result['read_gbps']:.2f} GB/s, "
+              f"{result['free_bytes'] / gib:,.1f} GiB free")
+    status = "ok"
+    if result["filesystem"] in _NOT_DISKS:
+        status, detail = "warn", detail + f": {_NOT_DISKS[result['filesystem']]}"
+    elif not result["direct"]:
+        status, detail = "warn", detail + ": the state's pages pass through the page cache, taking host memory"
+    if needed > result["free_bytes"]:
+        status, detail = "fail", detail + (f"; the plan's files need {needed / gib:,.2f} GiB here: free space, or "
+                                           "another nvme_path")
+    elif needed:
+        detail += f"; the plan's files need {needed / gib:,.2f} GiB"
+    checks.append(Check(name, status, detail))
+    return result
+
+
+def _measure(probe: NamelessFile, nbytes: int) -> dict[str, Any]:
+    """Sequential write (synced) and read (after evicting the file's pages) of ``nbytes`` through the engine."""
+    io, handle = probe.io, probe.handle
+    buffer = aligned_empty(nbytes)
+    buffer.random_()  # (compressing or deduplicating devices would flatter zeros)
+    start = time.perf_counter()
+    io.write(handle, 0, buffer)
+    io.wait_all()
+    io.fsync(handle)
+    write_s = time.perf_counter() - start
+    if hasattr(os, "posix_fadvise"):  # clean pages of a synced file go: the read below comes from the disk
+        os.posix_fadvise(probe.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    start = time.perf_counter()
+    io.read(handle, 0, buffer)
+    io.wait_all()
+    read_s = time.perf_counter() - start
+    return {"direct": bool(io.direct(handle)), "probe_bytes": nbytes, "write_gbps": nbytes / write_s / 1e9,
+            "read_gbps": nbytes / read_s / 1e9}
+
+
+def _adam_elements_per_second(threads: int) -> float:
+    from . import ops
+
+    n = 1 << 22
+    param, grad, exp_avg, exp_avg_sq = (torch.randn(n) for _ in range(4))
+    exp_avg_sq.abs_()
+    before = ops.get_num_threads()
+    ops.set_num_threads(threads)
+    try:
+        ops.adam_step(param, grad, exp_avg, exp_avg_sq, step=1, lr=1e-3)  # (warm: pages, pool threads)
+        best = float("inf")
+        for step in range(2, 5):
+            start = time.perf_counter()
+            ops.adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=1e-3)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        ops.set_num_threads(before)
+    return n / best
+
+
+def _predict(checks: list[Check], plan: dict[str, Any], world: int, local: int, cpu: dict[str, Any],
+             disks: dict[str, dict[str, Any]], config: ZeroConfig) -> dict[str, Any]:
+    shard = -(-plan["psi_padded"] // world)
+    adam_s = shard / _adam_elements_per_second(cpu["adam_threads"])
+    zero = config.zero_optimization
+    reads = writes = 0.0  # seconds of this node's disk time per step
+    for offload, passes in ((zero.offload_optimizer, (1, 1)), (zero.offload_param, (2, 1))):
+        disk = disks.get(offload.nvme_path or "", {})
+        if offload.device != "nvme" or "read_gbps" not in disk:
+            continue
+        nbytes = (plan["nvme_file_bytes"] if offload is zero.offload_optimizer else plan["nvme_param_file_bytes"])
+        reads += passes[0] * nbytes * local / (disk["read_gbps"] * 1e9)
+        writes += passes[1] * nbytes * local / (disk["write_gbps"] * 1e9)
+    io_s = reads + writes
+    bound = "disk" if io_s > adam_s else "cpu"
+    detail = (f"per step, the CPU Adam on a rank's {shard:,} elements takes {adam_s:.3f} s at "
+              f"{cpu['adam_threads']} thread(s)")
+    if io_s:
+        detail += (f"; the node's disk reads and writes the {local} rank(s)' offloaded state in {io_s:.3f} s: the "
+                   f"optimizer phase takes at least {max(io_s, adam_s):.3f} s, bound by the "
+                   f"{'disk' if bound == 'disk' else 'CPU'}")
+    checks.append(Check("prediction", "ok", detail))
+    return {"adam_seconds": adam_s, "io_seconds": io_s, "bound_by": bound if io_s else "cpu",
+            "optimizer_phase_seconds": max(io_s, adam_s)}
+
+
+# ---- python -m zerocore.doctor ----------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m zerocore.doctor``: prints the checks (or JSON); 1 when one failed, 2 on bad arguments."""
+    from ._doctor_cli import main as cli
+
+    return cli(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""``zerocore.doctor`` / ``python -m zerocore.doctor`` (Note [Doctor] in doctor.py): each check on this machine,
+with the failures a user meets before a long offloaded run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zerocore.doctor import doctor
+
+PROBE = 1 << 20
+pytestmark = pytest.mark.timeout(300)
+
+
+def nvme_config(path: str, **zero) -> dict:
+    return {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": path},
+                                  **zero}, "bf16": {"enabled": True}}
+
+
+def by_name(result: dict) -> dict[str, dict]:
+    return {check["name"]: check for check in result["checks"]}
+
+
+def test_a_writable_directory_is_measured_through_the_engine_and_left_as_it_was(tmp_path):
+    result = doctor(nvme_config(str(tmp_path)), params=10**6, world_size=2, local_world_size=2, probe_bytes=PROBE)
+    disk = result["disks"][str(tmp_path)]
+    assert disk["probe_bytes"] == PROBE and disk["write_gbps"] > 0 and disk["read_gbps"] > 0, disk
+    assert isinstance(disk["direct"], bool) and disk["free_bytes"] > 0 and disk["filesystem"] != "", disk
+    assert os.listdir(tmp_path) == []  # the probe file had no name: nothing left behind
+    checks = by_name(result)
+    assert checks[f"nvme_path {tmp_path}"]["status"] in ("ok", "warn"), checks  # (warn: tmpfs, no O_DIRECT)
+    assert "GB/s" in checks[f"nvme_path {tmp_path}"]["detail"]
+    assert checks["host memory"]["status"] == "ok", checks
+    prediction = result["prediction"]  # the state file read and written once per step by both ranks here
+    assert prediction["io_seconds"] > 0 and prediction["adam_seconds"] > 0, prediction
+    assert prediction["optimizer_phase_seconds"] == max(prediction["io_seconds"], prediction["adam_seconds"])
+    assert result["ok"]
+
+
+def test_cpu_offload_predicts_the_adam_kernel_alone():
+    result = doctor({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, params=10**7,
+                    world_size=1)
+    assert result["prediction"]["io_seconds"] == 0 and result["prediction"]["bound_by"] == "cpu", result
+    assert result["disks"] == {}
+
+
+@pytest.mark.parametrize("make", ["missing", "a file"])
+def test_an_unusable_nvme_path_fails_naming_it(tmp_path, make):
+    path = tmp_path / "state"
+    if make == "a file":
+        path.write_text("not a directory")
+    result = doctor(nvme_config(str(path)), probe_bytes=PROBE)
+    check = by_name(result)[f"nvme_path {path}"]
+    assert check["status"] == "fail" and str(path) in check["detail"], check
+    assert "does not exist or is not a directory" in check["detail"] or "No such file" in check["detail"], check
+    assert not result["ok"]
+
+
+def test_a_plan_larger_than_the_machine_fails_and_names_the_sub_group_size(tmp_path):
+    # every rank's shard is 3e10 elements: three sub-groups of 1e11 fp32 master and moments would be in flight
+    result = doctor(nvme_config(str(tmp_path), sub_group_size=10**11), params=3 * 10**13, world_size=1000,
+                    local_world_size=1, probe_bytes=PROBE)
+    checks = by_name(result)
+    assert checks["host memory"]["status"] == "fail", checks
+    assert "nvme_buffers" in checks["host memory"]["detail"] and "sub_group_size" in checks["host memory"]["detail"]
+    # and its 360 GB state file does not fit the disk either
+    assert checks[f"nvme_path {tmp_path}"]["status"] == "fail", checks
+    assert "the plan's files need" in checks[f"nvme_path {tmp_path}"]["detail"]
+    assert not result["ok"]
+
+
+def test_without_offload_a_plan_too_large_says_to_offload():
+    result = doctor({"zero_optimization": {"stage": 1}}, params=10**12, world_size=1)
+    check = by_name(result)["host memory"]
+    assert check["status"] == "fail" and "offload the optimizer state to NVMe" in check["detail"], check
+    assert result["prediction"] is None  # nothing offloaded: no optimizer phase of its own to predict
+
+
+def test_a_bad_config_is_a_failed_check_and_bad_ranks_raise():
+    result = doctor({"zero_optimization": {"stage": 3, "bogus_key": 1}})
+    assert by_name(result)["config"]["status"] == "fail" and "bogus_key" in by_name(result)["config"]["detail"]
+    with pytest.raises(ValueError, match="local_world_size"):
+        doctor(None, world_size=2, local_world_size=3)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerocore.doctor", *args], capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_command_line_prints_the_checks_and_exits_1_on_a_failure(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(nvme_config(str(tmp_path / "missing"))))
+    done = run_cli("--config", str(config), "--params", "1M", "--world", "2", "--probe-size", "64K")
+    assert done.returncode == 1, done.stderr
+    assert "[FAIL] nvme_path" in done.stdout and "] build: zerocore" in done.stdout, done.stdout
+    good = run_cli("--nvme-path", str(tmp_path), "--probe-size", "64K", "--json")
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["disks"][str(tmp_path)]["probe_bytes"] == 64 << 10
+    bad = run_cli("--probe-size", "12")
+    assert bad.returncode == 2 and "probe size" in bad.stderr, bad.stderr
