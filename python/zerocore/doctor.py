@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from ._info import build_info
 from ._nvme_state import NamelessFile
@@ -51,13 +52,14 @@ class Check:
 
 
 def doctor(config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
-           params: int | None = None, world_size: int | None = None, local_world_size: int | None = None,
+           params: int | nn.Module | None = None, world_size: int | None = None, local_world_size: int | None = None,
            nvme_paths: Iterable[str] = (), probe_bytes: int = 256 << 20) -> dict[str, Any]:
     """Checks this machine for ``config`` (Note [Doctor]).
 
     Args:
         config: a DeepSpeed config (dict or JSON path) or a :class:`ZeroConfig`; its ``nvme_path``s are probed.
-        params: the model's trainable parameter count: with ``world_size``, plans the memory per rank and
+        params: the model (built under ``torch.device("meta")`` when large) or its trainable parameter count
+            (planned as one flat tensor, ``estimate_memory``'s approximation): plans the memory per rank and
             predicts the optimizer phase of a step.
         world_size: data-parallel ranks of the run (default: ``WORLD_SIZE`` from the environment, else 1).
         local_world_size: ranks on this machine (default: ``LOCAL_WORLD_SIZE``, else ``world_size``).
@@ -187,6 +189,9 @@ def _check_memory(checks: list[Check], plan: dict[str, Any], local: int, config:
     most = ", ".join(f"{key} {value / gib:,.2f}" for value, key in largest[:3])
     detail = (f"the plan holds {host / gib:,.2f} GiB of host memory on this machine ({local} rank(s) x "
               f"{plan['host_bytes'] / gib:,.2f} GiB: most in {most}) between steps")
+    if plan["approximate"]:  # one bucket as large as the shard: the largest sub-group a model could have
+        detail += (" (a parameter count is planned as one flat tensor: NVMe buffers as large as they can be; "
+                   "pass the model built under torch.device('meta') for its own)")
     if total is None:
         checks.append(Check("host memory", "warn", detail + "; /proc/meminfo unreadable, nothing to compare with"))
     elif host > total:
@@ -252,7 +257,8 @@ def _check_disk(checks: list[Check], path: str, aio: Mapping[str, Any], probe_by
         probe.close()
     gib = 2**30
     detail = (f"{result['filesystem']}, {'O_DIRECT' if result['direct'] else 'no O_DIRECT (page cache)'}, write "
-              f"{result['write_gbps']:.2f} GB/s, read {result['read_gbps']:.2f} GB/s, "
+              f"{result['write_gbps']:.2f} GB/s, read {result['read_gbps']:.2f} GB/s, both at once "
+              f"{result['read_write_gbps']:.2f} GB/s, "
               f"{result['free_bytes'] / gib:,.1f} GiB free")
     status = "ok"
     if result["filesystem"] in _NOT_DISKS:
@@ -284,8 +290,19 @@ def _measure(probe: NamelessFile, nbytes: int) -> dict[str, Any]:
     io.read(handle, 0, buffer)
     io.wait_all()
     read_s = time.perf_counter() - start
+    # the step's pipeline reads one sub-group while it writes another back: both directions at once, which a
+    # disk serves faster together than one after the other
+    half = nbytes // 2 // 4096 * 4096
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(probe.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    start = time.perf_counter()
+    io.read(handle, 0, buffer[:half])
+    io.write(handle, half, buffer[half:2 * half])
+    io.wait_all()
+    io.fsync(handle)
+    mixed_s = time.perf_counter() - start
     return {"direct": bool(io.direct(handle)), "probe_bytes": nbytes, "write_gbps": nbytes / write_s / 1e9,
-            "read_gbps": nbytes / read_s / 1e9}
+            "read_gbps": nbytes / read_s / 1e9, "read_write_gbps": 2 * half / mixed_s / 1e9}
 
 
 def _adam_elements_per_second(threads: int) -> float:
@@ -313,21 +330,19 @@ def _predict(checks: list[Check], plan: dict[str, Any], world: int, local: int, 
     shard = -(-plan["psi_padded"] // world)
     adam_s = shard / _adam_elements_per_second(cpu["adam_threads"])
     zero = config.zero_optimization
-    reads = writes = 0.0  # seconds of this node's disk time per step
-    for offload, passes in ((zero.offload_optimizer, (1, 1)), (zero.offload_param, (2, 1))):
+    io_s = 0.0  # this node's disk time per step: reads and writes overlap as in the probe's mixed pass
+    for offload, passes in ((zero.offload_optimizer, 2), (zero.offload_param, 3)):
         disk = disks.get(offload.nvme_path or "", {})
-        if offload.device != "nvme" or "read_gbps" not in disk:
+        if offload.device != "nvme" or "read_write_gbps" not in disk:
             continue
         nbytes = (plan["nvme_file_bytes"] if offload is zero.offload_optimizer else plan["nvme_param_file_bytes"])
-        reads += passes[0] * nbytes * local / (disk["read_gbps"] * 1e9)
-        writes += passes[1] * nbytes * local / (disk["write_gbps"] * 1e9)
-    io_s = reads + writes
+        io_s += passes * nbytes * local / (disk["read_write_gbps"] * 1e9)
     bound = "disk" if io_s > adam_s else "cpu"
     detail = (f"per step, the CPU Adam on a rank's {shard:,} elements takes {adam_s:.3f} s at "
               f"{cpu['adam_threads']} thread(s)")
     if io_s:
         detail += (f"; the node's disk reads and writes the {local} rank(s)' offloaded state in {io_s:.3f} s: the "
-                   f"optimizer phase takes at least {max(io_s, adam_s):.3f} s, bound by the "
+                   f"optimizer phase takes about {max(io_s, adam_s):.3f} s, bound by the "
                    f"{'disk' if bound == 'disk' else 'CPU'}")
     checks.append(Check("prediction", "ok", detail))
     return {"adam_seconds": adam_s, "io_seconds": io_s, "bound_by": bound if io_s else "cpu",
