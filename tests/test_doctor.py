@@ -115,3 +115,19 @@ def test_command_line_prints_the_checks_and_exits_1_on_a_failure(tmp_path):
     assert json.loads(good.stdout)["disks"][str(tmp_path)]["probe_bytes"] == 64 << 10
     bad = run_cli("--probe-size", "12")
     assert bad.returncode == 2 and "probe size" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("omp, expected", [("1", "set OMP_NUM_THREADS=4 (or zerocore.ops.set_num_threads(4)"),
+                                           ("8", "8 threads x 2 ranks oversubscribe the cores: set OMP_NUM_THREADS=4"),
+                                           ("4", None)])
+def test_threads_per_rank_are_checked_against_the_cores(monkeypatch, omp, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    result = doctor({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, params=10**6,
+                    world_size=2)
+    check = by_name(result)["cpu"]
+    assert "8 cores for 2 rank(s)" in check["detail"], check
+    if expected is None:
+        assert check["status"] == "ok", check
+    else:
+        assert check["status"] == "warn" and expected in check["detail"], check

@@ -149,23 +149,37 @@ def _check_build(checks: list[Check]) -> None:
     checks.append(Check("build", status, detail))
 
 
+def _rank_threads(local: int) -> int:
+    """The intra-op threads a rank of the run gets (the CPU Adam's too): OMP_NUM_THREADS when set, else what
+    torchrun sets for several ranks per machine (1), else torch's default."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return 1 if local > 1 else torch.get_num_threads()
+
+
 def _check_cpu(checks: list[Check], local: int, offloads: set[str]) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     per_rank = max(1, cores // local)
-    threads = torch.get_num_threads()
-    detail = f"{cores} cores for {local} rank(s) here: {cores / local:g} per rank; torch uses {threads} thread(s)"
+    threads = _rank_threads(local)
+    detail = (f"{cores} cores for {local} rank(s) here: {cores / local:g} per rank; each rank computes on {threads} "
+              "thread(s) (OMP_NUM_THREADS" + (")" if "OMP_NUM_THREADS" in os.environ else ", or torchrun's default)"))
     status = "ok"
     if cores < local:
         status, detail = "warn", detail + "; more ranks than cores: every rank's compute and I/O threads queue"
     elif threads * local > cores:
         status, detail = "warn", (detail + f"; {threads} threads x {local} ranks oversubscribe the cores: set "
-                                  f"OMP_NUM_THREADS={per_rank} (torchrun sets 1)")
+                                  f"OMP_NUM_THREADS={per_rank}")
+    elif offloads and threads < per_rank:
+        status, detail = "warn", (detail + f"; the CPU Adam of an offloaded optimizer runs on those {threads} while "
+                                  f"{per_rank} cores per rank are there: set OMP_NUM_THREADS={per_rank} (or "
+                                  f"zerocore.ops.set_num_threads({per_rank}) in each rank)")
     if offloads and cores / local < 2:
         status, detail = "warn", detail + ("; offloading runs the optimizer on the CPU, which then shares one core "
                                            "with the rank's other work: fewer ranks per node, or more cores")
     checks.append(Check("cpu", status, detail))
-    return {"cores": cores, "ranks_here": local, "cores_per_rank": cores / local, "torch_threads": threads,
-            "adam_threads": per_rank}
+    return {"cores": cores, "ranks_here": local, "cores_per_rank": cores / local, "rank_threads": threads,
+            "adam_threads": min(threads, per_rank)}
 
 
 def _meminfo() -> dict[str, int]:
