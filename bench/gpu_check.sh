@@ -56,7 +56,7 @@ python3 -c "import zerocore, json; print(json.dumps(zerocore.build_info()))" || 
 
 step "CUDA tests"
 start=$SECONDS
-python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_cuda.py tests/test_engine_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -25
+python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_cuda.py tests/test_engine_cuda.py tests/test_doctor.py 2>&1 | tee "$OUT/tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "tests took $((SECONDS - start)) s"
 
@@ -92,6 +92,10 @@ for dtype in (torch.float32, torch.bfloat16):
 json.dump({"elements": n, "group_size": gs, "copy_gbps": copy_gbps, "rows": rows}, open(sys.argv[1], "w"))
 PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "doctor (this machine for an offloaded config)"
+python3 -m zerocore.doctor --nvme-path /tmp --probe-size 256M 2>&1 | tee "$OUT/doctor.log" | tail -12
+[ "${PIPESTATUS[0]}" -le 1 ] || status=1  # (1: a check failed on this machine, which is the doctor's answer)
 
 step "demo on NCCL, world size 1, bf16"
 for stage in 1 2 3; do

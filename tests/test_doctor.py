@@ -131,3 +131,18 @@ def test_threads_per_rank_are_checked_against_the_cores(monkeypatch, omp, expect
         assert check["status"] == "ok", check
     else:
         assert check["status"] == "warn" and expected in check["detail"], check
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_copies_and_memory_are_measured():
+    result = doctor(None, probe_bytes=64 << 20)
+    assert len(result["gpus"]) == torch.cuda.device_count(), result["gpus"]
+    for gpu in result["gpus"]:
+        assert gpu["h2d_gbps"] > 0 and gpu["d2h_gbps"] > 0 and 0 < gpu["free_bytes"] <= gpu["total_bytes"], gpu
+    assert by_name(result)["gpu 0"]["status"] == "ok"
+
+
+def test_without_a_gpu_there_are_no_gpu_checks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = doctor(None)
+    assert result["gpus"] == [] and not any(c["name"].startswith("gpu") for c in result["checks"])

@@ -68,7 +68,8 @@ def doctor(config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | Non
 
     Returns:
         ``{"ok": no check failed, "checks": [{"name", "status", "detail"}], "disks": {path: measurements},
-        "cpu": {...}, "plan": estimate_memory's result or None, "prediction": {...} or None}``.
+        "cpu": {...}, "gpus": [per visible GPU: memory and pinned copy GB/s], "plan": estimate_memory's result
+        or None, "prediction": {...} or None}``.
     """
     checks: list[Check] = []
     parsed = _read_config(config, checks)
@@ -79,6 +80,7 @@ def doctor(config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | Non
     offloads = _offload_devices(parsed)
     _check_build(checks)
     cpu = _check_cpu(checks, local, offloads)
+    gpus = _check_gpus(checks, min(probe_bytes, 1 << 30)) if torch.cuda.is_available() else []
     plan = None
     if params is not None and parsed is not None:
         plan = estimate_memory(params, parsed, world)
@@ -91,7 +93,7 @@ def doctor(config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | Non
     if plan is not None and offloads:
         prediction = _predict(checks, plan, world, local, cpu, disks, parsed)
     return {"ok": all(c.status != "fail" for c in checks), "checks": [asdict(c) for c in checks], "disks": disks,
-            "cpu": cpu, "plan": plan, "prediction": prediction}
+            "cpu": cpu, "gpus": gpus, "plan": plan, "prediction": prediction}
 
 
 def _read_config(config: Any, checks: list[Check]) -> ZeroConfig | None:
@@ -180,6 +182,38 @@ def _check_cpu(checks: list[Check], local: int, offloads: set[str]) -> dict[str,
     checks.append(Check("cpu", status, detail))
     return {"cores": cores, "ranks_here": local, "cores_per_rank": cores / local, "rank_threads": threads,
             "adam_threads": min(threads, per_rank)}
+
+
+def _check_gpus(checks: list[Check], nbytes: int) -> list[dict[str, Any]]:
+    """Each visible GPU's memory and its copies to and from pinned host memory (offloaded state crosses them
+    every step)."""
+    gib, gpus = 2**30, []
+    try:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as error:  # (a memlock limit below the probe, typically)
+        checks.append(Check("pinned memory", "warn", f"pinning {nbytes} bytes failed ({error}): raise `ulimit -l`, "
+                            "or set pin_memory false (copies from pageable memory are slower)"))
+        return gpus
+    for index in range(torch.cuda.device_count()):
+        with torch.cuda.device(index):
+            free, total = torch.cuda.mem_get_info()
+            device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            rates = {}
+            for name, dst, src in (("h2d_gbps", device, host), ("d2h_gbps", host, device)):
+                dst.copy_(src, non_blocking=True)  # (warm)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                rates[name] = nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+            del device
+        gpus.append({"index": index, "name": torch.cuda.get_device_name(index), "total_bytes": total,
+                     "free_bytes": free, **rates})
+        checks.append(Check(f"gpu {index}", "ok", f"{gpus[-1]['name']}, {total / gib:,.1f} GiB ({free / gib:,.1f} "
+                            f"free), pinned host to device {rates['h2d_gbps']:.1f} GB/s, device to host "
+                            f"{rates['d2h_gbps']:.1f} GB/s"))
+    return gpus
 
 
 def _meminfo() -> dict[str, int]:
