@@ -38,8 +38,9 @@ def test_a_writable_directory_is_measured_through_the_engine_and_left_as_it_was(
     assert "GB/s" in checks[f"nvme_path {tmp_path}"]["detail"]
     assert checks["host memory"]["status"] == "ok", checks
     prediction = result["prediction"]  # the state file read and written once per step by both ranks here
-    assert prediction["io_seconds"] > 0 and prediction["adam_seconds"] > 0, prediction
-    assert prediction["optimizer_phase_seconds"] == max(prediction["io_seconds"], prediction["adam_seconds"])
+    assert prediction["state_io_seconds"] > 0 and prediction["adam_seconds"] > 0, prediction
+    assert prediction["optimizer_phase_seconds"] == max(prediction["state_io_seconds"], prediction["adam_seconds"])
+    assert prediction["param_io_seconds"] == 0, prediction
     assert result["ok"]
 
 
@@ -53,10 +54,24 @@ def test_a_model_on_the_meta_device_is_planned_as_itself(tmp_path):
     assert "one flat tensor" not in by_name(result)["host memory"]["detail"]
 
 
+@pytest.mark.parametrize("max_in_cpu", [10**9, 0])
+def test_parameter_shards_on_nvme_are_predicted_and_a_max_in_cpu_that_keeps_them_all_is_named(tmp_path, max_in_cpu):
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path),
+                                                                  "max_in_cpu": max_in_cpu}}}
+    result = doctor(config, params=10**6, world_size=1, probe_bytes=PROBE)
+    check, prediction = by_name(result)["prediction"], result["prediction"]
+    assert prediction["adam_seconds"] is None and prediction["state_io_seconds"] == 0, prediction
+    if max_in_cpu:
+        assert check["status"] == "warn" and "max_in_cpu (1,000,000,000 elements)" in check["detail"], check
+        assert prediction["param_io_seconds"] == 0
+    else:
+        assert check["status"] == "ok" and prediction["param_io_seconds"] > 0, (check, prediction)
+
+
 def test_cpu_offload_predicts_the_adam_kernel_alone():
     result = doctor({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, params=10**7,
                     world_size=1)
-    assert result["prediction"]["io_seconds"] == 0 and result["prediction"]["bound_by"] == "cpu", result
+    assert result["prediction"]["state_io_seconds"] == 0 and result["prediction"]["bound_by"] == "cpu", result
     assert result["disks"] == {}
 
 

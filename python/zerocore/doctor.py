@@ -375,26 +375,40 @@ def _adam_elements_per_second(threads: int) -> float:
 
 def _predict(checks: list[Check], plan: dict[str, Any], world: int, local: int, cpu: dict[str, Any],
              disks: dict[str, dict[str, Any]], config: ZeroConfig) -> dict[str, Any]:
-    shard = -(-plan["psi_padded"] // world)
-    adam_s = shard / _adam_elements_per_second(cpu["adam_threads"])
+    """Per step on this node: the optimizer phase (the CPU Adam against the state files' disk time, pipelined)
+    and the parameter shards' disk time (read for the forward's and the backward's gathers, written after the
+    update)."""
     zero = config.zero_optimization
-    io_s = 0.0  # this node's disk time per step: reads and writes overlap as in the probe's mixed pass
-    for offload, passes in ((zero.offload_optimizer, 2), (zero.offload_param, 3)):
+
+    def disk_seconds(offload: Any, nbytes: int, passes: int) -> float:
         disk = disks.get(offload.nvme_path or "", {})
         if offload.device != "nvme" or "read_write_gbps" not in disk:
-            continue
-        nbytes = (plan["nvme_file_bytes"] if offload is zero.offload_optimizer else plan["nvme_param_file_bytes"])
-        io_s += passes * nbytes * local / (disk["read_write_gbps"] * 1e9)
-    bound = "disk" if io_s > adam_s else "cpu"
-    detail = (f"per step, the CPU Adam on a rank's {shard:,} elements takes {adam_s:.3f} s at "
-              f"{cpu['adam_threads']} thread(s)")
-    if io_s:
-        detail += (f"; the node's disk reads and writes the {local} rank(s)' offloaded state in {io_s:.3f} s: the "
-                   f"optimizer phase takes about {max(io_s, adam_s):.3f} s, bound by the "
-                   f"{'disk' if bound == 'disk' else 'CPU'}")
-    checks.append(Check("prediction", "ok", detail))
-    return {"adam_seconds": adam_s, "io_seconds": io_s, "bound_by": bound if io_s else "cpu",
-            "optimizer_phase_seconds": max(io_s, adam_s)}
+            return 0.0  # (reads and writes overlap as in the probe's mixed pass; the node's ranks share the disk)
+        return passes * nbytes * local / (disk["read_write_gbps"] * 1e9)
+
+    state_s = disk_seconds(zero.offload_optimizer, plan["nvme_file_bytes"], 2)
+    param_s = disk_seconds(zero.offload_param, plan["nvme_param_file_bytes"], 3)
+    parts, adam_s = [], None
+    if zero.offload_optimizer.device != "none":
+        shard = -(-plan["psi_padded"] // world)
+        adam_s = shard / _adam_elements_per_second(cpu["adam_threads"])
+        parts.append(f"the CPU Adam on a rank's {shard:,} elements takes {adam_s:.3f} s at {cpu['adam_threads']} "
+                     "thread(s)")
+    if state_s:
+        parts.append(f"the node's disk reads and writes the {local} rank(s)' optimizer state in {state_s:.3f} s: the "
+                     f"optimizer phase takes about {max(state_s, adam_s or 0):.3f} s, bound by the "
+                     + ("disk" if state_s > (adam_s or 0) else "CPU"))
+    if zero.offload_param.device == "nvme" and not plan["nvme_param_file_bytes"]:
+        parts.append(f"offload_param puts nothing on the disk: max_in_cpu ({zero.offload_param.max_in_cpu:,} "
+                     "elements) keeps every parameter shard in memory; lower it to offload them")
+    elif param_s:
+        parts.append(f"the parameter shards take {param_s:.3f} s of disk time (read for the forward's and the "
+                     "backward's gathers, written after the update)")
+    checks.append(Check("prediction", "warn" if "puts nothing" in " ".join(parts) else "ok",
+                        "per step, " + "; ".join(parts)))
+    phase = max(state_s, adam_s or 0.0)
+    return {"adam_seconds": adam_s, "state_io_seconds": state_s, "param_io_seconds": param_s,
+            "optimizer_phase_seconds": phase, "bound_by": "disk" if state_s > (adam_s or 0.0) else "cpu"}
 
 
 # ---- python -m zerocore.doctor ----------------------------------------------------------------------------
