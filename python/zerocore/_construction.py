@@ -256,10 +256,7 @@ def optimizer_state_for(config: ZeroConfig, device: torch.device, rank: int) -> 
     a file per rank (``offload_optimizer: nvme``, Note [NVMe optimizer state])."""
     offload = config.zero_optimization.offload_optimizer
     if offload.device == "nvme":
-        aio = config.aio
-        settings = {"block_size": aio.block_size, "queue_depth": aio.queue_depth, "thread_count": aio.thread_count,
-                    "single_submit": aio.single_submit, "overlap_events": aio.overlap_events}
-        nvme = NvmePlacement(offload.nvme_path, rank, config.zero_optimization.sub_group_size, settings)
+        nvme = NvmePlacement(offload.nvme_path, rank, config.zero_optimization.sub_group_size, config.aio.settings())
         return OptimizerState(torch.device("cpu"), nvme)
     if offload.device == "cpu":
         return OptimizerState(torch.device("cpu"), pin_memory=offload.pin_memory)
@@ -273,10 +270,7 @@ def param_file_for_config(config: ZeroConfig, device: torch.device, rank: int) -
     check_param_offload(offload, device)
     if offload.device != "nvme":
         return None
-    aio = config.aio
-    return param_file_for(offload, {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
-                                    "thread_count": aio.thread_count, "single_submit": aio.single_submit,
-                                    "overlap_events": aio.overlap_events}, rank)
+    return param_file_for(offload, config.aio.settings(), rank)
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -5,7 +5,7 @@ and the asynchronous file I/O engine that NVMe offload and checkpoint reads use 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._config_values import INT32_MAX, INT64_MAX, as_bool, as_float, as_int, fail, no_auto
@@ -144,6 +144,10 @@ class AioConfig:
         set_(self, "thread_count", as_int(self.thread_count, "aio.intra_op_parallelism (thread_count)", 1, INT32_MAX))
         set_(self, "single_submit", as_bool(self.single_submit, "aio.single_submit"))
         set_(self, "overlap_events", as_bool(self.overlap_events, "aio.overlap_events"))
+
+    def settings(self) -> dict[str, Any]:
+        """The C++ I/O engine's settings, as ``_safetensors_io.open_io`` takes them."""
+        return asdict(self)
 
 
 # DeepSpeed's deprecated zero_optimization flags -> what each one sets (cpu_offload*: true is device "cpu").

@@ -86,7 +86,7 @@ def doctor(config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | Non
         plan = estimate_memory(params, parsed, world)
         _check_memory(checks, plan, local, parsed)
     paths = list(dict.fromkeys([*_nvme_paths(parsed), *nvme_paths]))
-    aio = _aio_settings(parsed)
+    aio = parsed.aio.settings() if parsed is not None else {}
     disks = {path: _check_disk(checks, path, aio, probe_bytes, _nvme_bytes(plan, parsed, path) * local)
              for path in paths}
     prediction = None
@@ -118,14 +118,6 @@ def _nvme_paths(config: ZeroConfig | None) -> list[str]:
         return []
     zero = config.zero_optimization
     return [o.nvme_path for o in (zero.offload_optimizer, zero.offload_param) if o.device == "nvme" and o.nvme_path]
-
-
-def _aio_settings(config: ZeroConfig | None) -> dict[str, Any]:
-    if config is None:
-        return {}
-    aio = config.aio
-    return {"block_size": aio.block_size, "queue_depth": aio.queue_depth, "thread_count": aio.thread_count,
-            "single_submit": aio.single_submit, "overlap_events": aio.overlap_events}
 
 
 def _nvme_bytes(plan: dict[str, Any] | None, config: ZeroConfig | None, path: str) -> int:
@@ -325,6 +317,11 @@ def _check_disk(checks: list[Check], path: str, aio: Mapping[str, Any], probe_by
 def _measure(probe: NamelessFile, nbytes: int) -> dict[str, Any]:
     """Sequential write (synced) and read (after evicting the file's pages) of ``nbytes`` through the engine."""
     io, handle = probe.io, probe.handle
+
+    def evict() -> None:  # clean pages of a synced file go: the reads after it come from the disk
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(probe.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     buffer = aligned_empty(nbytes)
     buffer.random_()  # (compressing or deduplicating devices would flatter zeros)
     start = time.perf_counter()
@@ -332,8 +329,7 @@ def _measure(probe: NamelessFile, nbytes: int) -> dict[str, Any]:
     io.wait_all()
     io.fsync(handle)
     write_s = time.perf_counter() - start
-    if hasattr(os, "posix_fadvise"):  # clean pages of a synced file go: the read below comes from the disk
-        os.posix_fadvise(probe.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    evict()
     start = time.perf_counter()
     io.read(handle, 0, buffer)
     io.wait_all()
@@ -341,8 +337,7 @@ def _measure(probe: NamelessFile, nbytes: int) -> dict[str, Any]:
     # the step's pipeline reads one sub-group while it writes another back: both directions at once, which a
     # disk serves faster together than one after the other
     half = nbytes // 2 // 4096 * 4096
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(probe.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    evict()
     start = time.perf_counter()
     io.read(handle, 0, buffer[:half])
     io.write(handle, half, buffer[half:2 * half])
@@ -394,21 +389,21 @@ def _predict(checks: list[Check], plan: dict[str, Any], world: int, local: int, 
         adam_s = shard / _adam_elements_per_second(cpu["adam_threads"])
         parts.append(f"the CPU Adam on a rank's {shard:,} elements takes {adam_s:.3f} s at {cpu['adam_threads']} "
                      "thread(s)")
+    phase = max(state_s, adam_s or 0.0)
+    bound = "disk" if state_s > (adam_s or 0.0) else "cpu"
     if state_s:
         parts.append(f"the node's disk reads and writes the {local} rank(s)' optimizer state in {state_s:.3f} s: the "
-                     f"optimizer phase takes about {max(state_s, adam_s or 0):.3f} s, bound by the "
-                     + ("disk" if state_s > (adam_s or 0) else "CPU"))
-    if zero.offload_param.device == "nvme" and not plan["nvme_param_file_bytes"]:
+                     f"optimizer phase takes about {phase:.3f} s, bound by the {'disk' if bound == 'disk' else 'CPU'}")
+    nothing_offloaded = zero.offload_param.device == "nvme" and not plan["nvme_param_file_bytes"]
+    if nothing_offloaded:
         parts.append(f"offload_param puts nothing on the disk: max_in_cpu ({zero.offload_param.max_in_cpu:,} "
                      "elements) keeps every parameter shard in memory; lower it to offload them")
     elif param_s:
         parts.append(f"the parameter shards take {param_s:.3f} s of disk time (read for the forward's and the "
                      "backward's gathers, written after the update)")
-    checks.append(Check("prediction", "warn" if "puts nothing" in " ".join(parts) else "ok",
-                        "per step, " + "; ".join(parts)))
-    phase = max(state_s, adam_s or 0.0)
+    checks.append(Check("prediction", "warn" if nothing_offloaded else "ok", "per step, " + "; ".join(parts)))
     return {"adam_seconds": adam_s, "state_io_seconds": state_s, "param_io_seconds": param_s,
-            "optimizer_phase_seconds": phase, "bound_by": "disk" if state_s > (adam_s or 0.0) else "cpu"}
+            "optimizer_phase_seconds": phase, "bound_by": bound}
 
 
 # ---- python -m zerocore.doctor ----------------------------------------------------------------------------
