@@ -9,13 +9,16 @@ from . import lr_schedules
 from .config import FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig, ZeroOptimizationConfig
 from .engine import Engine, initialize
 from ._gathered import gathered
+from ._full_param_state import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                                safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state)
 
 __version__ = build_info()["version"]
 
 __all__ = [
     "build_info", "FlatLayout", "Bucket", "Piece", "ops", "optim", "ZeroConfig", "OptimizerConfig", "FP16Config",
     "ZeroOptimizationConfig", "SchedulerConfig", "lr_schedules", "Engine", "initialize", "gathered", "estimate_memory",
-    "__version__",
+    "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
+    "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "__version__",
 ]
 
 

@@ -210,6 +210,10 @@ class GradientRouting:
         return frozenset(buffer.names[local] for (buffer, local), count in zip(self.param_slots, got_grad_anywhere)
                          if count == 0)
 
+    def mark_got_grad(self, buffer: Any, local: int) -> None:
+        """Parameter ``local`` of ``buffer`` has a gradient in this window (one set by hand: ``safe_set_full_grad``)."""
+        self.got_grad[next(i for i, (b, j) in enumerate(self.param_slots) if b is buffer and j == local)] = 1
+
     def on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         self.got_grad[index] = 1
         buffer, local = self.param_slots[index]

@@ -38,6 +38,11 @@ class ParamWrites:
         and its views (other counters), so a parameter whose counter moved was written by the user."""
         self._versions = [param._version for param in self.params]
 
+    def renote_param_version(self, index: int) -> None:
+        """The engine wrote parameter ``index`` itself: its counter's move is not the user's write (the others'
+        moves still are)."""
+        self._versions[index] = self.params[index]._version
+
     def mark_rewritten(self) -> None:
         """The engine gave the parameters new values behind autograd's back (an update, a load, a modifier
         rank's broadcast): their version counters move, as a torch optimizer's in-place update moves them, so a

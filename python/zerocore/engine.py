@@ -212,6 +212,7 @@ class Engine(DeepSpeedAccessors):
         # Note [Manual accumulation boundary]
         self._boundary_override: bool | None = None
         self._backward_boundary = False  # whether the synced backward awaiting step() ends its window
+        self.user_gathers = 0  # zerocore.gathered() blocks open on this engine
         self._backward_set_manually = False  # ... as set_gradient_accumulation_boundary() decided
         self._micro_step_ended_unstepped = False  # a manual non-boundary micro-step ended without its step()
         self.skipped_steps = 0
@@ -753,10 +754,12 @@ class Engine(DeepSpeedAccessors):
             if buffer.params_written() and not buffer.rebound_params():
                 buffer.absorb_param_writes()
         gather_for_user(self, params)
+        self.user_gathers += 1
 
     def release_for_user(self, params: list[nn.Parameter], modifier_rank: int | None) -> None:
         """Leaving ``zerocore.gathered(params)``: ``modifier_rank``'s values reach every rank's shard and
         the fp32 master."""
+        self.user_gathers = max(0, self.user_gathers - 1)
         release_for_user(self, params, modifier_rank)
         if self.stage3 is not None:
             self.stage3.forget_partition_slices()
