@@ -247,3 +247,31 @@ def test_a_write_through_data_is_kept_on_cuda(stage, offload, tmp_path):
     for name, value in written.items():
         assert torch.equal(state[name], value), name
     engine.close()
+
+
+@pytest.mark.parametrize("stage,offload", [(2, None), (2, "cpu"), (3, "cpu"), (3, "nvme")])
+def test_full_parameter_state_round_trips_on_cuda(stage, offload, tmp_path):
+    """safe_get_full_* / safe_set_full_* (Note [Full parameter state]) with the state on the GPU, on the host
+    beside it, or on NVMe: the gradient the step uses, exact fp32 bits back, the parameter its rounding."""
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    elif offload == "nvme":
+        zero.update(offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)}, sub_group_size=1000)
+    engine = zerocore.initialize(build("transformer").cuda(), {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.999]}}, "bf16": {"enabled": True},
+        "zero_optimization": zero})
+    generator = torch.Generator().manual_seed(0)
+    inputs, target = (t.cuda() for t in batch("transformer", generator))
+    engine.backward(loss_fn("transformer", engine(inputs), target))
+    name, param = next((n, p) for n, p in engine.module.named_parameters() if p.requires_grad and p.dim() == 2)
+    grad = zerocore.safe_get_full_grad(param)
+    assert grad.device.type == "cuda" and grad.dtype == torch.float32 and grad.abs().sum() > 0
+    engine.step()
+    torch.testing.assert_close(zerocore.safe_get_full_optimizer_state(param, "exp_avg"), 0.1 * grad,
+                               rtol=1e-6, atol=1e-12)
+    value = torch.randn(param.shape, device="cuda") * (1 + 2**-20)
+    zerocore.safe_set_full_fp32_param(param, value)
+    assert torch.equal(zerocore.safe_get_full_fp32_param(param), value)
+    assert torch.equal(engine.full_state_dict(rank0_only=False)[name], value.to(torch.bfloat16).cpu())
+    engine.close()
