@@ -87,6 +87,8 @@ def test_bf16_trains_and_stays_finite_on_cuda(stage):
     state = engine.full_state_dict(rank0_only=False)
     assert all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())
     assert engine.memory_report() and engine.comm_report()  # the reports run on CUDA too
+    allocator = engine.memory_report()["allocator"]  # Note [Allocator pressure]: the real counters
+    assert allocator["reserved_bytes"] >= allocator["allocated_bytes"] > 0 and allocator["retries_in_steps"] >= 0
     engine.close()
 
 

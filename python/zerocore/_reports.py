@@ -76,6 +76,8 @@ def memory_report(engine: Engine) -> dict[str, Any]:
         # optimizer state's; param_*: the parameter shards' with offload_param: nvme)
         "optimizer_placement": _placement(engine),
         "nvme": nvme,
+        # the CUDA caching allocator's counters (None on the CPU): Note [Allocator pressure] in _allocator.py
+        "allocator": engine.allocator.report(),
     }
 
 

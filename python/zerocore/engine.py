@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._allocator import AllocatorWatch
 from ._backward import GradientRouting, exchange_backward_outcome, exchanges_outcome, outcome_problem
 from ._buckets import BucketSizes
 from ._buffer_sync import BufferSync
@@ -213,6 +214,7 @@ class Engine(DeepSpeedAccessors):
         self._boundary_override: bool | None = None
         self._backward_boundary = False  # whether the synced backward awaiting step() ends its window
         self.user_gathers = 0  # zerocore.gathered() blocks open on this engine
+        self.allocator = AllocatorWatch(self.device)  # Note [Allocator pressure]
         self._backward_set_manually = False  # ... as set_gradient_accumulation_boundary() decided
         self._micro_step_ended_unstepped = False  # a manual non-boundary micro-step ended without its step()
         self.skipped_steps = 0
@@ -526,6 +528,7 @@ class Engine(DeepSpeedAccessors):
         finally:
             self._update_due = False
         self.step_applied = self.skipped_steps == skipped
+        self.allocator.after_step(self.global_steps + self.skipped_steps)
         if self.lr_scheduler is not None and self.step_applied:
             self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip
         self.zero_grad()
