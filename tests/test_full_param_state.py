@@ -101,6 +101,11 @@ def accessors_worker(rank: int, world: int, stage: int, dtype: str, offload: str
         for key in ("exp_avg", "exp_avg_sq"):
             seen[key][name] = zerocore.safe_get_full_optimizer_state(params[name], key)
 
+    if offload in ("nvme", "nvme+params"):  # one parameter's state costs its own sub-groups' reads, not its shard's
+        before = engine.memory_report()["nvme"]["bytes_read"]
+        zerocore.safe_get_full_optimizer_state(params["blocks.0.linear.bias"], "exp_avg")
+        seen["nvme_bytes_for_a_bias"] = engine.memory_report()["nvme"]["bytes_read"] - before
+
     # setters: the fp32 bits come back exactly (-0.0 too), and the parameter holds their rounding
     g = torch.Generator().manual_seed(5)
     value = torch.randn(params["blocks.1.linear.weight"].shape, generator=g) * (1 + 2**-20)
@@ -166,11 +171,15 @@ def test_full_state_of_every_parameter_is_what_the_step_uses(stage, dtype):
                                                  (3, "bf16", "nvme+params"), (1, "fp32", "cpu")])
 def test_offloaded_state_reads_the_same_as_in_memory(stage, dtype, offload, tmp_path):
     in_memory = run_ranks(accessors_worker, 2, stage, dtype, None, None)[0]
-    offloaded = run_ranks(accessors_worker, 2, stage, dtype, offload, str(tmp_path))[0]
+    ranks = run_ranks(accessors_worker, 2, stage, dtype, offload, str(tmp_path))
+    offloaded = ranks[0]
     for key in ("grads", "masters", "exp_avg", "exp_avg_sq"):
         for name, tensor in in_memory[key].items():
             assert tensor == offloaded[key][name], (key, name)
     assert offloaded["set_master_exact"] and offloaded["set_moments_exact"] and offloaded["set_param_rounded"]
+    if "nvme" in offload:  # 16 elements in sub-groups of 37: at most two sub-groups of three 4 KiB states
+        read = sum(seen["nvme_bytes_for_a_bias"] for seen in ranks)  # (the ranks whose shards hold it read)
+        assert 0 < read <= 2 * 3 * 4096, read
 
 
 def test_world_three_splits_parameters_across_ranks():

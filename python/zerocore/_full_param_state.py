@@ -21,7 +21,7 @@ different parameters, or a rank that refused the call (a wrong shape, a call out
 raise instead of pairing mismatched all-reduces.
 
 What is read: the fp32 master and moments as the optimizer holds them (in memory, on the host, or read from
-the NVMe state file); a write to a parameter since the last step reaches its master at the next step, so
+the NVMe state file, only the sub-groups that hold the parameter); a write to a parameter since the last step reaches its master at the next step, so
 read the parameter itself for its current value. The gradient is the one the next ``step()`` applies, before
 clipping, unscaled from fp16's loss scale and averaged over the ranks and the accumulation window: it exists
 between the boundary's ``engine.backward()`` and ``engine.step()`` only (mid-window a rank holds partial or
@@ -211,8 +211,8 @@ def _get(param: nn.Parameter, key: str, call: str) -> torch.Tensor | None:
     else:
         state = engine.optimizer_state
         for shard, start, at, length in _own_pieces(located):
-            with state.resident(shard) as values:
-                out[at : at + length] = values[key][start : start + length]
+            with state.resident_range(shard, start, start + length) as values:
+                out[at : at + length] = values[key]
     engine.comm.all_reduce(out.view(torch.int32)).wait()  # one rank holds each element: the sum is its bits
     return out.view(param.shape)
 
@@ -237,8 +237,8 @@ def _set(param: nn.Parameter, value: Any, key: str, call: str) -> None:
         else:
             state = engine.optimizer_state
             for shard, start, at, length in _own_pieces(located):
-                with state.resident(shard, write=True) as values:
-                    values[key][start : start + length] = flat[at : at + length]
+                with state.resident_range(shard, start, start + length, write=True) as values:
+                    values[key].copy_(flat[at : at + length])
 
 
 def _value_problem(param: nn.Parameter, value: Any, call: str) -> str | None:
@@ -267,8 +267,8 @@ def _set_master(located: _Located, flat: torch.Tensor) -> None:
     engine.land_param_gathers()  # a gather in flight would land the old values over the new ones
     state = engine.optimizer_state
     for shard, start, at, length in _own_pieces(located):
-        with state.resident(shard, write=True) as values:
-            values["master"][start : start + length] = flat[at : at + length]
+        with state.resident_range(shard, start, start + length, write=True) as values:
+            values["master"].copy_(flat[at : at + length])
             if shard.separate_master:  # (in fp32 training the master is the parameter shard itself)
                 with shard.params_loaded(write=True):
                     shard.params[start : start + length] = flat[at : at + length]

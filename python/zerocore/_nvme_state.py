@@ -202,14 +202,36 @@ class NvmeStateStore(NamelessFile):
     def read_shard(self, shard: int) -> dict[str, torch.Tensor]:
         """The shard's states, read into fresh tensors (one shard in RAM at a time)."""
         groups = [g for g in self.sub_groups if g.shard == shard]
-        numel = groups[-1].end if groups else 0
-        out = {name: torch.empty(numel, dtype=torch.float32) for name in (groups[0].states if groups else ())}
+        return self.read_range(shard, 0, groups[-1].end if groups else 0)
+
+    def _overlapping(self, shard: int, start: int, end: int) -> list[SubGroup]:
+        return [g for g in self.sub_groups if g.shard == shard and g.start < end and g.end > start]
+
+    def read_range(self, shard: int, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Elements ``[start, end)`` of the shard's states, read into fresh tensors: only the sub-groups that
+        hold them are read (one parameter's state, not its whole shard)."""
+        groups = self._overlapping(shard, start, end)
+        out = {name: torch.empty(end - start, dtype=torch.float32) for name in (groups[0].states if groups else ())}
         for group in groups:
             buffer = self.buffers[0]
             self._wait(self._read(group, buffer), group)
+            lo, hi = max(start, group.start), min(end, group.end)
             for name, view in self.views(group, buffer).items():
-                out[name][group.start : group.end].copy_(view)
+                out[name][lo - start : hi - start].copy_(view[lo - group.start : hi - group.start])
         return out
+
+    def write_range(self, shard: int, start: int, values: dict[str, torch.Tensor]) -> None:
+        """Writes elements ``[start, start + n)`` of the shard's states from ``values`` (n elements each; a
+        state left out keeps its values): each sub-group holding them is read, changed and written back."""
+        end = start + next(iter(values.values())).numel() if values else start
+        for group in self._overlapping(shard, start, end):
+            buffer = self.buffers[0]
+            self._wait(self._read(group, buffer), group)
+            lo, hi = max(start, group.start), min(end, group.end)
+            views = self.views(group, buffer)
+            for name, value in values.items():
+                views[name][lo - group.start : hi - group.start].copy_(value[lo - start : hi - start])
+            self._wait(self._write(group, buffer), group)
 
     def write_shard(self, shard: int, values: dict[str, torch.Tensor]) -> None:
         for group in (g for g in self.sub_groups if g.shard == shard):

@@ -293,6 +293,22 @@ class OptimizerState:
                 self.store.write_shard(shard.index,
                                        {k: v for k, v in values.items() if k != "master" or shard.separate_master})
 
+    @contextlib.contextmanager
+    def resident_range(self, shard: Shard, start: int, end: int, write: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """:meth:`resident` for elements ``[start, end)`` of the shard only: on NVMe just the sub-groups that
+        hold them are read (and, with ``write``, written back), so one parameter's state costs its own I/O."""
+        if self.store is None:
+            with self.resident(shard, write) as values:
+                yield {key: value[start:end] for key, value in values.items()}
+            return
+        with shard.params_loaded(write):
+            values = self.store.read_range(shard.index, start, end)
+            values.setdefault("master", shard.params[start:end])  # fp32: the master is the parameter shard
+            yield values
+            if write:
+                self.store.write_range(shard.index, start,
+                                       {k: v for k, v in values.items() if k != "master" or shard.separate_master})
+
     def absorb_written(self, shard: Shard) -> None:
         """Some compute-dtype parameters of ``shard`` were written by the user: the master takes every
         element that no longer equals its own rounding (the others keep their fp32 bits)."""
