@@ -235,10 +235,30 @@ def _set(param: nn.Parameter, value: Any, key: str, call: str) -> None:
         elif key == "master":
             _set_master(located, flat)
         else:
-            state = engine.optimizer_state
-            for shard, start, at, length in _own_pieces(located):
-                with state.resident_range(shard, start, start + length, write=True) as values:
-                    values[key].copy_(flat[at : at + length])
+            _set_moment(located, key, flat)
+
+
+def write_full_state(param: nn.Parameter, values: dict[str, torch.Tensor]) -> None:
+    """Writes whole values of a trainable parameter's ``"master"``, ``"exp_avg"`` or ``"exp_avg_sq"`` into this
+    rank's pieces, as the setters do but with no tag exchange: for a caller whose ranks agreed already (a
+    checkpoint load, every rank writing every parameter in the same order)."""
+    located = _locate(param, "write_full_state")
+    assert located.buffer is not None, "a trainable parameter"
+    engine = located.engine
+    with torch.no_grad():
+        for key, value in values.items():
+            flat = value.detach().reshape(-1).to(device=engine.device, dtype=torch.float32)
+            if key == "master":
+                _set_master(located, flat)
+            else:
+                _set_moment(located, key, flat)
+
+
+def _set_moment(located: _Located, key: str, flat: torch.Tensor) -> None:
+    state = located.engine.optimizer_state
+    for shard, start, at, length in _own_pieces(located):
+        with state.resident_range(shard, start, start + length, write=True) as values:
+            values[key].copy_(flat[at : at + length])
 
 
 def _value_problem(param: nn.Parameter, value: Any, call: str) -> str | None:

@@ -40,8 +40,9 @@ class ParamWrites:
 
     def renote_param_version(self, index: int) -> None:
         """The engine wrote parameter ``index`` itself: its counter's move is not the user's write (the others'
-        moves still are)."""
-        self._versions[index] = self.params[index]._version
+        moves still are). Nothing to do before the versions were first noted (a stage-3 unit never gathered)."""
+        if index < len(self._versions):
+            self._versions[index] = self.params[index]._version
 
     def mark_rewritten(self) -> None:
         """The engine gave the parameters new values behind autograd's back (an update, a load, a modifier

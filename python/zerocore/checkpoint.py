@@ -253,6 +253,12 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict[str, Any]]:
     """See :meth:`Engine.load_checkpoint`."""
+    deepspeed_dir = _deepspeed_checkpoint_dir(os.fspath(load_dir), tag)
+    if deepspeed_dir is not None:  # Note [DeepSpeed checkpoints]
+        from ._deepspeed_checkpoint import load as load_deepspeed
+
+        return deepspeed_dir, load_deepspeed(engine, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
+                                             load_module_only)
     problem: BaseException | None = None
     staged: _Staged | None = None
     try:
@@ -285,6 +291,17 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
     # no barrier: every rank read everything before the verdicts, and a barrier here would wait for the
     # parameter all-gathers that reload_params_from_shards leaves in flight for the next forward to overlap
     return staged.path, json_state.decode(index["client_state"])
+
+
+def _deepspeed_checkpoint_dir(directory: str, tag: str | None) -> str | None:
+    """The checkpoint's directory when it is DeepSpeed's (its ZeRO optimizer files, no zerocore index)."""
+    from ._deepspeed_checkpoint import is_deepspeed_checkpoint
+
+    try:
+        path = tag_path(directory, resolve_tag(directory, tag))
+    except (OSError, ValueError):
+        return None  # (the zerocore path names what is wrong)
+    return path if is_deepspeed_checkpoint(path) else None
 
 
 def _apply_staged(engine: Engine, staged: _Staged, load_optimizer_states: bool, load_lr_scheduler_states: bool,

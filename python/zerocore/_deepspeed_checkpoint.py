@@ -1,0 +1,387 @@
+"""DeepSpeed ZeRO checkpoints (stages 1-3, from DeepSpeed's ``engine.save_checkpoint``) loaded by
+``engine.load_checkpoint``: a run moves to zerocore mid-training with its weights, Adam moments, step counts,
+scheduler and buffers, at any world size and stage.
+
+Note [DeepSpeed checkpoints]
+----------------------------
+A DeepSpeed checkpoint directory (``global_step<N>``) holds, per data-parallel rank r of its run, an optimizer
+file ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` and model state (one ``mp_rank_00_model_states.pt``
+at stages 1-2, one ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank at stage 3). The model state names
+the trainable parameters per param group with their shapes (``param_shapes``, in the flat order), the frozen
+ones, tied names (``shared_params``), buffers (in ``module``), the scheduler's state, the step counters and
+the caller's ``client_state`` (its other top-level keys). The fp32 master and Adam's moments are flat:
+
+* stages 1-2: per param group, rank r holds partition r of one flat vector in which the group's parameters lie
+  one after another (``param_alignment_paddings`` after each), so a parameter's elements are a range of the
+  ranks' partitions laid end to end (``single_partition_of_fp32_groups``; moments in
+  ``base_optimizer_state``, one entry per group, as long as the partition before the last rank's trailing
+  padding was cut);
+* stage 3: every parameter is cut into ``ceil(numel / ranks)`` elements per rank, and rank r's pieces of all
+  parameters lie one after another, in ``param_shapes`` order, across its sub-groups (``fp32_flat_groups``;
+  moments in ``optimizer_state_dict``, one entry per sub-group).
+
+Every rank reads the files memory-mapped and assembles one parameter at a time (its master and moments, from
+the pages that hold it), then keeps its own shard's pieces (Note [Full parameter state]); the checkpoint's
+world size need not be this run's. Everything is read and checked against the model (names, shapes, frozen or
+not) on every rank before anything changes, and the ranks agree on it, as for zerocore's own checkpoints. A
+checkpoint saved without its frozen parameters (DeepSpeed's ``exclude_frozen_parameters=True``, usual for
+LoRA) leaves the model's own frozen values, which the script loaded from the base model before ``initialize``.
+
+The files are pickles of DeepSpeed's objects (an enum, named tuples, its loss scaler): they are read without
+DeepSpeed installed, DeepSpeed's classes standing in as plain records. Unpickling runs code the file names, as
+DeepSpeed's own ``torch.load(weights_only=False)`` does: load checkpoints you trust. Not read: pipeline- or
+tensor-parallel checkpoints (``layer_*`` files, ``mp_rank_01``), MoE expert files, universal checkpoints.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import pickle
+import re
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._deferred_signals import deferred_interrupts
+from ._full_param_state import write_full_state
+from ._model_checks import all_gather_json
+from ._names import canonical, named_buffers, named_parameters
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+# the model state file's own keys; every other top-level key is the caller's client_state
+_DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info", "ds_autoep_layers", "autoep_layers",
+})
+_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def is_deepspeed_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a DeepSpeed checkpoint directory (its ZeRO optimizer files), not a zerocore one."""
+    return (os.path.isdir(path) and not os.path.exists(os.path.join(path, "index.json"))
+            and any(_OPTIM.match(name) for name in os.listdir(path)))
+
+
+# ---- reading DeepSpeed's pickles without DeepSpeed --------------------------------------------------------
+
+class _StandIn:
+    """A DeepSpeed object in a checkpoint (ZeroStageEnum, fragment_address, a loss scaler): its constructor
+    arguments and its state, nothing more."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+    def __int__(self) -> int:  # ZeroStageEnum(2)
+        return int(self.args[0])
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "deepspeed" or module.startswith("deepspeed."):
+            return type(name, (_StandIn,), {})
+        return super().find_class(module, name)
+
+
+_LENIENT_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=lambda f, **kw: _Unpickler(f, **kw).load(),
+                                        __name__="zerocore_deepspeed_pickle")
+
+
+def _load(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=_LENIENT_PICKLE)
+    except Exception as error:  # noqa: BLE001 - a torn file, not a pickle, ...: named with its path
+        raise ValueError(f"load_checkpoint: cannot read the DeepSpeed file {path}: {type(error).__name__}: "
+                         f"{error}") from None
+
+
+# ---- the checkpoint, read ---------------------------------------------------------------------------------
+
+@dataclass
+class _Flat:
+    """One rank's flat fp32 tensors of one kind (master or a moment), in order, read as one range."""
+
+    parts: list[torch.Tensor]
+    starts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.parts = [p.reshape(-1) for p in self.parts]
+        self.starts = [0]
+        for part in self.parts:
+            self.starts.append(self.starts[-1] + part.numel())
+
+    @property
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    def read(self, start: int, length: int) -> torch.Tensor:
+        pieces = []
+        for part, begin in zip(self.parts, self.starts):
+            lo, hi = max(start, begin), min(start + length, begin + part.numel())
+            if lo < hi:
+                pieces.append(part[lo - begin : hi - begin])
+        return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+
+
+@dataclass
+class _Checkpoint:
+    path: str
+    stage: int
+    world: int
+    model: dict[str, Any]  # rank 0's model state file
+    trainable: dict[str, tuple[torch.Size, Any]]  # name -> (shape, where its elements are)
+    frozen: dict[str, torch.Tensor]  # name -> whole value
+    flats: dict[str, list[_Flat]]  # "master" / "exp_avg" / "exp_avg_sq" -> per (rank or group) flat
+    optimizer_step: int
+    param_groups: list[dict[str, Any]]
+    loss_scale: float | None
+
+
+def read(path: str) -> _Checkpoint:
+    """Reads and checks a DeepSpeed checkpoint directory (memory-mapped: parameters are assembled later)."""
+    optim_files: dict[int, str] = {}
+    for name in os.listdir(path):
+        match = _OPTIM.match(name)
+        if match:
+            if int(match.group(2)) != 0:
+                raise ValueError(f"load_checkpoint: {path} is a tensor- or pipeline-parallel DeepSpeed checkpoint "
+                                 f"({name}): zerocore loads data-parallel ZeRO checkpoints only")
+            optim_files[int(match.group(1))] = os.path.join(path, name)
+    if glob.glob(os.path.join(path, "layer_*")) or glob.glob(os.path.join(path, "*expp_rank*")):
+        raise ValueError(f"load_checkpoint: {path} holds pipeline layer or MoE expert files: zerocore loads "
+                         "data-parallel ZeRO checkpoints only")
+    world = len(optim_files)
+    if sorted(optim_files) != list(range(world)):
+        raise ValueError(f"load_checkpoint: {path} holds the optimizer files of ranks {sorted(optim_files)}: a "
+                         "rank's file is missing (a save that did not finish?)")
+    optims = [_load(optim_files[r])["optimizer_state_dict"] for r in range(world)]
+    stage = int(optims[0]["zero_stage"])
+    counts = optims[0]["partition_count"]
+    count = max(counts) if isinstance(counts, (list, tuple)) else int(counts)
+    if count != world:
+        raise ValueError(f"load_checkpoint: {path} was written by {count} ranks but holds {world} optimizer files")
+    if stage in (1, 2):
+        model_files = [os.path.join(path, "mp_rank_00_model_states.pt")]
+    elif stage == 3:
+        model_files = [os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world)]
+    else:
+        raise ValueError(f"load_checkpoint: {path} is a ZeRO stage {stage} DeepSpeed checkpoint; stages 1-3 load")
+    for file in model_files:
+        if not os.path.isfile(file):
+            raise ValueError(f"load_checkpoint: {file} is missing (the DeepSpeed checkpoint is incomplete)")
+    models = [_load(file) for file in model_files]
+    model = models[0]
+    groups = [dict(g) for g in model["param_shapes"]]
+    if stage in (1, 2):
+        trainable, flats = _stage12_geometry(optims, groups, world, path)
+    else:
+        trainable, flats = _stage3_geometry(optims, groups, world, path)
+    frozen = _frozen_values(stage, model, models, trainable)
+    state = optims[0].get("base_optimizer_state") or optims[0].get("optimizer_state_dict") or {}
+    steps = {_as_int(s.get("step", 0)) for s in state.get("state", {}).values()}
+    scaler = optims[0].get("loss_scaler")
+    loss_scale = getattr(scaler, "cur_scale", None) if scaler is not None else None
+    return _Checkpoint(path, stage, world, model, trainable, frozen, flats, max(steps, default=0),
+                       [{k: v for k, v in g.items() if k != "params"} for g in state.get("param_groups", [])],
+                       None if loss_scale is None else float(loss_scale))
+
+
+def _as_int(value: Any) -> int:
+    return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
+
+
+def _moments(optim: dict[str, Any], key: str) -> list[torch.Tensor]:
+    state = optim.get("base_optimizer_state") or optim["optimizer_state_dict"]
+    entries = state["state"]
+    return [entries[i][key].float() if key in entries.get(i, {}) else torch.zeros(0) for i in sorted(entries)]
+
+
+def _stage12_geometry(optims: list[dict[str, Any]], groups: list[dict[str, torch.Size]], world: int,
+                      path: str) -> tuple[dict[str, tuple[torch.Size, Any]], dict[str, list[_Flat]]]:
+    """Stages 1-2: per param group, the ranks' partitions end to end (Note [DeepSpeed checkpoints])."""
+    masters = [o["single_partition_of_fp32_groups"] for o in optims]
+    if any(len(m) != len(groups) for m in masters):
+        raise ValueError(f"load_checkpoint: {path}: {len(groups)} param groups in the model state, "
+                         f"{[len(m) for m in masters]} in the optimizer files")
+    paddings = optims[0].get("param_alignment_paddings")
+    flats: dict[str, list[_Flat]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
+    trainable: dict[str, tuple[torch.Size, Any]] = {}
+    for g, shapes in enumerate(groups):
+        flats["master"].append(_Flat([masters[r][g] for r in range(world)]))
+        for key in ("exp_avg", "exp_avg_sq"):
+            parts = [_moments(o, key) for o in optims]
+            flats[key].append(_Flat([p[g] if g < len(p) else torch.zeros(0) for p in parts]))
+        offset = 0
+        for i, (name, shape) in enumerate(shapes.items()):
+            trainable[name] = (torch.Size(shape), ("flat", g, offset))
+            offset += math.prod(shape) + (paddings[g][i] if paddings is not None else 0)
+        if offset > flats["master"][g].numel:
+            raise ValueError(f"load_checkpoint: {path}: param group {g}'s parameters need {offset} elements, its "
+                             f"partitions hold {flats['master'][g].numel}")
+    return trainable, flats
+
+
+def _stage3_geometry(optims: list[dict[str, Any]], groups: list[dict[str, torch.Size]], world: int,
+                     path: str) -> tuple[dict[str, tuple[torch.Size, Any]], dict[str, list[_Flat]]]:
+    """Stage 3: each parameter cut in ``ceil(numel / world)`` per rank, a rank's pieces end to end."""
+    flats = {"master": [_Flat(list(o["fp32_flat_groups"])) for o in optims],
+             "exp_avg": [_Flat(_moments(o, "exp_avg")) for o in optims],
+             "exp_avg_sq": [_Flat(_moments(o, "exp_avg_sq")) for o in optims]}
+    trainable: dict[str, tuple[torch.Size, Any]] = {}
+    offset = 0
+    for shapes in groups:
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            per_rank = -(-numel // world)
+            trainable[name] = (torch.Size(shape), ("cut", offset, per_rank))
+            offset += per_rank
+    if any(f.numel < offset for f in flats["master"]):
+        raise ValueError(f"load_checkpoint: {path}: the parameters need {offset} elements per rank, the optimizer "
+                         f"files hold {[f.numel for f in flats['master']]}")
+    return trainable, flats
+
+
+def _frozen_values(stage: int, model: dict[str, Any], models: list[dict[str, Any]],
+                   trainable: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Values of the parameters that are not trainable: whole in ``module`` at stages 1-2 (with the trainable
+    ones' 16-bit copies and the buffers, left out here), one fragment per rank at stage 3."""
+    if stage < 3:
+        buffers = set(model.get("buffer_names") or [])
+        return {name: value for name, value in model["module"].items() if name not in trainable and name not in buffers}
+    out = {}
+    for name, shape in (model.get("frozen_param_shapes") or {}).items():
+        pieces = [m["frozen_param_fragments"][name].reshape(-1) for m in models]
+        out[name] = torch.cat(pieces)[: math.prod(shape)].view(shape)
+    return out
+
+
+def assemble(checkpoint: _Checkpoint, name: str, key: str) -> torch.Tensor:
+    """One trainable parameter's whole ``key`` (master, exp_avg or exp_avg_sq) in fp32."""
+    shape, where = checkpoint.trainable[name]
+    numel = math.prod(shape)
+    flats = checkpoint.flats[key]
+    if where[0] == "flat":
+        _, group, offset = where
+        return flats[group].read(offset, numel).float().view(shape)
+    _, offset, per_rank = where
+    return torch.cat([flat.read(offset, per_rank) for flat in flats])[:numel].float().view(shape)
+
+
+# ---- applying it -----------------------------------------------------------------------------------------
+
+def load(engine: Engine, path: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+         load_module_only: bool) -> dict[str, Any]:
+    """Reads, checks (every rank agreeing) and applies a DeepSpeed checkpoint; returns its client_state."""
+    checkpoint, problem = None, None
+    try:
+        checkpoint = read(path)
+        _check_against(engine, checkpoint)
+    except (OSError, ValueError) as error:
+        problem = error
+    verdicts = all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
+                               engine.device)
+    if problem is not None:
+        raise problem
+    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
+    if failed:
+        raise ValueError(f"load_checkpoint: rank {failed[0][0]} refused the DeepSpeed checkpoint ({failed[0][1]}); "
+                         "nothing was changed")
+    assert checkpoint is not None
+    with deferred_interrupts("the checkpoint load"):  # (Note [Interrupts deferred in an update])
+        _apply(engine, checkpoint, load_optimizer_states and not load_module_only, load_lr_scheduler_states,
+               load_module_only)
+    return {k: v for k, v in checkpoint.model.items() if k not in _DEEPSPEED_KEYS}
+
+
+def _trainable_names(engine: Engine) -> dict[str, Any]:
+    return {name: param for buffer in engine.buffers for name, param in zip(buffer.names, buffer.params)}
+
+
+def _check_against(engine: Engine, checkpoint: _Checkpoint) -> None:
+    ours = _trainable_names(engine)
+    theirs = {canonical(name): name for name in checkpoint.trainable}
+    missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    if missing or extra:
+        raise ValueError(f"load_checkpoint: the DeepSpeed checkpoint {checkpoint.path} does not match the model's "
+                         f"trainable parameters (missing from it: {missing[:5]}; not in the model: {extra[:5]}); "
+                         "nothing was changed")
+    for name, param in ours.items():
+        shape = checkpoint.trainable[theirs[name]][0]
+        if tuple(shape) != tuple(param.shape):
+            raise ValueError(f"load_checkpoint: parameter {name!r} is {list(param.shape)} in the model but "
+                             f"{list(shape)} in the DeepSpeed checkpoint {checkpoint.path}; nothing was changed")
+    frozen = {canonical(n): v for n, v in checkpoint.frozen.items()}
+    for name, param in named_parameters(engine.module):
+        if name in ours or not frozen:  # none saved (exclude_frozen_parameters=True): the model's own stay
+            continue
+        if name not in frozen:
+            raise ValueError(f"load_checkpoint: frozen parameter {name!r} is not in the DeepSpeed checkpoint "
+                             f"{checkpoint.path}; nothing was changed")
+        if tuple(frozen[name].shape) != tuple(param.shape):
+            raise ValueError(f"load_checkpoint: frozen parameter {name!r} is {list(param.shape)} in the model but "
+                             f"{list(frozen[name].shape)} in the DeepSpeed checkpoint {checkpoint.path}; nothing "
+                             "was changed")
+    if len(checkpoint.param_groups) not in (0, len(engine.optimizer.param_groups)) and checkpoint.stage < 3:
+        raise ValueError(f"load_checkpoint: the DeepSpeed checkpoint has {len(checkpoint.param_groups)} param "
+                         f"groups, the engine {len(engine.optimizer.param_groups)}; nothing was changed")
+
+
+def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, scheduler_states: bool,
+           module_only: bool) -> None:
+    from ._gathered import gathered
+
+    theirs = {canonical(name): name for name in checkpoint.trainable}
+    with torch.no_grad():
+        for name, param in _trainable_names(engine).items():  # the same order on every rank
+            values = {"master": assemble(checkpoint, theirs[name], "master")}
+            if not module_only:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    values[key] = (assemble(checkpoint, theirs[name], key) if optimizer_states
+                                   else torch.zeros(param.shape))
+            write_full_state(param, values)
+        frozen = {canonical(n): v for n, v in checkpoint.frozen.items()}
+        ours = _trainable_names(engine)
+        held = [(p, frozen[n]) for n, p in named_parameters(engine.module) if n not in ours and n in frozen]
+        if held:
+            with gathered([p for p, _ in held], modifier_rank=0):
+                for param, value in held:
+                    param.copy_(value)
+        module = checkpoint.model["module"]
+        names = set(checkpoint.model.get("buffer_names") or [])
+        for name, buffer in named_buffers(engine.module):
+            if name in names and name in module:
+                buffer.copy_(module[name])
+    if module_only:
+        return
+    global_steps = int(checkpoint.model.get("global_steps", 0))
+    engine.restore_counters(global_steps, checkpoint.optimizer_step if optimizer_states else 0,
+                            int(checkpoint.model.get("skipped_steps", 0)),
+                            global_steps * engine.config.gradient_accumulation_steps, {})
+    if optimizer_states:
+        for group, saved in zip(engine.optimizer.param_groups, checkpoint.param_groups):
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                if key in saved:
+                    group[key] = tuple(saved[key]) if key == "betas" else saved[key]
+        if engine.config.fp16.enabled and engine.loss_scaler.dynamic and checkpoint.loss_scale is not None:
+            engine.loss_scaler.scale = checkpoint.loss_scale
+    saved_schedule = checkpoint.model.get("lr_scheduler")
+    if scheduler_states and engine.lr_scheduler is not None and saved_schedule:
+        iteration = saved_schedule.get("last_batch_iteration") if isinstance(saved_schedule, dict) else None
+        if iteration is not None and hasattr(engine.lr_scheduler, "last_batch_iteration"):
+            # one step from the position before, as DeepSpeed's engine stepped it (Note [DeepSpeed schedule
+            # timing]): the schedule's position, its last values and the groups' lr follow
+            engine.lr_scheduler.last_epoch = int(iteration)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # (torch: a scheduler step before an optimizer step)
+                engine.lr_scheduler.step()

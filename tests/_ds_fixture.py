@@ -1,0 +1,52 @@
+"""The model, data and configurations of the DeepSpeed checkpoint fixtures (tests/fixtures/deepspeed): shared
+by the script that writes them with DeepSpeed and the tests that load them into zerocore."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from _models import build
+
+_ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}}
+_WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
+
+# name -> the DeepSpeed config's sections, and whether the parameters are split in two groups (no weight decay
+# on the one-element scale and the biases)
+CASES: dict[str, dict] = {
+    "stage1-fp32": {"deepspeed": {"optimizer": _ADAMW, "zero_optimization": {"stage": 1}}, "groups": False},
+    "stage2-bf16-groups-warmup": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True}, "scheduler": _WARMUP,
+                                                "zero_optimization": {"stage": 2}}, "groups": True},
+    "stage2-bf16-offload": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}}, "groups": False},
+    "stage3-bf16": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True},
+                                  "zero_optimization": {"stage": 3, "sub_group_size": 100}}, "groups": True},
+    "stage3-fp32": {"deepspeed": {"optimizer": _ADAMW, "zero_optimization": {"stage": 3}}, "groups": False},
+    # saved as PEFT/LoRA runs save: without the frozen parameters
+    "stage3-bf16-no-frozen": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True},
+                                            "zero_optimization": {"stage": 3}}, "groups": False,
+                              "save": {"exclude_frozen_parameters": True}},
+}
+
+
+def build_fixture_model() -> nn.Module:
+    model = build("odd")  # tied embedding/head, a frozen layer, an unused layer, a one-element parameter
+    model.register_buffer("seen", torch.zeros(3))
+    return model
+
+
+def param_groups(model: nn.Module, case: dict) -> list[dict] | list[nn.Parameter]:
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not case["groups"]:
+        return [p for _, p in trainable]
+    plain = [p for n, p in trainable if p.dim() < 2]
+    return [{"params": [p for n, p in trainable if p.dim() >= 2]}, {"params": plain, "weight_decay": 0.0}]
+
+
+def fixture_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, 20, (4, 6), generator=g), torch.randint(0, 20, (4, 6), generator=g)
+
+
+def fixture_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))

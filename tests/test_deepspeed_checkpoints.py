@@ -1,0 +1,140 @@
+"""DeepSpeed ZeRO checkpoints loaded by engine.load_checkpoint (Note [DeepSpeed checkpoints] in
+_deepspeed_checkpoint.py): the fixtures in tests/fixtures/deepspeed were written by DeepSpeed 0.19.8 on 2 ranks
+(make_fixtures.py there), each with what DeepSpeed's own safe_get_full_* said every parameter's fp32 master and
+moments were; a zerocore engine of another world size or stage loads them and must hold exactly those."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zerocore
+from _dist import run_ranks
+from _ds_fixture import CASES, build_fixture_model, fixture_batch, fixture_loss, param_groups
+
+pytestmark = pytest.mark.timeout(300)
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "deepspeed")
+
+
+def _config(case: str, stage: int, offload: str | None = None) -> dict:
+    config = copy.deepcopy(CASES[case]["deepspeed"])
+    config["zero_optimization"] = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": offload}
+    return config
+
+
+def load_worker(rank: int, world: int, case: str, stage: int, directory: str, offload: str | None) -> dict:
+    model = build_fixture_model()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    groups = param_groups(model, CASES[case])
+    engine = zerocore.initialize(model, _config(case, stage, offload),
+                                 param_groups=groups if CASES[case]["groups"] else None)
+    path, client_state = engine.load_checkpoint(directory)
+    expected = load_file(os.path.join(directory, "expected.safetensors"))
+    seen: dict = {"path": os.path.basename(path), "client_state": client_state, "differ": []}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        got = {"master": zerocore.safe_get_full_fp32_param(param),
+               "exp_avg": zerocore.safe_get_full_optimizer_state(param, "exp_avg"),
+               "exp_avg_sq": zerocore.safe_get_full_optimizer_state(param, "exp_avg_sq")}
+        for key, value in got.items():
+            if not torch.equal(value, expected[f"{key}/{name}"]):
+                seen["differ"].append(f"{key}/{name}")
+    whole = engine.full_state_dict(rank0_only=False)
+    dtype = whole["embed.weight"].dtype
+    seen["frozen_kept"] = all(torch.equal(whole[n], initial[n].to(whole[n].dtype)) for n in ("frozen.weight", "frozen.bias"))
+    seen["params_are_masters"] = all(torch.equal(whole[n], expected[f"master/{n}"].to(dtype))
+                                     for n in ("embed.weight", "hidden.weight", "scale"))
+    seen["buffer"] = model.seen.tolist()
+    seen["global_steps"], seen["adam_steps"] = engine.global_steps, engine.optimizer_state.step_count
+    seen["lr"] = [g["lr"] for g in engine.optimizer.param_groups]
+    # the resumed run's first update against DeepSpeed's own fourth step from the same state and batch: the
+    # step count (Adam's bias correction), lr and moments all enter it (an update from t=1 would be 1.7x this one)
+    # DeepSpeed's two ranks' batches, spread over this run's ranks so the averaged gradient is the same
+    mine = [k for k in range(2) if k % world == rank] or [0]
+    loss = sum(fixture_loss(engine(fixture_batch(3, k)[0]), fixture_batch(3, k)[1]) for k in mine)
+    loss = loss * (world / 2 if any(k % world == rank for k in range(2)) else 0.0)
+    engine.backward(loss)
+    engine.step()
+    seen["trains_on"] = bool(torch.isfinite(loss))
+    after = load_file(os.path.join(directory, "expected_after_step.safetensors"))
+    seen["update_distance"] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad and not name.startswith("unused."):  # (DeepSpeed decays a parameter with no
+            before = expected[f"master/{name}"]                       # gradient, zerocore leaves it alone)
+            ds_update = after[f"master/{name}"] - before
+            ours = zerocore.safe_get_full_fp32_param(param) - before
+            seen["update_distance"][name] = float((ours - ds_update).norm() / ds_update.norm())
+    engine.close()
+    return seen
+
+
+@pytest.mark.parametrize("case,world,stage,offload", [
+    ("stage1-fp32", 2, 1, None), ("stage1-fp32", 3, 3, None),
+    ("stage2-bf16-groups-warmup", 2, 2, None), ("stage2-bf16-groups-warmup", 3, 3, None),
+    ("stage2-bf16-offload", 2, 2, "cpu"), ("stage2-bf16-offload", 1, 1, None),
+    ("stage3-bf16", 2, 3, None), ("stage3-bf16", 3, 2, None),
+    ("stage3-fp32", 2, 3, None), ("stage3-fp32", 4, 1, None),
+    ("stage3-bf16-no-frozen", 2, 3, None), ("stage3-bf16-no-frozen", 2, 2, None),
+])
+def test_a_deepspeed_checkpoint_loads_exactly_at_any_world_size_and_stage(case, world, stage, offload):
+    directory = os.path.join(FIXTURES, case)
+    with open(os.path.join(directory, "expected.json")) as f:
+        facts = json.load(f)
+    for seen in run_ranks(load_worker, world, case, stage, directory, offload):
+        assert seen["path"] == "global_step3"
+        assert seen["differ"] == [], seen["differ"]
+        assert seen["frozen_kept"] and seen["params_are_masters"], seen
+        assert seen["buffer"] == [3.0, 3.0, 3.0]
+        assert seen["client_state"] == {"epoch": 7, "note": "from deepspeed"}
+        assert (seen["global_steps"], seen["adam_steps"]) == (3, 3)
+        assert seen["lr"] == pytest.approx(facts["lr"], rel=1e-12)
+        assert seen["trains_on"]
+        # fp32: summation order only; bf16: gradients rounded to bf16 along other paths
+        tolerance = 1e-4 if "fp32" in case else 5e-2
+        assert max(seen["update_distance"].values()) < tolerance, seen["update_distance"]
+
+
+def mismatch_worker(rank: int, world: int, directory: str) -> str:
+    model = build_fixture_model()
+    model.hidden = torch.nn.Linear(8, 9)  # another shape than the checkpoint's
+    model.head.weight = model.embed.weight
+    engine = zerocore.initialize(model, _config("stage1-fp32", 2))
+    before = zerocore.safe_get_full_fp32_param(model.embed.weight)
+    try:
+        engine.load_checkpoint(directory)
+        return "no error"
+    except ValueError as error:
+        unchanged = torch.equal(before, zerocore.safe_get_full_fp32_param(model.embed.weight))
+        return f"{error} | unchanged={unchanged}"
+
+
+def test_another_model_is_refused_on_every_rank_with_nothing_changed():
+    for message in run_ranks(mismatch_worker, 2, os.path.join(FIXTURES, "stage1-fp32")):
+        assert "'hidden.weight'" in message and "nothing was changed" in message and "unchanged=True" in message, message
+
+
+def test_a_checkpoint_missing_a_rank_file_is_refused(tmp_path):
+    copy_dir = tmp_path / "ds"
+    shutil.copytree(os.path.join(FIXTURES, "stage3-fp32"), copy_dir)
+    os.remove(copy_dir / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    for message in run_ranks(mismatch_free_worker, 2, str(copy_dir)):
+        assert "written by 2 ranks but holds 1 optimizer files" in message, message
+
+
+def mismatch_free_worker(rank: int, world: int, directory: str) -> str:
+    engine = zerocore.initialize(build_fixture_model(), _config("stage3-fp32", 3))
+    try:
+        engine.load_checkpoint(directory)
+    except ValueError as error:
+        return str(error)
+    return "no error"
