@@ -138,3 +138,14 @@ def mismatch_free_worker(rank: int, world: int, directory: str) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def test_an_unknown_layout_is_refused_by_name(tmp_path):
+    copy_dir = tmp_path / "ds"
+    shutil.copytree(os.path.join(FIXTURES, "stage3-fp32"), copy_dir)
+    for rank in range(2):  # optimizer files without ZeRO's keys (another optimizer's layout)
+        torch.save({"optimizer_state_dict": {"state": {}}},
+                   copy_dir / "global_step3" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    for message in run_ranks(mismatch_free_worker, 2, str(copy_dir)):
+        assert "is not a DeepSpeed ZeRO (stage 1-3) checkpoint this version reads" in message, message
+        assert "'zero_stage'" in message and "nothing was changed" in message, message

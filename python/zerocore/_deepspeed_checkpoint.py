@@ -289,6 +289,9 @@ def load(engine: Engine, path: str, load_optimizer_states: bool, load_lr_schedul
         _check_against(engine, checkpoint)
     except (OSError, ValueError) as error:
         problem = error
+    except (KeyError, TypeError, IndexError, AttributeError) as error:  # a layout this reader does not know
+        problem = ValueError(f"load_checkpoint: {path} is not a DeepSpeed ZeRO (stage 1-3) checkpoint this version "
+                             f"reads ({type(error).__name__}: {error}); nothing was changed")
     verdicts = all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
                                engine.device)
     if problem is not None:
