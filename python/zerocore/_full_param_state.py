@@ -31,6 +31,7 @@ or gradient: the getters return None for it, as DeepSpeed's do.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,9 @@ _OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 _CALLS = ("safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
           "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad")
 _TAG_FIELDS = 4  # per rank: call, optimizer key, parameter ordinal (-1: frozen), refused
+# per engine, each trainable parameter's (buffer, index in it, ordinal); per buffer, each parameter's pieces
+_PLACES: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, int, int]]] = weakref.WeakKeyDictionary()
+_PIECES: weakref.WeakKeyDictionary[Any, dict[str, list[tuple[Any, int, int, int]]]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -115,13 +119,18 @@ def _locate(param: Any, call: str) -> _Located:
         raise ValueError(f"{call}() got a parameter that no live zerocore engine manages (shape "
                          f"{list(param.shape)}); pass a parameter of a model given to zerocore.initialize() "
                          "before engine.close()")
-    ordinal = 0
-    for buffer in engine.buffers:
-        for index, held in enumerate(buffer.params):
-            if held is param:
-                return _Located(engine, buffer, index, ordinal + index)
-        ordinal += len(buffer.params)
-    return _Located(engine, None, -1, -1)
+    places = _PLACES.get(engine)
+    if places is None:  # built once per engine: a loop over a model's parameters stays linear
+        places, ordinal = {}, 0
+        for buffer in engine.buffers:
+            for index, held in enumerate(buffer.params):
+                places[id(held)] = (buffer, index, ordinal + index)
+            ordinal += len(buffer.params)
+        _PLACES[engine] = places
+    buffer, index, ordinal = places.get(id(param), (None, -1, -1))
+    if buffer is not None and buffer.params[index] is not param:  # (ids are checked: a reused id is not it)
+        buffer, index, ordinal = None, -1, -1
+    return _Located(engine, buffer, index, ordinal)
 
 
 def _refusal(located: _Located, key: str, call: str, writes: bool) -> str | None:
@@ -190,9 +199,14 @@ def _own_pieces(located: _Located) -> list[tuple[Shard, int, int, int]]:
     """(shard, start in the shard, start in the flattened parameter, length) of this rank's pieces."""
     buffer = located.buffer
     assert buffer is not None
-    name = buffer.names[located.index]
-    return [(shard, piece.shard_offset, piece.tensor_offset, piece.length)
-            for shard in buffer.optimizer_shards for piece in shard.pieces if piece.name == name]
+    pieces = _PIECES.get(buffer)
+    if pieces is None:  # built once per buffer (its layout is fixed at initialize)
+        pieces = {}
+        for shard in buffer.optimizer_shards:
+            for piece in shard.pieces:
+                pieces.setdefault(piece.name, []).append((shard, piece.shard_offset, piece.tensor_offset, piece.length))
+        _PIECES[buffer] = pieces
+    return pieces.get(buffer.names[located.index], [])
 
 
 def _get(param: nn.Parameter, key: str, call: str) -> torch.Tensor | None:
