@@ -44,7 +44,7 @@ def worker(rank: int, world: int, stage: int, mode: str) -> bool:
     model = TwoBlocks()
     reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0,
                                                                  foreach=False))
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    config = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
               "gradient_accumulation_steps": 1 if mode == "no_sync" else 2}
     engine = zerocore.initialize(model, config)
@@ -83,7 +83,7 @@ def test_a_parameter_without_a_gradient_in_the_last_micro_step_keeps_its_accumul
 
 def stale_worker(rank: int, world: int, stage: int) -> dict:
     torch.manual_seed(0)
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
+    config = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
     engine = zerocore.initialize(TwoBlocks(), config)
     norms, losses = [], []
     for step in range(3):
@@ -114,7 +114,7 @@ def scale_wrt_gas_worker(rank: int, world: int, stage: int) -> list[list[float]]
     results = []
     for divide_here in (False, True):
         torch.manual_seed(0)
-        engine = zerocore.initialize(TwoBlocks(), {"optimizer": {"params": {"lr": 1e-2}}, "gradient_accumulation_steps": 2,
+        engine = zerocore.initialize(TwoBlocks(), {"gradient_clipping": 0.0, "optimizer": {"params": {"lr": 1e-2}}, "gradient_accumulation_steps": 2,
                                                    "zero_optimization": {"stage": stage}})
         for step in range(2):
             for micro in range(2):
@@ -139,7 +139,7 @@ def manual_boundary_worker(rank: int, world: int, stage: int, directory: str) ->
     model = TwoBlocks()
     reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0,
                                                                  foreach=False))
-    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    engine = zerocore.initialize(model, {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                                          "zero_optimization": {"stage": stage}, "gradient_accumulation_steps": 2})
     errors = []
 

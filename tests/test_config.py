@@ -62,7 +62,8 @@ def test_defaults():
     assert (z.overlap_comm, z.contiguous_gradients, z.reduce_scatter) == (True, True, True)
     assert (z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters,
             z.stage3_param_persistence_threshold) == (None, 1_000_000_000, 100_000)  # None: one unit ahead
-    assert (c.gradient_accumulation_steps, c.gradient_clipping, c.bf16, c.steps_per_print) == (1, 0.0, False, 10)
+    # gradient_clipping 1.0: DeepSpeed's default since 0.19 (deepspeedai/DeepSpeed#8068)
+    assert (c.gradient_accumulation_steps, c.gradient_clipping, c.bf16, c.steps_per_print) == (1, 1.0, False, 10)
     assert c.communication_data_type is c.train_batch_size is c.train_micro_batch_size_per_gpu is None
     assert c.compute_dtype == c.reduce_dtype == torch.float32
     # Offload and aio: DeepSpeed 0.19.8's defaults (test_defaults_are_deepspeeds checks them against it).
@@ -704,6 +705,7 @@ import json, sys
 from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
+from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 written = json.loads(sys.stdin.read())
 zero = DeepSpeedZeroConfig(**written["zero_optimization"])  # zerocore's to_deepspeed(), as DeepSpeed reads it
 print(json.dumps({
@@ -711,6 +713,7 @@ print(json.dumps({
     "param": DeepSpeedZeroOffloadParamConfig().model_dump(mode="json"),
     "sub_group_size": DeepSpeedZeroConfig().sub_group_size,
     "aio": get_aio_config({}),
+    "gradient_clipping": GRADIENT_CLIPPING_DEFAULT,
     "read_back": {"optimizer": zero.offload_optimizer.model_dump(mode="json"),
                   "param": zero.offload_param.model_dump(mode="json"), "sub_group_size": zero.sub_group_size,
                   "aio": get_aio_config(written)},
@@ -733,6 +736,7 @@ def test_defaults_are_deepspeeds():
         assert {k: theirs["optimizer"][k] for k in fields(z.offload_optimizer)} == fields(z.offload_optimizer)
         assert {k: theirs["param"][k] for k in fields(z.offload_param)} == fields(z.offload_param)
         assert theirs["sub_group_size"] == z.sub_group_size
+        assert theirs["gradient_clipping"] == ZeroConfig().gradient_clipping  # what a JSON without the key means
         assert theirs["aio"] == {**ZeroConfig().to_deepspeed()["aio"], "use_gds": False}
         ours = config.zero_optimization
         back = theirs["read_back"]

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _config(stage: int, bucket: int = 1000, **extra) -> dict:
-    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
             **extra}
 
@@ -488,7 +488,7 @@ class TwiceCheckpointed(nn.Module):
 
 def reentrant_twice_worker(rank: int, world: int, stage: int) -> str:
     torch.manual_seed(0)
-    engine = zerocore.initialize(TwiceCheckpointed(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    engine = zerocore.initialize(TwiceCheckpointed(), {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                                        "zero_optimization": {"stage": stage}})
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(RuntimeError) as raised:

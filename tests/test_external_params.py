@@ -58,7 +58,7 @@ def external_worker(rank: int, world: int, units: str, checkpointed: bool) -> bo
     model = Parent()
     reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01,
                                                                  foreach=False))
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+    config = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     chosen = {"default": None, "blocks": [Block], "every": [Block, nn.Linear]}[units]
     engine = zerocore.initialize(model, config, units=chosen)
@@ -136,7 +136,7 @@ def flows_worker(rank: int, world: int, flow: str) -> bool:
     model = OutputNet(kind)
     reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01,
                                                                  foreach=False))
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+    config = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
               "gradient_accumulation_steps": 2 if flow == "retain_graph" else 1,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine = zerocore.initialize(model, config)

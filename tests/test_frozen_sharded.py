@@ -76,7 +76,7 @@ class Lora(nn.Module):
 
 
 def config(dtype: str = "fp32", **zero) -> dict:
-    out = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    out = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
     if dtype != "fp32":
         out[dtype] = {"enabled": True}
@@ -874,7 +874,7 @@ def random_freeze_worker(rank: int, world: int, name: str, seed: int, stage: int
     frozen = {n for n, _ in params[:-1] if chooser.random() < 0.5} or {params[0][0]}  # the last one trains
     for n, p in params:
         p.requires_grad_(n not in frozen)
-    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": bf16},
+    engine = zerocore.initialize(model, {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": bf16},
                                          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
     generator = torch.Generator().manual_seed(rank)
     losses = []

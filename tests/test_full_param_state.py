@@ -20,7 +20,7 @@ BETA1, BETA2 = 0.9, 0.999
 
 
 def _config(stage: int, dtype: str, offload: str | None = None, path: str | None = None, **zero) -> dict:
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "betas": [BETA1, BETA2]}},
+    config = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "betas": [BETA1, BETA2]}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 500,
                                     "stage3_param_persistence_threshold": 0, **zero}}
     if dtype == "bf16":

@@ -54,7 +54,7 @@ def build() -> Net:
 
 
 def config(stage: int) -> dict:
-    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
 
 

@@ -17,7 +17,7 @@ STEPS, LR, WEIGHT_DECAY = 6, 3e-3, 0.01
 
 
 def _config(stage: int, **adam) -> dict:
-    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8,
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8,
                                                       "weight_decay": WEIGHT_DECAY, **adam}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000}}
 

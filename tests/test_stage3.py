@@ -67,7 +67,7 @@ class Zoo(nn.Module):
 
 
 def config(**zero) -> dict:
-    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
 
 
@@ -783,7 +783,7 @@ def test_move_storage_refuses_what_would_read_past_or_empty_a_base(case):
 def spare_reuse_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
-    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    engine = zerocore.initialize(model, {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
                                  units=[nn.Sequential])
     reference = copy.deepcopy(engine.full_state_dict(rank0_only=False))
@@ -886,7 +886,7 @@ def compiled_units_worker(rank: int, world: int, how: str, stage: int = 3) -> di
         for block in blocks:
             block.compile(backend="aot_eager")
     model = nn.Sequential(nn.Linear(4, 16), nn.Sequential(*blocks), nn.Linear(16, 1))
-    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    engine = zerocore.initialize(model, {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                                          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
                                                                # stages 1-2: a block's gathers land on its own
                                                                "allgather_bucket_size": 600,

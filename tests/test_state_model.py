@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _config(stage: int, **zero) -> dict:
-    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage, **zero}}
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage, **zero}}
 
 
 def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,7 +77,7 @@ def gan_worker(rank: int, world: int, stage_g: int, stage_d: int, penalty: bool)
     ref_d = ReferencePair(discriminator, adamw, wrap=DDP)
 
     def config(stage: int) -> dict:
-        return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
                 "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 300}}
 
     engine_g = zerocore.initialize(generator, config(stage_g))
@@ -141,7 +141,7 @@ def test_gan_with_two_engines(stage_g: int, stage_d: int, penalty: bool) -> None
 
 def stray_backward_worker(rank: int, world: int, stage: int) -> str:
     model = Net(4, 1)
-    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    engine = zerocore.initialize(model, {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                          "zero_optimization": {"stage": stage}})
     with pytest.raises(RuntimeError, match="outside engine.backward") as refused:
         engine(torch.randn(3, 4)).sum().backward()
@@ -161,7 +161,7 @@ def shared_frozen_worker(rank: int, world: int, stage: int) -> str:
     torch.manual_seed(0)
     encoder = nn.Linear(8, 8).requires_grad_(False)
     first, second = nn.Sequential(encoder, nn.Linear(8, 1)), nn.Sequential(encoder, nn.Linear(8, 1))
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
+    config = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
     engines = [zerocore.initialize(first, config), zerocore.initialize(second, config)]
     for engine in engines:
         engine.backward(engine(torch.randn(4, 8)).square().mean())

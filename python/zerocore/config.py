@@ -251,7 +251,9 @@ class ZeroConfig:
     Attributes:
         optimizer: Adam / AdamW hyperparameters.
         gradient_accumulation_steps: micro-batches per optimizer step (>= 1).
-        gradient_clipping: clip the global gradient norm to this (>= 0; 0 = off).
+        gradient_clipping: clip the global gradient norm to this (>= 0; 0 = off). 1.0 by default, DeepSpeed's
+            default since 0.19 (deepspeedai/DeepSpeed#8068; 0.0 before), so a JSON that leaves it out trains
+            as under DeepSpeed.
         bf16: train in bfloat16 (DeepSpeed ``"bf16": {"enabled": true}``). Exclusive with ``fp16.enabled``.
         fp16: fp16 mixed precision and loss scaling.
         zero_optimization: ZeRO stage and buckets.
@@ -278,7 +280,7 @@ class ZeroConfig:
 
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     gradient_accumulation_steps: int = 1
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0
     bf16: bool = False
     fp16: FP16Config = field(default_factory=FP16Config)
     zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
