@@ -1,15 +1,38 @@
 #include "collective_strategies.hpp"
 #include "scratch_pool.hpp"
 
+#include <chrono>
 #include <stdexcept>
+#include <thread>
 
 #include "zerocore/error.hpp"
 
 namespace zerocore::bindings {
 
+namespace {
+
+// Note [Works released on the waiting thread]
+// Gloo's worker thread drops its reference to a Work a moment after the Work completes, so wait() can return
+// first. When that reference is the last, the Work's tensors are freed on Gloo's thread, and freeing a tensor
+// that Python created and no longer references takes the GIL: at interpreter exit, where the engine's last
+// collective completes just before the process ends, Python kills a thread that asks for the GIL
+// (pthread_exit through a noexcept frame: std::terminate, SIGABRT, the rank reported failed after a
+// successful run; about one run in ten here). So wait() gives the backend's reference a moment (microseconds
+// in practice, bounded) to go, leaving the last one to the waiting thread, which Python knows. Only for CPU
+// collectives: NCCL's watchdog keeps its references far longer, and frees no Python tensors at exit.
+void let_backend_release(const c10::intrusive_ptr<c10d::Work>& work) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
+  while (work.use_count() > 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+}
+
+}  // namespace
+
 void PendingCollective::wait() {
+  const bool on_cpu = !buffer.defined() || buffer.is_cpu();
   for (auto& work : works) {
-    if (work) work->wait();
+    if (!work) continue;
+    work->wait();
+    if (on_cpu) let_backend_release(work);  // Note [Works released on the waiting thread]
   }
   works.clear();
   if (result.defined()) {
