@@ -45,15 +45,14 @@ class AllocatorWatch:
     def after_step(self, step: int) -> None:
         if not self.active:
             return
-        retries = self._read()["num_alloc_retries"]
-        new, self._retries_seen = retries - self._retries_seen, retries
+        now = self._read()
+        new, self._retries_seen = now["num_alloc_retries"] - self._retries_seen, now["num_alloc_retries"]
         if new <= 0:
             return
         self.retries_in_steps += new
         self.steps_with_retries += 1
         if not self._warned:
             self._warned = True
-            now = self._read()
             warnings.warn(
                 f"step {step}: the CUDA caching allocator ran out of free blocks and flushed its cache to retry "
                 f"{new} time(s) (each flush waits for the device; {_gib(now['reserved_bytes.all.current'])} GiB "

@@ -138,7 +138,6 @@ class _Flat:
 class _Checkpoint:
     path: str
     stage: int
-    world: int
     model: dict[str, Any]  # rank 0's model state file
     trainable: dict[str, tuple[torch.Size, Any]]  # name -> (shape, where its elements are)
     frozen: dict[str, torch.Tensor]  # name -> whole value
@@ -192,7 +191,7 @@ def read(path: str) -> _Checkpoint:
     steps = {_as_int(s.get("step", 0)) for s in state.get("state", {}).values()}
     scaler = optims[0].get("loss_scaler")
     loss_scale = getattr(scaler, "cur_scale", None) if scaler is not None else None
-    return _Checkpoint(path, stage, world, model, trainable, frozen, flats, max(steps, default=0),
+    return _Checkpoint(path, stage, model, trainable, frozen, flats, max(steps, default=0),
                        [{k: v for k, v in g.items() if k != "params"} for g in state.get("param_groups", [])],
                        None if loss_scale is None else float(loss_scale))
 
@@ -215,12 +214,12 @@ def _stage12_geometry(optims: list[dict[str, Any]], groups: list[dict[str, torch
         raise ValueError(f"load_checkpoint: {path}: {len(groups)} param groups in the model state, "
                          f"{[len(m) for m in masters]} in the optimizer files")
     paddings = optims[0].get("param_alignment_paddings")
+    moments = {key: [_moments(o, key) for o in optims] for key in ("exp_avg", "exp_avg_sq")}  # per rank, per group
     flats: dict[str, list[_Flat]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
     trainable: dict[str, tuple[torch.Size, Any]] = {}
     for g, shapes in enumerate(groups):
         flats["master"].append(_Flat([masters[r][g] for r in range(world)]))
-        for key in ("exp_avg", "exp_avg_sq"):
-            parts = [_moments(o, key) for o in optims]
+        for key, parts in moments.items():
             flats[key].append(_Flat([p[g] if g < len(p) else torch.zeros(0) for p in parts]))
         offset = 0
         for i, (name, shape) in enumerate(shapes.items()):

@@ -240,16 +240,7 @@ def _set(param: nn.Parameter, value: Any, key: str, call: str) -> None:
     if refused is None:
         refused = _value_problem(param, value, call)
     _agree(located, call, key, refused)
-    engine, buffer = located.engine, located.buffer
-    assert buffer is not None
-    flat = value.detach().reshape(-1).to(device=engine.device, dtype=torch.float32)
-    with torch.no_grad():
-        if key == "grad":
-            _set_grad(located, flat)
-        elif key == "master":
-            _set_master(located, flat)
-        else:
-            _set_moment(located, key, flat)
+    _write(located, key, value)
 
 
 def write_full_state(param: nn.Parameter, values: dict[str, torch.Tensor]) -> None:
@@ -258,14 +249,21 @@ def write_full_state(param: nn.Parameter, values: dict[str, torch.Tensor]) -> No
     checkpoint load, every rank writing every parameter in the same order)."""
     located = _locate(param, "write_full_state")
     assert located.buffer is not None, "a trainable parameter"
-    engine = located.engine
+    for key, value in values.items():
+        _write(located, key, value)
+
+
+def _write(located: _Located, key: str, value: torch.Tensor) -> None:
+    """Writes ``value`` (the parameter's shape) into this rank's pieces of ``key``: the gradient, the master
+    (and the parameter's rounding) or a moment."""
+    flat = value.detach().reshape(-1).to(device=located.engine.device, dtype=torch.float32)
     with torch.no_grad():
-        for key, value in values.items():
-            flat = value.detach().reshape(-1).to(device=engine.device, dtype=torch.float32)
-            if key == "master":
-                _set_master(located, flat)
-            else:
-                _set_moment(located, key, flat)
+        if key == "grad":
+            _set_grad(located, flat)
+        elif key == "master":
+            _set_master(located, flat)
+        else:
+            _set_moment(located, key, flat)
 
 
 def _set_moment(located: _Located, key: str, flat: torch.Tensor) -> None:
