@@ -149,3 +149,13 @@ def test_an_unknown_layout_is_refused_by_name(tmp_path):
     for message in run_ranks(mismatch_free_worker, 2, str(copy_dir)):
         assert "is not a DeepSpeed ZeRO (stage 1-3) checkpoint this version reads" in message, message
         assert "'zero_stage'" in message and "nothing was changed" in message, message
+
+
+def test_a_range_of_no_elements_reads_as_an_empty_tensor():
+    """A parameter of no elements (numel 0) in a DeepSpeed checkpoint: its range is empty, at any offset."""
+    from zerocore._deepspeed_checkpoint import _Flat
+
+    flat = _Flat([torch.arange(3.0), torch.arange(2.0)])
+    assert torch.equal(flat.read(1, 3), torch.tensor([1.0, 2.0, 0.0]))
+    assert flat.read(2, 0).numel() == 0 and flat.read(5, 0).numel() == 0
+    assert _Flat([]).read(0, 0).numel() == 0

@@ -131,6 +131,8 @@ class _Flat:
             lo, hi = max(start, begin), min(start + length, begin + part.numel())
             if lo < hi:
                 pieces.append(part[lo - begin : hi - begin])
+        if not pieces:  # a parameter of no elements
+            return torch.zeros(0, dtype=self.parts[0].dtype if self.parts else torch.float32)
         return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
 
 
