@@ -11,8 +11,15 @@ from _models import build
 _ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}}
 _WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
 
-# name -> the DeepSpeed config's sections, and whether the parameters are split in two groups (no weight decay
-# on the one-element scale and the biases)
+# fp16 with a dynamic scale whose first step overflows (its loss boosted 1e4x): the step is skipped and one
+# hysteresis spent. The scale does not grow at the resumed run's first step (it would at the next): on a step
+# where it grows, DeepSpeed 0.19.8 unscales the gradients by the new scale, so that step's update is computed
+# from half the gradient (measured here: its exp_avg took 0.5 g; deepspeedai/DeepSpeed#8588 describes the
+# ordering), which zerocore does not copy
+_FP16 = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 3, "hysteresis": 2}
+
+# name -> the DeepSpeed config's sections, whether the parameters are split in two groups (no weight decay
+# on the one-element scale and the biases), and by what factor a training step's loss is multiplied
 CASES: dict[str, dict] = {
     "stage1-fp32": {"deepspeed": {"optimizer": _ADAMW, "zero_optimization": {"stage": 1}}, "groups": False},
     "stage2-bf16-groups-warmup": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True}, "scheduler": _WARMUP,
@@ -26,6 +33,10 @@ CASES: dict[str, dict] = {
     "stage3-bf16-no-frozen": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True},
                                             "zero_optimization": {"stage": 3}}, "groups": False,
                               "save": {"exclude_frozen_parameters": True}},
+    "stage2-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 2}},
+                             "groups": False, "boost": {0: 1e4}},
+    "stage3-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 3}},
+                             "groups": True, "boost": {0: 1e4}},
 }
 
 

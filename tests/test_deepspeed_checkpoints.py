@@ -57,6 +57,7 @@ def load_worker(rank: int, world: int, case: str, stage: int, directory: str, of
     seen["buffer"] = model.seen.tolist()
     seen["global_steps"], seen["adam_steps"] = engine.global_steps, engine.optimizer_state.step_count
     seen["lr"] = [g["lr"] for g in engine.optimizer.param_groups]
+    seen["loss_scaler"] = engine.loss_scaler.state_dict()
     # the resumed run's first update against DeepSpeed's own fourth step from the same state and batch: the
     # step count (Adam's bias correction), lr and moments all enter it (an update from t=1 would be 1.7x this one)
     # DeepSpeed's two ranks' batches, spread over this run's ranks so the averaged gradient is the same
@@ -66,6 +67,7 @@ def load_worker(rank: int, world: int, case: str, stage: int, directory: str, of
     engine.backward(loss)
     engine.step()
     seen["trains_on"] = bool(torch.isfinite(loss))
+    seen["loss_scaler_after_step"] = engine.loss_scaler.state_dict()
     after = load_file(os.path.join(directory, "expected_after_step.safetensors"))
     seen["update_distance"] = {}
     for name, param in model.named_parameters():
@@ -85,6 +87,8 @@ def load_worker(rank: int, world: int, case: str, stage: int, directory: str, of
     ("stage3-bf16", 2, 3, None), ("stage3-bf16", 3, 2, None),
     ("stage3-fp32", 2, 3, None), ("stage3-fp32", 4, 1, None),
     ("stage3-bf16-no-frozen", 2, 3, None), ("stage3-bf16-no-frozen", 2, 2, None),
+    ("stage2-fp16-overflow", 2, 2, None), ("stage2-fp16-overflow", 3, 3, None),
+    ("stage3-fp16-overflow", 2, 3, None), ("stage3-fp16-overflow", 1, 1, "cpu"),
 ])
 def test_a_deepspeed_checkpoint_loads_exactly_at_any_world_size_and_stage(case, world, stage, offload):
     directory = os.path.join(FIXTURES, case)
@@ -96,12 +100,36 @@ def test_a_deepspeed_checkpoint_loads_exactly_at_any_world_size_and_stage(case, 
         assert seen["frozen_kept"] and seen["params_are_masters"], seen
         assert seen["buffer"] == [3.0, 3.0, 3.0]
         assert seen["client_state"] == {"epoch": 7, "note": "from deepspeed"}
-        assert (seen["global_steps"], seen["adam_steps"]) == (3, 3)
+        skipped = facts.get("skipped_steps", 0)  # fp16 overflows: counted steps that updated nothing
+        assert (seen["global_steps"], seen["adam_steps"]) == (3, 3 - skipped)
+        if "loss_scaler" in facts:  # the resumed scale, and the counters that decide its next change, DeepSpeed's
+            assert seen["loss_scaler"] == facts["loss_scaler"]
+            assert seen["loss_scaler_after_step"] == facts["loss_scaler_after_step"]
         assert seen["lr"] == pytest.approx(facts["lr"], rel=1e-12)
         assert seen["trains_on"]
         # fp32: summation order only; bf16: gradients rounded to bf16 along other paths
         tolerance = 1e-4 if "fp32" in case else 5e-2
         assert max(seen["update_distance"].values()) < tolerance, seen["update_distance"]
+
+
+def fp16_from_bf16_worker(rank: int, world: int, directory: str) -> tuple[dict, dict]:
+    config = _config("stage3-bf16", 3)
+    del config["bf16"]
+    config["fp16"] = {"enabled": True, "initial_scale_power": 10}
+    model = build_fixture_model()
+    engine = zerocore.initialize(model, config, param_groups=param_groups(model, CASES["stage3-bf16"]))
+    before = engine.loss_scaler.state_dict()
+    engine.load_checkpoint(directory)
+    after = engine.loss_scaler.state_dict()
+    engine.close()
+    return before, after
+
+
+def test_an_fp16_run_resumed_from_a_bf16_checkpoint_keeps_its_own_dynamic_scale():
+    """A bf16 DeepSpeed run saves a static scaler of scale 1: as an fp16 run's dynamic scale it would make
+    small gradients underflow until the scale grew back."""
+    for before, after in run_ranks(fp16_from_bf16_worker, 2, os.path.join(FIXTURES, "stage3-bf16")):
+        assert before["scale"] == 1024.0 and after == before, (before, after)
 
 
 def mismatch_worker(rank: int, world: int, directory: str) -> str:

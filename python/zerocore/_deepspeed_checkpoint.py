@@ -146,7 +146,7 @@ class _Checkpoint:
     flats: dict[str, list[_Flat]]  # "master" / "exp_avg" / "exp_avg_sq" -> per (rank or group) flat
     optimizer_step: int
     param_groups: list[dict[str, Any]]
-    loss_scale: float | None
+    loss_scaler: dict[str, float | int] | None  # a dynamic fp16 scaler's state, as LossScaler.state_dict()
 
 
 def read(path: str) -> _Checkpoint:
@@ -191,11 +191,22 @@ def read(path: str) -> _Checkpoint:
     frozen = _frozen_values(stage, model, models, trainable)
     state = optims[0].get("base_optimizer_state") or optims[0].get("optimizer_state_dict") or {}
     steps = {_as_int(s.get("step", 0)) for s in state.get("state", {}).values()}
-    scaler = optims[0].get("loss_scaler")
-    loss_scale = getattr(scaler, "cur_scale", None) if scaler is not None else None
     return _Checkpoint(path, stage, model, trainable, frozen, flats, max(steps, default=0),
                        [{k: v for k, v in g.items() if k != "params"} for g in state.get("param_groups", [])],
-                       None if loss_scale is None else float(loss_scale))
+                       _dynamic_loss_scaler(optims[0].get("loss_scaler"), model))
+
+
+def _dynamic_loss_scaler(scaler: Any, model: dict[str, Any]) -> dict[str, float | int] | None:
+    """DeepSpeed's ``DynamicLossScaler`` as zerocore's LossScaler state (the same rule, the same counters), or
+    None for a static scaler: bf16 and fp32 runs save one of scale 1, which must not become an fp16 run's
+    dynamic scale (every small gradient would underflow until the scale had grown back)."""
+    if scaler is None or not getattr(scaler, "dynamic", False) or getattr(scaler, "cur_scale", None) is None:
+        return None
+    delayed_shift = int(getattr(scaler, "delayed_shift", 1))
+    return {"scale": float(scaler.cur_scale), "hysteresis_left": int(getattr(scaler, "cur_hysteresis", delayed_shift)),
+            "iteration": int(getattr(scaler, "cur_iter", 0)),
+            "last_overflow": int(getattr(scaler, "last_overflow_iter", -1)),
+            "overflows": _as_int(model.get("skipped_steps", 0))}
 
 
 def _as_int(value: Any) -> int:
@@ -377,8 +388,10 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, sche
             for key in ("lr", "betas", "eps", "weight_decay"):
                 if key in saved:
                     group[key] = tuple(saved[key]) if key == "betas" else saved[key]
-        if engine.config.fp16.enabled and engine.loss_scaler.dynamic and checkpoint.loss_scale is not None:
-            engine.loss_scaler.scale = checkpoint.loss_scale
+        # the scale and the counters that decide when it next grows, shrinks or spends its hysteresis, so the
+        # resumed run's scale follows DeepSpeed's step by step
+        if engine.config.fp16.enabled and engine.loss_scaler.dynamic and checkpoint.loss_scaler is not None:
+            engine.loss_scaler.load_state_dict(checkpoint.loss_scaler)
     saved_schedule = checkpoint.model.get("lr_scheduler")
     if scheduler_states and engine.lr_scheduler is not None and saved_schedule:
         iteration = saved_schedule.get("last_batch_iteration") if isinstance(saved_schedule, dict) else None
