@@ -277,3 +277,31 @@ def test_full_parameter_state_round_trips_on_cuda(stage, offload, tmp_path):
     assert torch.equal(zerocore.safe_get_full_fp32_param(param), value)
     assert torch.equal(engine.full_state_dict(rank0_only=False)[name], value.to(torch.bfloat16).cpu())
     engine.close()
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_local_master_write_survives_the_step_on_cuda(offload):
+    """safe_set_local_fp32_param (Note [Local parameter state]) at stage 3 on a GPU: the root unit is whole
+    when it is written, and on a GPU the step merges a gathered unit into its shard unconditionally, which
+    must not undo the write (``shard_ahead_of_full``); with lr 0 the parameter is then the new master's
+    rounding."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    engine = zerocore.initialize(build("transformer").cuda(), {
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}}, "bf16": {"enabled": True},
+        "zero_optimization": zero})
+    generator = torch.Generator().manual_seed(0)
+    inputs, target = (t.cuda() for t in batch("transformer", generator))
+    engine.backward(loss_fn("transformer", engine(inputs), target))
+    for name, param in engine.module.named_parameters():
+        local = zerocore.safe_get_local_fp32_param(param)
+        assert local.device.type == "cuda"
+        assert torch.equal(zerocore.safe_get_local_grad(param), zerocore.safe_get_full_grad(param).reshape(-1))
+        zerocore.safe_set_local_fp32_param(param, local * 0.5 + 0.25)
+    expected = {name: (zerocore.safe_get_full_fp32_param(p)) for name, p in engine.module.named_parameters()}
+    engine.step()
+    whole = engine.full_state_dict(rank0_only=False)
+    for name, value in expected.items():
+        assert torch.equal(whole[name], value.to(torch.bfloat16).cpu()), name
+    engine.close()

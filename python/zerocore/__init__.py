@@ -11,6 +11,9 @@ from .engine import Engine, initialize
 from ._gathered import gathered
 from ._full_param_state import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                                 safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state)
+from ._local_param_state import (local_range, safe_get_local_fp32_param, safe_get_local_grad,
+                                 safe_get_local_optimizer_state, safe_set_local_fp32_param, safe_set_local_grad,
+                                 safe_set_local_optimizer_state)
 
 __version__ = build_info()["version"]
 
@@ -18,7 +21,9 @@ __all__ = [
     "build_info", "FlatLayout", "Bucket", "Piece", "ops", "optim", "ZeroConfig", "OptimizerConfig", "FP16Config",
     "ZeroOptimizationConfig", "SchedulerConfig", "lr_schedules", "Engine", "initialize", "gathered", "estimate_memory",
     "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
-    "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "__version__",
+    "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
+    "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
+    "safe_get_local_grad", "safe_set_local_grad", "local_range", "__version__",
 ]
 
 

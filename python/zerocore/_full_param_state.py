@@ -157,6 +157,9 @@ def _refusal(located: _Located, key: str, call: str, writes: bool) -> str | None
         if buffer.gathered and located.index in buffer.rebound_params():
             return (f"{call}(): parameter {buffer.names[located.index]!r} was given another tensor (p.data = ...), "
                     "which the next step takes as the user's values; point it back at its own storage first")
+    if writes and located.buffer is None:
+        return (f"{call}(): the parameter is frozen, so it has no fp32 master, moments or gradient; change its "
+                "values inside `with zerocore.gathered(params, modifier_rank=0):`")
     return None
 
 
@@ -234,9 +237,6 @@ def _get(param: nn.Parameter, key: str, call: str) -> torch.Tensor | None:
 def _set(param: nn.Parameter, value: Any, key: str, call: str) -> None:
     located = _locate(param, call)
     refused = _refusal(located, key, call, writes=True)
-    if refused is None and located.buffer is None:
-        refused = (f"{call}(): the parameter is frozen, so it has no fp32 master, moments or gradient; change its "
-                   "values inside `with zerocore.gathered(params, modifier_rank=0):`")
     if refused is None:
         refused = _value_problem(param, value, call)
     _agree(located, call, key, refused)

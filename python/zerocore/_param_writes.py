@@ -32,6 +32,7 @@ class ParamWrites:
     _own_values: list[torch.Tensor] | None
     gathered: bool
     shard_offloaded: bool
+    shard_ahead_of_full: bool
 
     def note_param_versions(self) -> None:
         """Remembers the parameters' autograd version counters: the engine's own writes go through ``full``
@@ -105,11 +106,11 @@ class ParamWrites:
         """Writes through ``p.data``, which the version counters miss, reach the master (Note [Writes through
         .data] in _step.py): stages 1-2 with 16-bit parameters, by the master's rounding; a stage-3 unit kept
         whole, by its shard, when its gathered values are exactly the shards (not qwZ's) and the shard is in
-        memory."""
+        memory, and not written past it on purpose (``shard_ahead_of_full``)."""
         if not self.policy.params_sharded:
             for shard in self.optimizer_shards:
                 self._optimizer_state.absorb_untracked_writes(shard)
-        elif exact_gather and self.gathered and not self.shard_offloaded:
+        elif exact_gather and self.gathered and not self.shard_offloaded and not self.shard_ahead_of_full:
             # on an accelerator the merge itself, unconditionally: a comparison read on the host would sync
             if self.full.device.type != "cpu" or not all(
                     bitwise_equal(self._own_region(self.full, b), self.param_shard(b)) for b in range(len(self.buckets))):

@@ -73,6 +73,9 @@ class ShardedBuffer(ParamWrites):
         self.optimizer_shards: list[Shard] = []
         self._versions: list[int] = []
         self.write_fingerprints: dict[str, int] = {}  # parameters the user wrote since the step (ParamWrites)
+        # stage 3, gathered: the shard was written past ``full`` on purpose (a local master write, Note [Local
+        # parameter state]), so ``full`` differing from it is no write through .data; until the next release
+        self.shard_ahead_of_full = False
         self._own_values: list[torch.Tensor] | None = None  # see keep_own_values
         # Note [NVMe parameter shards]: the ParamShardFile, this shard's offset in it (None: kept in memory),
         # how many blocks hold the shard in memory now, and whether one of them wrote it
@@ -409,6 +412,7 @@ class ShardedBuffer(ParamWrites):
             param.data = placeholder
             mark_sharded(param, name)
         self.spares.release(self.full)
+        self.shard_ahead_of_full = False
 
     # ---- gradients ------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
