@@ -266,3 +266,33 @@ def test_misuse_is_refused_on_every_rank_and_nothing_changes(stage):
         assert "between the accumulation boundary's" in seen["after_step"]
         assert "inside a zerocore.gathered() block" in seen["inside_gathered"]
         assert seen["after_close"].startswith("ValueError")
+
+
+def vectorized_worker(rank: int, world: int, stage: int) -> list[str]:
+    model = _model()
+    model.blocks[2].norm.weight.requires_grad_(False)  # frozen: skipped
+    engine = zerocore.initialize(model, _config(stage, "bf16"))
+    engine.backward(loss_of(engine, *data(0, rank)))
+    params = list(model.parameters())
+    before = {id(p): zerocore.safe_get_full_grad(p) for p in params if p.requires_grad}
+    seen_params = []
+
+    def update(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        seen_params.append(param)
+        return grad * 2 + param.dim()
+
+    zerocore.safe_update_full_grad_vectorized(params, update)
+    differ = [str(p.shape) for p in params if p.requires_grad
+              and not torch.equal(zerocore.safe_get_full_grad(p), (before[id(p)] * 2 + p.dim()).bfloat16().float())]
+    called = [p is q for p, q in zip(seen_params, [p for p in params if p.requires_grad])]
+    engine.step()
+    engine.close()
+    return differ + ([] if len(called) == len(before) and all(called) else ["update_func calls"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_update_full_grad_vectorized_rewrites_every_trainable_gradient(stage):
+    """DeepSpeed's safe_update_full_grad_vectorized: update_func(grad, param) for each trainable parameter in
+    order, its result the gradient the step applies (stored in bf16, the gradients' dtype)."""
+    for differ in run_ranks(vectorized_worker, 2, stage):
+        assert differ == []

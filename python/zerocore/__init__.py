@@ -10,7 +10,8 @@ from .config import FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig, Ze
 from .engine import Engine, initialize
 from ._gathered import gathered
 from ._full_param_state import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                                safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state)
+                                safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
+                                safe_update_full_grad_vectorized)
 from ._local_param_state import (local_range, safe_get_local_fp32_param, safe_get_local_grad,
                                  safe_get_local_optimizer_state, safe_set_local_fp32_param, safe_set_local_grad,
                                  safe_set_local_optimizer_state)
@@ -23,7 +24,7 @@ __all__ = [
     "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
     "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
     "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
-    "safe_get_local_grad", "safe_set_local_grad", "local_range", "__version__",
+    "safe_get_local_grad", "safe_set_local_grad", "local_range", "safe_update_full_grad_vectorized", "__version__",
 ]
 
 

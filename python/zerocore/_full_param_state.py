@@ -32,6 +32,7 @@ or gradient: the getters return None for it, as DeepSpeed's do.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +101,20 @@ def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     rank; a collective), between the accumulation boundary's ``engine.backward()`` and ``engine.step()``.
     It is stored in the gradients' dtype; the step clips and applies it as one the backward produced."""
     _set(param, value, "grad", _CALLS[5])
+
+
+def safe_update_full_grad_vectorized(param_list: Iterable[nn.Parameter],
+                                     update_func: Callable[[torch.Tensor, nn.Parameter], torch.Tensor]) -> None:
+    """Replaces the gradient of every trainable parameter in ``param_list`` by ``update_func(grad, param)``
+    (``grad`` as ``safe_get_full_grad`` gives it; the result of the parameter's shape), as DeepSpeed's function of
+    that name: a collective per parameter, so every rank passes the same parameters in the same order and an
+    ``update_func`` that computes the same values on every rank. Frozen parameters are skipped."""
+    for param in param_list:
+        if isinstance(param, torch.Tensor) and not param.requires_grad:
+            continue
+        grad = safe_get_full_grad(param)
+        if grad is not None:
+            safe_set_full_grad(param, update_func(grad, param))
 
 
 # ---- internals ----------------------------------------------------------------------------------------
