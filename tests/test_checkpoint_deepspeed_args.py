@@ -8,8 +8,10 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 import zerocore
+from zerocore._checkpoint_format import index_bytes, read_index
 from _dist import run_ranks
 from test_checkpoint import Net, _config, _train
 
@@ -77,3 +79,42 @@ def test_deepspeed_checkpoint_arguments(stage, tmp_path):
         assert out["module_only_weights"] == [] and out["module_only_moments_kept"]
         assert out["module_only_counters"] == (1, True)
         assert out["lora_frozen_kept"] and out["lora_rest_loaded"] and out["lora_steps"] == 2
+
+
+def skipped_steps_worker(rank: int, world: int, directory: str) -> list:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Net(), {**_config(2, "fp16"), "train_micro_batch_size_per_gpu": 6})
+    _train(engine, rank, 0, 1)
+    g = torch.Generator().manual_seed(rank)
+    loss = nn.functional.cross_entropy(engine(torch.randint(0, 30, (6, 5), generator=g)).float(),
+                                       torch.randint(0, 30, (6,), generator=g))
+    engine.backward(loss * float("inf"))  # overflows: the step is skipped, and counted, as DeepSpeed counts it
+    engine.step()
+    seen = [engine.global_steps, engine.skipped_steps, engine.optimizer_state.step_count, engine.global_samples]
+    engine.save_checkpoint(directory)
+    seen.append(sorted(os.listdir(directory)))
+    engine.close()
+    if rank == 0:  # the same index as zerocore wrote it before skipped steps were counted in global_steps
+        index_path = os.path.join(directory, "global_step2", "index.json")
+        index = read_index(os.path.join(directory, "global_step2"))
+        del index["counters"]["global_steps_count_skipped"]
+        index["counters"]["global_steps"] -= index["counters"]["skipped_steps"]
+        with open(index_path, "wb") as f:
+            f.write(index_bytes(index))
+    torch.distributed.barrier()
+    fresh = zerocore.initialize(Net(), _config(2, "fp16"))
+    fresh.load_checkpoint(directory)
+    seen.append([fresh.global_steps, fresh.skipped_steps, fresh.optimizer_state.step_count])
+    _train(fresh, rank, 5, 1)
+    seen.append(fresh.global_steps)
+    fresh.close()
+    return seen
+
+
+def test_skipped_fp16_steps_count_in_global_steps_as_in_deepspeed(tmp_path):
+    for seen in run_ranks(skipped_steps_worker, 2, os.fspath(tmp_path)):
+        counted, skipped, updates, samples, tags, loaded, after = seen
+        assert (counted, skipped, updates) == (2, 1, 1)
+        assert samples == 2 * 12  # steps x the global batch
+        assert "global_step2" in tags  # the default tag is DeepSpeed's global_step{global_steps}
+        assert loaded == [2, 1, 1] and after == 3

@@ -45,6 +45,14 @@ def optimizer_steps(counters: dict[str, Any]) -> Any:
     return counters.get("optimizer_steps", counters["global_steps"])
 
 
+def global_steps(counters: dict[str, Any]) -> Any:
+    """``engine.global_steps`` at the save, skipped fp16 steps included (DeepSpeed's count): checkpoints written
+    before zerocore counted them so left them out."""
+    if counters.get("global_steps_count_skipped"):
+        return counters["global_steps"]
+    return counters["global_steps"] + counters.get("skipped_steps", 0)
+
+
 def group_names(engine: Engine) -> list[list[str]]:
     """The names of each param group's parameters (a tied parameter under its first name)."""
     names = {id(p): name for name, p in named_parameters(engine.module)}

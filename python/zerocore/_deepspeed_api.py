@@ -91,7 +91,7 @@ class DeepSpeedAccessors:
     @property
     def global_samples(self) -> int:
         """Samples trained on, counted as DeepSpeed counts them: applied and skipped steps x the global batch."""
-        return (self.global_steps + self.skipped_steps) * (self.train_batch_size() or 0)
+        return self.global_steps * (self.train_batch_size() or 0)
 
     @property
     def loss_scale(self) -> float:

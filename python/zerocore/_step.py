@@ -128,7 +128,7 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
         record_norm(float("inf"))
         if not fp16:  # no loss scale to lower: say why the update was skipped
             warnings.warn(
-                f"step {engine.global_steps + engine.skipped_steps}: gradients overflowed in the fp16 reduction "
+                f"step {engine.global_steps}: gradients overflowed in the fp16 reduction "
                 "(communication_data_type: fp16, max 65504), so the update was skipped; with bf16 or fp32 "
                 "compute set communication_data_type to bf16 or fp32", RuntimeWarning, stacklevel=4)
     else:
@@ -136,7 +136,7 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
         record_norm(norm)
         if not math.isfinite(norm):  # the norm is on the host already: saying so costs nothing
             warnings.warn(
-                f"step {engine.global_steps + engine.skipped_steps + 1}: the global gradient norm is {norm} (a "
+                f"step {engine.global_steps + 1}: the global gradient norm is {norm} (a "
                 "NaN or inf loss or gradient on some rank); the update is applied, as torch's AdamW applies it, "
                 "so the parameters become non-finite. Skip such batches before backward(), or lower the "
                 "learning rate", RuntimeWarning, stacklevel=4)
@@ -235,7 +235,7 @@ def update_and_gather(engine: Engine, grad_scale: float, without_grad: frozenset
 
 def log_progress(engine: Engine) -> None:
     every = engine.config.steps_per_print
-    done = engine.global_steps + engine.skipped_steps
+    done = engine.global_steps
     if engine.rank == 0 and done % every == 0 and _log.isEnabledFor(logging.INFO):
         lrs = [group["lr"] for group in engine.optimizer.param_groups]
         _log.info("step %d: skipped %d, lr %s, loss scale %g, grad norm %s", done, engine.skipped_steps, lrs,

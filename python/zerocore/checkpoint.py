@@ -56,8 +56,8 @@ from ._checkpoint_cli import main, to_hf  # noqa: F401  (zerocore.checkpoint.to_
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
                                  index_identity,
                                  open_file, piece_sources, read_index, resolve_tag, tag_path, write_durably)
-from ._checkpoint_match import (check_model, check_param_groups, check_untracked, group_names, optimizer_steps,
-                                persistent_names, trainable_shapes)
+from ._checkpoint_match import (check_model, check_param_groups, check_untracked, global_steps, group_names,
+                                optimizer_steps, persistent_names, trainable_shapes)
 from ._checkpoint_untracked import load_untracked, read_untracked, untracked_state, write_untracked
 from ._deferred_signals import deferred_interrupts
 from ._model_checks import all_gather_json
@@ -234,8 +234,8 @@ def _write_index(engine: Engine, tmp: str, model_checksums: Any, untracked: dict
         "model_file": {"file": "model.safetensors", "checksums": model_checksums},
         "frozen_excluded": frozen_excluded,  # a load keeps the model's own frozen parameters
         "ranks": everyone,
-        "counters": {"global_steps": engine.global_steps, "optimizer_steps": engine.optimizer_state.step_count,
-                     "skipped_steps": engine.skipped_steps,
+        "counters": {"global_steps": engine.global_steps, "global_steps_count_skipped": True,
+                     "optimizer_steps": engine.optimizer_state.step_count, "skipped_steps": engine.skipped_steps,
                      "micro_steps": engine.micro_steps,
                      # per parameter: the applied steps it got no gradient for (its own step count lags)
                      "idle_steps": dict(sorted(engine.optimizer_state.idle_steps.items()))},
@@ -327,7 +327,7 @@ def _apply_staged(engine: Engine, staged: _Staged, load_optimizer_states: bool, 
         return
     counters = index["counters"]
     # DeepSpeed's: the step counts continue; a fresh optimizer's own count (Adam's t) starts over
-    engine.restore_counters(counters["global_steps"], optimizer_steps(counters) if load_optimizer_states else 0,
+    engine.restore_counters(global_steps(counters), optimizer_steps(counters) if load_optimizer_states else 0,
                             counters["skipped_steps"], counters["micro_steps"],
                             counters.get("idle_steps", {}) if load_optimizer_states else {})
     if load_optimizer_states:

@@ -242,9 +242,10 @@ class Engine(DeepSpeedAccessors):
 
     @property
     def global_steps(self) -> int:
-        """Optimizer updates applied (fp16 steps skipped for overflow are not counted), counting those before a
-        checkpoint loaded with ``load_optimizer_states=False`` as DeepSpeed does (its Adam step starts over)."""
-        return self._steps_before_optimizer + self.optimizer_state.step_count
+        """Optimizer steps taken, as DeepSpeed's engine counts them: applied updates and fp16 steps skipped for
+        overflow (``skipped_steps``) alike, and those before a checkpoint loaded with
+        ``load_optimizer_states=False`` (whose Adam step starts over)."""
+        return self._steps_before_optimizer + self.optimizer_state.step_count + self.skipped_steps
 
     @property
     def param_storages(self) -> list[ShardedBuffer]:
@@ -528,7 +529,7 @@ class Engine(DeepSpeedAccessors):
         finally:
             self._update_due = False
         self.step_applied = self.skipped_steps == skipped
-        self.allocator.after_step(self.global_steps + self.skipped_steps)
+        self.allocator.after_step(self.global_steps)
         if self.lr_scheduler is not None and self.step_applied:
             self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip
         self.zero_grad()
@@ -570,14 +571,14 @@ class Engine(DeepSpeedAccessors):
         for comm in self.comms.all().values():
             comm.reset_stats()
         self.host_syncs = 0
-        self._comm_reset_at_step = self.global_steps + self.skipped_steps
+        self._comm_reset_at_step = self.global_steps
         if self.optimizer_state.store is not None:
             self.optimizer_state.store.bytes_read = self.optimizer_state.store.bytes_written = 0
 
     @property
     def steps_since_comm_reset(self) -> int:
         """Optimizer steps (skipped ones included) since the last ``reset_comm_stats()``."""
-        return self.global_steps + self.skipped_steps - self._comm_reset_at_step
+        return self.global_steps - self._comm_reset_at_step
 
     def close(self) -> None:
         """Detaches the engine from the model: hooks removed, pending gathers landed, and under stage 3
@@ -719,10 +720,10 @@ class Engine(DeepSpeedAccessors):
 
     def restore_counters(self, global_steps: int, optimizer_steps: int, skipped_steps: int, micro_steps: int,
                          idle_steps: dict[str, int]) -> None:
-        """``optimizer_steps``: the optimizer's own update count (Adam's bias correction), ``global_steps`` minus
-        the updates before a fresh optimizer."""
+        """``optimizer_steps``: the optimizer's own update count (Adam's bias correction); ``global_steps`` as
+        the property counts them (skipped steps included)."""
         self.optimizer_state.step_count = optimizer_steps
-        self._steps_before_optimizer = global_steps - optimizer_steps
+        self._steps_before_optimizer = global_steps - optimizer_steps - skipped_steps
         self.optimizer_state.idle_steps = dict(idle_steps)
         self.skipped_steps = skipped_steps
         self.micro_steps = micro_steps
