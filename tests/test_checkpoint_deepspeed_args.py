@@ -13,7 +13,7 @@ from torch import nn
 import zerocore
 from zerocore._checkpoint_format import index_bytes, read_index
 from _dist import run_ranks
-from test_checkpoint import Net, _config, _train
+from test_checkpoint import Net, Tied, _config, _train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -118,3 +118,38 @@ def test_skipped_fp16_steps_count_in_global_steps_as_in_deepspeed(tmp_path):
         assert samples == 2 * 12  # steps x the global batch
         assert "global_step2" in tags  # the default tag is DeepSpeed's global_step{global_steps}
         assert loaded == [2, 1, 1] and after == 3
+
+
+def sixteen_bit_worker(rank: int, world: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    model = Tied()
+    model.hidden.requires_grad_(False)  # frozen: a LoRA-style run's base weights
+    engine = zerocore.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                         "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}})
+    tokens = torch.randint(0, 30, (4, 5), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(tokens).float().square().mean())
+    engine.step()
+    engine.save_16bit_model(directory, "pytorch_model.bin", exclude_frozen_parameters=True)
+    engine.save_fp16_model(directory, "all.safetensors")
+    whole = engine.full_state_dict(torch.bfloat16)
+    consolidated = engine._zero3_consolidated_16bit_state_dict()
+    trainable_only = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    engine.close()
+    return {"asks_to_gather": engine.zero_gather_16bit_weights_on_model_save(),
+            "consolidated": sorted(consolidated), "same": all(torch.equal(whole[k], v) for k, v in consolidated.items()),
+            "dtypes": sorted({str(v.dtype) for v in consolidated.values()}), "trainable_only": sorted(trainable_only)}
+
+
+def test_sixteen_bit_saves_as_deepspeed_and_accelerate_call_them(tmp_path):
+    """save_16bit_model(..., exclude_frozen_parameters=True), save_fp16_model, and what Accelerate's
+    get_state_dict calls at stage 3: zero_gather_16bit_weights_on_model_save() and
+    _zero3_consolidated_16bit_state_dict() (rank 0 holds it, the others an empty dict)."""
+    from safetensors.torch import load_file
+
+    rank0, rank1 = run_ranks(sixteen_bit_worker, 2, os.fspath(tmp_path))
+    assert rank0["asks_to_gather"] and rank0["same"] and rank0["dtypes"] == ["torch.bfloat16"]
+    assert rank0["consolidated"] == ["embed.weight", "head.weight", "hidden.bias", "hidden.weight"]
+    assert rank0["trainable_only"] == ["embed.weight", "head.weight"]
+    assert rank1["consolidated"] == [] and rank1["trainable_only"] == []
+    assert sorted(torch.load(tmp_path / "pytorch_model.bin", weights_only=True)) == ["embed.weight"]
+    assert sorted(load_file(str(tmp_path / "all.safetensors"))) == ["embed.weight", "hidden.bias", "hidden.weight"]

@@ -110,7 +110,8 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
             stage3.unhold(stage3.unit_of_buffer(buffer))
 
 
-def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_filename: str) -> str:
+def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_filename: str,
+                     exclude_frozen_parameters: bool = False) -> str:
     """Engine.save_16bit_model: the full state dict in the compute dtype, one safetensors file on rank 0
     (tied parameters once, under their first name); a collective."""
     from ._checkpoint_format import write_file_durably
@@ -120,9 +121,12 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_file
     path = os.path.join(os.fspath(save_dir), save_filename)
     if engine.rank == 0:
         first = {name for name, _ in named_parameters(engine.module)}  # a tied parameter's first name
-        tied = {name for name, _ in named_parameters(engine.module, remove_duplicate=False)} - first
+        left_out = {name for name, _ in named_parameters(engine.module, remove_duplicate=False)} - first  # tied
+        if exclude_frozen_parameters:
+            left_out |= {name for name, p in named_parameters(engine.module, remove_duplicate=False)
+                         if not p.requires_grad}
         # named as the unwrapped model names them (Note [Names without wrappers]): loadable into its class
-        kept = {canonical(k): v.contiguous() for k, v in state.items() if canonical(k) not in tied}
+        kept = {canonical(k): v.contiguous() for k, v in state.items() if canonical(k) not in left_out}
         os.makedirs(os.fspath(save_dir), exist_ok=True)
         if save_filename.endswith(".safetensors"):
             write_tensors(path, kept)

@@ -682,13 +682,33 @@ class Engine(DeepSpeedAccessors):
         self.land_param_gathers()
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
-    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> str:
+    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> str:
         """Writes the model's whole weights in the compute dtype as one safetensors file on rank 0 (a
         ``torch.save`` file when ``save_filename`` does not end in ``.safetensors``, as DeepSpeed's default
         ``pytorch_model.bin``), Hugging Face's layout: tied parameters once, under their first name, persistent
-        buffers included. A collective: stage 3 gathers unit by unit. Returns the file's path."""
+        buffers included; without the frozen parameters with ``exclude_frozen_parameters`` (a LoRA adapter's
+        run). A collective: stage 3 gathers unit by unit. Returns the file's path."""
         self.lifecycle.require("save_16bit_model()", *_USABLE)
-        return save_16bit_model(self, save_dir, save_filename)
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> str:
+        """DeepSpeed's older name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: a 16-bit save gathers the whole weights at every stage (DeepSpeed's
+        ``stage3_gather_16bit_weights_on_model_save``, which Accelerate asks before saving)."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """DeepSpeed's (Accelerate's and Trainer's way to the whole weights): :meth:`full_state_dict` in the
+        compute dtype on rank 0, an empty dict on the others; a collective."""
+        state = self.full_state_dict(self.compute_dtype)
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {name: value for name, value in state.items() if name not in frozen}
+        return state
 
     def land_param_gathers(self) -> None:
         """Waits for every parameter gather in flight (Note [Gathers land on first read]; stage 3's prefetches)."""
