@@ -673,14 +673,30 @@ class Engine(DeepSpeedAccessors):
             raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...) is not supported: a "
                              "zerocore checkpoint loads into the model it was saved from, every parameter checked; "
                              "load weights of another model into the plain model before zerocore.initialize")
-        self._end_unstepped_micro_step()  # (then refused below as inside its window)
-        self.lifecycle.require("load_checkpoint()", EngineState.IDLE, EngineState.FORWARD)
-        self._refuse_inside_window("load_checkpoint()", "would apply the window's gradients, computed from the "
-                                   "weights before the load, to the loaded ones")
-        if self.stage3 is not None:
-            self.stage3.refuse_while_held("load_checkpoint()")
-        self.land_param_gathers()
+        self._prepare_load("load_checkpoint()")
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+
+    def load_hf_weights(self, path: str | os.PathLike[str], strict: bool = True) -> Any:
+        """Loads pretrained weights in Hugging Face's safetensors layout (a file, or a directory with
+        ``model.safetensors`` or a sharded ``model.safetensors.index.json``) into the model, each rank reading
+        only its shards' share of the trainable weights (Note [Loading Hugging Face weights]); the optimizer's
+        moments and counters stay. Names, shapes and files are checked on every rank before anything changes;
+        with ``strict=False`` tensors missing from the files or absent from the model are left out. Returns
+        ``load_state_dict``'s ``(missing_keys, unexpected_keys)``. A collective."""
+        from ._hf_weights import load_hf_weights
+
+        self._prepare_load("load_hf_weights()")
+        return load_hf_weights(self, os.fspath(path), strict)
+
+    def _prepare_load(self, what: str) -> None:
+        """Refuses a load where it would mix with training in progress; lands the gathers in flight."""
+        self._end_unstepped_micro_step()  # (then refused below as inside its window)
+        self.lifecycle.require(what, EngineState.IDLE, EngineState.FORWARD)
+        self._refuse_inside_window(what, "would apply the window's gradients, computed from the weights before "
+                                   "the load, to the loaded ones")
+        if self.stage3 is not None:
+            self.stage3.refuse_while_held(what)
+        self.land_param_gathers()
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> str:

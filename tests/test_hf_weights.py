@@ -1,0 +1,240 @@
+"""engine.load_hf_weights (Note [Loading Hugging Face weights] in _hf_weights.py): pretrained safetensors
+weights, a single file or shards with an index, loaded into a running engine at every stage, each rank reading
+only its shards' share of the trainable weights; checked against an engine built from the same weights loaded
+into the plain model first, step by step."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import zerocore
+from _dist import run_ranks
+from test_stage3 import Block
+from zerocore._safetensors_io import write_tensors
+
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB, DIM = 24, 16
+
+
+class Pretrained(nn.Module):
+    """Tied embedding and head, repeated blocks (stage 3's units), a frozen layer, BatchNorm's buffers (an
+    int64 among them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.BatchNorm1d(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        h = self.norm(self.frozen(h).transpose(1, 2)).transpose(1, 2)
+        return self.head(h)
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    """What save_pretrained would write of a trained model: bf16, the tied head left out."""
+    torch.manual_seed(1)
+    model = Pretrained()
+    model(torch.randint(0, VOCAB, (4, 6)))  # BatchNorm's running statistics move
+    return {name: (value.to(torch.bfloat16) if value.is_floating_point() else value).contiguous()
+            for name, value in model.state_dict().items() if name != "head.weight"}
+
+
+def write_pretrained(directory: str, sharded: bool, weights: dict[str, torch.Tensor] | None = None) -> str:
+    weights = _weights() if weights is None else weights
+    os.makedirs(directory, exist_ok=True)
+    if not sharded:
+        write_tensors(os.path.join(directory, "model.safetensors"), weights)
+        return directory
+    names = sorted(weights)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        write_tensors(os.path.join(directory, file), {n: weights[n] for n in part})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {n: file for file, part in halves.items() for n in part}}, f)
+    return directory
+
+
+def _config(stage: int, dtype: str) -> dict:
+    config = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 0}}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _train(engine: zerocore.Engine, rank: int) -> list[float]:
+    losses = []
+    for step in range(2):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        tokens, target = torch.randint(0, VOCAB, (3, 5), generator=g), torch.randint(0, VOCAB, (3, 5), generator=g)
+        loss = nn.functional.cross_entropy(engine(tokens).float().reshape(-1, VOCAB), target.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def load_worker(rank: int, world: int, stage: int, dtype: str, directory: str, meta: bool) -> dict:
+    import zerocore._hf_weights as hf
+
+    weights = _weights()
+    # the reference: the plain model holds the weights before initialize (what from_pretrained gives)
+    torch.manual_seed(2)
+    plain = Pretrained()
+    plain.load_state_dict({k: v.to(plain.state_dict()[k].dtype) for k, v in weights.items()}, strict=False)
+    reference = zerocore.initialize(plain, _config(stage, dtype))
+    expected_losses = _train(reference, rank)
+    expected = {name: zerocore.safe_get_full_fp32_param(p) for name, p in plain.named_parameters() if p.requires_grad}
+    expected_state = reference.full_state_dict(rank0_only=False)
+    reference.close()
+
+    read_elements = [0]
+    real_read = hf._read
+
+    def counting_read(tensor, first, count):  # the trainable weights' reads (frozen and buffers: hf._whole)
+        read_elements[0] += count
+        return real_read(tensor, first, count)
+
+    hf._read = counting_read
+    torch.manual_seed(3)  # other values everywhere: the load must replace all of them
+    if meta:
+        with torch.device("meta"):
+            model = Pretrained()
+    else:
+        model = Pretrained()
+    engine = zerocore.initialize(model, _config(stage, dtype))
+    result = engine.load_hf_weights(directory)
+    loaded = engine.full_state_dict(rank0_only=False)
+    seen = {"result": [list(result.missing_keys), list(result.unexpected_keys)], "read": read_elements[0],
+            "differ": [k for k, v in weights.items() if not torch.equal(loaded[k], v.to(loaded[k].dtype))]}
+    seen["masters_differ"] = [n for n, p in model.named_parameters() if p.requires_grad
+                              and not torch.equal(zerocore.safe_get_full_fp32_param(p), weights[n].float())]
+    seen["losses"] = _train(engine, rank) == expected_losses
+    seen["trained_differ"] = [n for n, p in model.named_parameters() if p.requires_grad
+                              and not torch.equal(zerocore.safe_get_full_fp32_param(p), expected[n])]
+    state = engine.full_state_dict(rank0_only=False)
+    seen["trained_differ"] += [k for k, v in expected_state.items() if not torch.equal(state[k], v)]
+    engine.close()
+    return seen
+
+
+@pytest.mark.parametrize("stage,dtype,world,sharded,meta", [
+    (1, "fp32", 2, False, False), (2, "bf16", 3, True, False), (3, "bf16", 2, True, False),
+    (3, "fp32", 3, False, True),
+])
+def test_pretrained_weights_load_as_if_the_plain_model_held_them(stage, dtype, world, sharded, meta, tmp_path):
+    directory = write_pretrained(str(tmp_path / "pretrained"), sharded)
+    trainable = sum(p.numel() for p in Pretrained().parameters() if p.requires_grad)
+    results = run_ranks(load_worker, world, stage, dtype, directory, meta)
+    for seen in results:
+        assert seen["result"] == [[], []]
+        assert seen["differ"] == [] and seen["masters_differ"] == []
+        assert seen["losses"] and seen["trained_differ"] == [], seen["trained_differ"]
+    # each trainable element is read by exactly one rank
+    assert sum(seen["read"] for seen in results) == trainable
+
+
+def refusal_worker(rank: int, world: int, directory: str, case: str) -> str:
+    torch.manual_seed(3)
+    model = Pretrained()
+    engine = zerocore.initialize(model, _config(3, "bf16"))
+    before = zerocore.safe_get_full_fp32_param(model.embed.weight)
+    path = os.path.join(directory, f"rank{rank}") if case == "ranks differ" else directory
+    try:
+        result = engine.load_hf_weights(path, strict=case != "not strict")
+        outcome = f"loaded {list(result.missing_keys)} {list(result.unexpected_keys)}"
+    except (ValueError, OSError) as error:
+        outcome = str(error)
+    unchanged = torch.equal(before, zerocore.safe_get_full_fp32_param(model.embed.weight))
+    _train(engine, rank)  # the engine goes on
+    engine.close()
+    return f"{outcome} | unchanged={unchanged}"
+
+
+@pytest.mark.parametrize("case", ["missing", "not strict", "shape", "truncated", "ranks differ", "no weights"])
+def test_weights_that_do_not_fit_are_refused_on_every_rank_with_nothing_changed(case, tmp_path):
+    weights = _weights()
+    directory = str(tmp_path / "pretrained")
+    if case in ("missing", "not strict"):
+        del weights["blocks.1.linear.bias"]
+        weights["extra.weight"] = torch.zeros(2)
+    if case == "shape":
+        weights["frozen.weight"] = torch.zeros(DIM, DIM + 1, dtype=torch.bfloat16)
+    if case == "ranks differ":
+        write_pretrained(os.path.join(directory, "rank0"), False, weights)
+        weights["embed.weight"] = weights["embed.weight"] + 1
+        write_pretrained(os.path.join(directory, "rank1"), False, weights)
+    elif case == "no weights":
+        os.makedirs(directory)
+    else:
+        write_pretrained(directory, False, weights)
+    if case == "truncated":
+        file = os.path.join(directory, "model.safetensors")
+        data_start = 8 + int.from_bytes(open(file, "rb").read(8), "little")
+        os.truncate(file, (data_start + os.path.getsize(file)) // 2)  # half the tensors' bytes
+    for message in run_ranks(refusal_worker, 2, directory, case):
+        if case == "not strict":
+            assert message == "loaded ['blocks.1.linear.bias'] ['extra.weight'] | unchanged=False", message
+            continue
+        assert message.endswith("unchanged=True"), message
+        assert {"missing": "missing: ['blocks.1.linear.bias']; unexpected: ['extra.weight']",
+                "shape": "parameter 'frozen.weight' is [16, 16] in the model but [16, 17]",
+                "truncated": "the file is truncated or damaged",
+                "ranks differ": "the ranks read different weights",
+                "no weights": "holds neither model.safetensors nor model.safetensors.index.json"}[case] in message, message
+
+
+class WithHead(nn.Module):
+    """A Hugging Face-style task model: its base model under ``base_model_prefix``, and a head."""
+
+    base_model_prefix = "base"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = Pretrained()
+        self.classifier = nn.Linear(VOCAB, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.base(tokens))
+
+
+class Base(Pretrained):
+    base_model_prefix = "base"  # as a Hugging Face base model class says it too
+
+
+def prefix_worker(rank: int, world: int, base_only: str, with_head: str) -> list:
+    torch.manual_seed(3)
+    engine = zerocore.initialize(WithHead(), _config(3, "bf16"))
+    into_task = engine.load_hf_weights(base_only, strict=False)  # the base model's files: keys without "base."
+    loaded = engine.full_state_dict(rank0_only=False)
+    base_equal = all(torch.equal(loaded[f"base.{k}"], v.to(loaded[f"base.{k}"].dtype)) for k, v in _weights().items())
+    engine.close()
+    engine = zerocore.initialize(Base(), _config(3, "bf16"))
+    into_base = engine.load_hf_weights(with_head, strict=False)  # a task model's files: "base." taken off
+    engine.close()
+    return [list(into_task.missing_keys), list(into_task.unexpected_keys), base_equal,
+            list(into_base.missing_keys), list(into_base.unexpected_keys)]
+
+
+def test_a_base_model_prefix_is_added_or_taken_off_as_from_pretrained_does(tmp_path):
+    base_only = write_pretrained(str(tmp_path / "base"), False)
+    task = {f"base.{k}": v for k, v in _weights().items()}
+    task.update({"classifier.weight": torch.zeros(3, VOCAB), "classifier.bias": torch.zeros(3)})
+    with_head = write_pretrained(str(tmp_path / "task"), True, task)
+    for seen in run_ranks(prefix_worker, 2, base_only, with_head):
+        assert seen == [["classifier.bias", "classifier.weight"], [], True, [],
+                        ["classifier.bias", "classifier.weight"]], seen
