@@ -12,6 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+# every system clips the gradient norm at 1.0: DeepSpeed's default since 0.19 (and so zerocore's, which the
+# default configs leave to it) and Hugging Face Trainer's max_grad_norm
+CLIP = 1.0
 
 # name -> label; zeroN is zerocore's default config, zeroN_tuned the hand-tuned one.
 SYSTEMS = {
@@ -120,7 +123,7 @@ def zerocore_config(cfg: dict[str, Any], stage: int, tuned: bool, bf16: bool) ->
     config: dict[str, Any] = {"optimizer": _optimizer_block(), "zero_optimization": {"stage": stage}}
     if tuned:
         config.update({"train_micro_batch_size_per_gpu": cfg["batch"], "gradient_accumulation_steps": 1,
-                       "gradient_clipping": 0.0})
+                       "gradient_clipping": CLIP})
         config["zero_optimization"].update(reduce_bucket_size=cfg["bucket"], allgather_bucket_size=cfg["bucket"])
     if bf16:
         config["bf16"] = {"enabled": True}
@@ -143,12 +146,15 @@ class Trainer:
 
 
 def _torch_trainer(module: Any, opt: Any, autocast: Callable[[], Any]) -> Trainer:
-    """A plain torch step: forward and loss (under ``autocast``), backward, optimizer step, zero_grad."""
+    """A plain torch step: forward and loss (under ``autocast``), backward, the gradient norm clipped at
+    ``CLIP`` (foreach), optimizer step, zero_grad."""
+    import torch
 
     def step(x, y):
         with autocast():
             loss = loss_of(module(x), y)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP, foreach=True)
         opt.step()
         opt.zero_grad()
         return loss

@@ -12,7 +12,9 @@ Every rank trains on its own random tokens (seeded by step and rank, the same fo
 cross-entropy on fp32 logits everywhere, so the losses of all systems agree to fp32 (or bf16) rounding --
 printed as a sanity check.
 
-Optimizer: AdamW, lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01, no clipping. Every torch peer and
+Optimizer: AdamW, lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01, the gradient norm clipped at 1.0
+(DeepSpeed's and zerocore's default, which their default configs leave in place; Hugging Face Trainer's
+``max_grad_norm``; the torch peers call ``clip_grad_norm_(..., foreach=True)``). Every torch peer and
 DeepSpeed use ``torch.optim.AdamW(..., fused=True)`` (torch's fastest AdamW; the fused kernel runs on CPU
 since torch 2.4); zerocore uses its own SIMD CPU Adam. DeepSpeed gets the fused torch AdamW as a client
 optimizer (``zero_allow_untested_optimizer``): its DeepSpeedCPUAdam would need a C++ JIT build of the

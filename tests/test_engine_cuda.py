@@ -305,3 +305,33 @@ def test_local_master_write_survives_the_step_on_cuda(offload):
     for name, value in expected.items():
         assert torch.equal(whole[name], value.to(torch.bfloat16).cpu()), name
     engine.close()
+
+
+@pytest.mark.parametrize("stage,offload", [(2, None), (3, None), (3, "cpu")])
+def test_hf_weights_load_into_gpu_shards(stage, offload, tmp_path):
+    """engine.load_hf_weights (Note [Loading Hugging Face weights]) with the shards on the GPU (or the
+    master on the host beside them): every tensor the file's, the masters exactly its fp32 values."""
+    from zerocore._safetensors_io import write_tensors
+
+    torch.manual_seed(1)
+    source = build("transformer")
+    weights = {k: v.to(torch.bfloat16).contiguous() for k, v in source.state_dict().items()}
+    write_tensors(str(tmp_path / "model.safetensors"), weights)
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    torch.manual_seed(2)
+    engine = zerocore.initialize(build("transformer").cuda(), {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True}, "zero_optimization": zero})
+    result = engine.load_hf_weights(tmp_path)
+    assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
+    whole = engine.full_state_dict(rank0_only=False)
+    for name, value in weights.items():
+        assert torch.equal(whole[name], value.to(whole[name].dtype)), name
+    for name, param in engine.module.named_parameters():
+        assert torch.equal(zerocore.safe_get_full_fp32_param(param).cpu(), weights[name].float()), name
+    generator = torch.Generator().manual_seed(0)
+    inputs, target = (t.cuda() for t in batch("transformer", generator))
+    engine.backward(loss_fn("transformer", engine(inputs), target))
+    engine.step()
+    engine.close()
