@@ -238,3 +238,31 @@ def test_a_base_model_prefix_is_added_or_taken_off_as_from_pretrained_does(tmp_p
     for seen in run_ranks(prefix_worker, 2, base_only, with_head):
         assert seen == [["classifier.bias", "classifier.weight"], [], True, [],
                         ["classifier.bias", "classifier.weight"]], seen
+
+
+def export_worker(rank: int, world: int, stage: int, directory: str, phase: str) -> dict:
+    torch.manual_seed(4)
+    model = Pretrained()
+    engine = zerocore.initialize(model, _config(stage, "bf16"))
+    if phase == "train":
+        _train(engine, rank)
+        engine.save_checkpoint(directory)
+    else:
+        engine.load_hf_weights(directory)
+    masters = {n: zerocore.safe_get_full_fp32_param(p).view(torch.int32).reshape(-1).tolist()
+               for n, p in model.named_parameters() if p.requires_grad}
+    buffers = {n: b.tolist() for n, b in model.named_buffers()}
+    engine.close()
+    return {"masters": masters, "buffers": buffers}
+
+
+def test_an_exported_checkpoint_loads_into_another_run(tmp_path):
+    """A run's checkpoint exported with ``python -m zerocore.checkpoint to-hf`` (fp32 masters, sharded) and
+    loaded by a run of another world size and stage: the masters bit for bit, and the buffers."""
+    from zerocore.checkpoint import main
+
+    trained = run_ranks(export_worker, 2, 2, str(tmp_path / "ckpt"), "train")[0]
+    assert main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--max-shard-size", "4KB"]) == 0
+    assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
+    for seen in run_ranks(export_worker, 3, 3, str(tmp_path / "hf"), "load"):
+        assert seen == trained
