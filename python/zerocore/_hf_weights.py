@@ -14,8 +14,8 @@ Every rank reads each file's header and checks it against the model (names, shap
 ranges inside the file) and the ranks compare what they read (the headers, and each file's first and last 64
 KiB of data), so a missing or misshapen tensor, a truncated file or ranks given different files raise on every
 rank before anything changes. Then each rank reads, for a
-trainable parameter, only the elements its optimizer shards hold (``pread`` of that byte range), writes them
-into its fp32 master and the parameter shard, and the parameters are gathered again from the shards as after a
+trainable parameter, only the elements its optimizer shards hold (``preadv`` of that byte range, 4M elements
+at a time, straight into a tensor), writes them into its fp32 master and the parameter shard, and the parameters are gathered again from the shards as after a
 checkpoint load: a rank's reads and its memory beyond the model's are its share of the trainable weights, not
 the whole file (DeepSpeed's ``zero.Init`` loading reads every tensor on rank 0 and broadcasts it). Frozen
 parameters are read on rank 0 and written through ``zerocore.gathered(..., modifier_rank=0)``, a group of
@@ -25,6 +25,7 @@ them at a time; persistent buffers are read whole on every rank. The optimizer's
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import zlib
@@ -49,6 +50,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _FROZEN_GROUP_ELEMENTS = 1 << 27  # frozen parameters gathered at once: bounds stage 3's extra memory
 _SAMPLE = 1 << 16  # bytes of each file's data start and end that the ranks compare
+_CHUNK_ELEMENTS = 1 << 22  # read and written at once: a rank's memory beyond its shards stays 16-32 MiB
 
 
 @dataclass(frozen=True)
@@ -239,13 +241,20 @@ def _digest(tensors: dict[str, _Tensor]) -> str:
 # ---- applying it -----------------------------------------------------------------------------------------
 
 def _elements(tensor: _Tensor, first: int, count: int) -> torch.Tensor:
-    """Elements ``[first, first + count)`` of the flattened tensor, in its own dtype: one ``pread``."""
+    """Elements ``[first, first + count)`` of the flattened tensor, in its own dtype, read straight into the
+    tensor returned (``preadv`` into its memory: no intermediate bytes object)."""
     item = tensor.dtype.itemsize
+    out = torch.empty(count * item, dtype=torch.uint8)
+    done = 0
     with open(tensor.file, "rb", buffering=0) as f:
-        data = os.pread(f.fileno(), count * item, tensor.start + first * item)
-    if len(data) != count * item:
-        raise OSError(f"load_hf_weights: {tensor.file} ended while reading tensor bytes (truncated after the check?)")
-    return torch.frombuffer(bytearray(data), dtype=tensor.dtype) if count else torch.empty(0, dtype=tensor.dtype)
+        while done < out.numel():
+            view = (ctypes.c_char * (out.numel() - done)).from_address(out.data_ptr() + done)
+            got = os.preadv(f.fileno(), [view], tensor.start + first * item + done)
+            if got <= 0:
+                raise OSError(f"load_hf_weights: {tensor.file} ended while reading tensor bytes (truncated after "
+                              "the check?)")
+            done += got
+    return out.view(tensor.dtype)
 
 
 def _read(tensor: _Tensor, first: int, count: int) -> torch.Tensor:
@@ -274,15 +283,18 @@ def _apply(engine: Engine, plan: _Plan) -> None:
     from ._gathered import gathered
 
     state = engine.optimizer_state
-    for param, tensor in plan.trainable:  # this rank's elements only
+    for param, tensor in plan.trainable:  # this rank's elements only, a chunk at a time
         located = _locate(param, "load_hf_weights")
-        for shard, at_shard, at, length in _own_pieces(located):
-            values = _read(tensor, at, length).to(device=engine.device, dtype=torch.float32)
-            with state.resident_range(shard, at_shard, at_shard + length, write=True) as held:
-                held["master"].copy_(values)
-                if shard.separate_master:  # the shard the gathers send: the master's rounding
-                    with shard.params_loaded(write=True):
-                        shard.params[at_shard : at_shard + length] = values
+        for shard, piece_at_shard, piece_at, piece_length in _own_pieces(located):
+            for offset in range(0, piece_length, _CHUNK_ELEMENTS):
+                at_shard, at = piece_at_shard + offset, piece_at + offset
+                length = min(_CHUNK_ELEMENTS, piece_length - offset)
+                values = _read(tensor, at, length).to(device=engine.device, dtype=torch.float32)
+                with state.resident_range(shard, at_shard, at_shard + length, write=True) as held:
+                    held["master"].copy_(values)
+                    if shard.separate_master:  # the shard the gathers send: the master's rounding
+                        with shard.params_loaded(write=True):
+                            shard.params[at_shard : at_shard + length] = values
     engine.reload_params_from_shards()  # every rank: stages 1-2 gather the rest, stage 3 releases its units
     for group in _frozen_groups(plan.frozen):  # the same groups, in the same order, on every rank
         with gathered([param for param, _ in group], modifier_rank=0):
