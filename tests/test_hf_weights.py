@@ -53,17 +53,25 @@ def _weights() -> dict[str, torch.Tensor]:
             for name, value in model.state_dict().items() if name != "head.weight"}
 
 
-def write_pretrained(directory: str, sharded: bool, weights: dict[str, torch.Tensor] | None = None) -> str:
+def write_pretrained(directory: str, sharded: bool, weights: dict[str, torch.Tensor] | None = None,
+                     pickled: bool = False) -> str:
+    """As save_pretrained writes them: safetensors, or (``pickled``) older checkpoints' pytorch_model.bin."""
     weights = _weights() if weights is None else weights
     os.makedirs(directory, exist_ok=True)
+    base = "pytorch_model.bin" if pickled else "model.safetensors"
+
+    def write(file: str, tensors: dict[str, torch.Tensor]) -> None:
+        torch.save(tensors, file) if pickled else write_tensors(file, tensors)
+
     if not sharded:
-        write_tensors(os.path.join(directory, "model.safetensors"), weights)
+        write(os.path.join(directory, base), weights)
         return directory
     names = sorted(weights)
-    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    stem, ext = base.split(".")
+    halves = {f"{stem}-00001-of-00002.{ext}": names[::2], f"{stem}-00002-of-00002.{ext}": names[1::2]}
     for file, part in halves.items():
-        write_tensors(os.path.join(directory, file), {n: weights[n] for n in part})
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        write(os.path.join(directory, file), {n: weights[n] for n in part})
+    with open(os.path.join(directory, base + ".index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": {n: file for file, part in halves.items() for n in part}}, f)
     return directory
 
@@ -133,12 +141,13 @@ def load_worker(rank: int, world: int, stage: int, dtype: str, directory: str, m
     return seen
 
 
-@pytest.mark.parametrize("stage,dtype,world,sharded,meta", [
-    (1, "fp32", 2, False, False), (2, "bf16", 3, True, False), (3, "bf16", 2, True, False),
-    (3, "fp32", 3, False, True),
+@pytest.mark.parametrize("stage,dtype,world,sharded,meta,pickled", [
+    (1, "fp32", 2, False, False, False), (2, "bf16", 3, True, False, False), (3, "bf16", 2, True, False, False),
+    (3, "fp32", 3, False, True, False), (3, "bf16", 2, True, True, True), (2, "fp32", 2, False, False, True),
 ])
-def test_pretrained_weights_load_as_if_the_plain_model_held_them(stage, dtype, world, sharded, meta, tmp_path):
-    directory = write_pretrained(str(tmp_path / "pretrained"), sharded)
+def test_pretrained_weights_load_as_if_the_plain_model_held_them(stage, dtype, world, sharded, meta, pickled,
+                                                                 tmp_path):
+    directory = write_pretrained(str(tmp_path / "pretrained"), sharded, pickled=pickled)
     trainable = sum(p.numel() for p in Pretrained().parameters() if p.requires_grad)
     results = run_ranks(load_worker, world, stage, dtype, directory, meta)
     for seen in results:
@@ -196,7 +205,7 @@ def test_weights_that_do_not_fit_are_refused_on_every_rank_with_nothing_changed(
                 "shape": "parameter 'frozen.weight' is [16, 16] in the model but [16, 17]",
                 "truncated": "the file is truncated or damaged",
                 "ranks differ": "the ranks read different weights",
-                "no weights": "holds neither model.safetensors nor model.safetensors.index.json"}[case] in message, message
+                "no weights": "holds none of model.safetensors"}[case] in message, message
 
 
 class WithHead(nn.Module):

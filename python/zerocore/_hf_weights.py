@@ -5,7 +5,9 @@ Note [Loading Hugging Face weights]
 -----------------------------------
 ``path`` is a ``.safetensors`` file, or a directory holding ``model.safetensors`` or the shards named by
 ``model.safetensors.index.json`` (what ``save_pretrained``, ``save_16bit_model`` and ``python -m
-zerocore.checkpoint to-hf`` write). Tensors are matched to the model by name, as ``load_state_dict`` matches
+zerocore.checkpoint to-hf`` write); older checkpoints' ``pytorch_model.bin`` (and its sharded index), a
+``torch.save`` file, are memory-mapped (``torch.load(mmap=True, weights_only=True)``) so that a rank's reads
+touch only its elements' pages there too. Tensors are matched to the model by name, as ``load_state_dict`` matches
 them (without ``torch.compile``'s and checkpoint wrappers' name parts: Note [Names without wrappers]); a tied
 parameter is found under any of its names, as ``save_pretrained`` keeps one; a Hugging Face model's
 ``base_model_prefix`` is added or taken off where that matches more names, as ``from_pretrained`` does.
@@ -60,6 +62,7 @@ class _Tensor:
     shape: tuple[int, ...]
     start: int  # byte offset of its data in ``file``
     nbytes: int
+    mapped: torch.Tensor | None = None  # a pickled file's tensor, memory-mapped (``start`` unused)
 
 
 def load_hf_weights(engine: Engine, path: str, strict: bool) -> _IncompatibleKeys:
@@ -91,27 +94,29 @@ def load_hf_weights(engine: Engine, path: str, strict: bool) -> _IncompatibleKey
 def _read_headers(path: str) -> dict[str, _Tensor]:
     path = os.fspath(path)
     if os.path.isdir(path):
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"load_hf_weights: {index} has no weight_map")
-            files = sorted({os.path.join(path, name) for name in weight_map.values()})
-        elif os.path.exists(single):
-            files = [single]
-        else:
-            raise FileNotFoundError(f"load_hf_weights: {path} holds neither model.safetensors nor "
-                                    "model.safetensors.index.json (pytorch_model.bin is a pickle: convert it to "
-                                    "safetensors first)")
+        files = None
+        for base in ("model.safetensors", "pytorch_model.bin"):  # safetensors first, as from_pretrained
+            index, single = os.path.join(path, base + ".index.json"), os.path.join(path, base)
+            if os.path.exists(index):
+                with open(index) as f:
+                    weight_map = json.load(f).get("weight_map")
+                if not isinstance(weight_map, dict):
+                    raise ValueError(f"load_hf_weights: {index} has no weight_map")
+                files = sorted({os.path.join(path, name) for name in weight_map.values()})
+                break
+            if os.path.exists(single):
+                files = [single]
+                break
+        if files is None:
+            raise FileNotFoundError(f"load_hf_weights: {path} holds none of model.safetensors, "
+                                    "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json")
     elif os.path.isfile(path):
         files = [path]
     else:
         raise FileNotFoundError(f"load_hf_weights: {path} does not exist")
     tensors: dict[str, _Tensor] = {}
     for file in files:
-        for name, tensor in _header(file).items():
+        for name, tensor in (_header(file) if file.endswith(".safetensors") else _pickled(file)).items():
             if name in tensors:
                 raise ValueError(f"load_hf_weights: tensor {name!r} is in both {tensors[name].file} and {file}")
             tensors[name] = tensor
@@ -152,6 +157,20 @@ def _header(file: str) -> dict[str, _Tensor]:
                              "damaged")
         out[name] = _Tensor(file, dtype, shape, data + begin, end - begin)
     return out
+
+
+def _pickled(file: str) -> dict[str, _Tensor]:
+    """A ``torch.save`` state dict (``pytorch_model.bin``), memory-mapped (``torch.load(mmap=True)``, weights
+    only): a rank's reads then touch only the pages of the elements it takes."""
+    try:
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - torch raises several kinds for a file it cannot map
+        raise ValueError(f"load_hf_weights: {file} is neither a safetensors file nor a torch.save state dict in "
+                         f"the zip format ({type(error).__name__}: {error})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"load_hf_weights: {file} does not hold a flat state dict of tensors")
+    return {name: _Tensor(file, value.dtype, tuple(value.shape), 0, value.numel() * value.dtype.itemsize, value)
+            for name, value in state.items()}
 
 
 @dataclass
@@ -243,6 +262,8 @@ def _digest(tensors: dict[str, _Tensor]) -> str:
 def _elements(tensor: _Tensor, first: int, count: int) -> torch.Tensor:
     """Elements ``[first, first + count)`` of the flattened tensor, in its own dtype, read straight into the
     tensor returned (``preadv`` into its memory: no intermediate bytes object)."""
+    if tensor.mapped is not None:
+        return tensor.mapped.reshape(-1)[first : first + count].clone()
     item = tensor.dtype.itemsize
     out = torch.empty(count * item, dtype=torch.uint8)
     done = 0
