@@ -276,3 +276,32 @@ def test_an_exported_checkpoint_loads_into_another_run(tmp_path):
     assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
     for seen in run_ranks(export_worker, 3, 3, str(tmp_path / "hf"), "load"):
         assert seen == trained
+
+
+def nvme_worker(rank: int, world: int, directory: str, nvme: str) -> list[str]:
+    torch.manual_seed(3)
+    model = Pretrained()
+    config = _config(3, "bf16")
+    config["zero_optimization"].update(
+        offload_optimizer={"device": "nvme", "nvme_path": nvme}, sub_group_size=50,
+        offload_param={"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0})
+    config["aio"] = {"block_size": 4096, "queue_depth": 4, "thread_count": 1}
+    engine = zerocore.initialize(model, config)
+    engine.load_hf_weights(directory)
+    weights = _weights()
+    differ = [n for n, p in model.named_parameters() if p.requires_grad
+              and not torch.equal(zerocore.safe_get_full_fp32_param(p), weights[n].float())]
+    loaded = engine.full_state_dict(rank0_only=False)
+    differ += [k for k, v in weights.items() if not torch.equal(loaded[k], v.to(loaded[k].dtype))]
+    _train(engine, rank)
+    engine.close()
+    return differ
+
+
+def test_weights_reach_state_and_parameter_shards_on_nvme(tmp_path):
+    """With the optimizer state and the parameter shards in NVMe files (offload_optimizer and offload_param
+    "nvme"), each rank's elements are written into the files, a sub-group at a time."""
+    directory = write_pretrained(str(tmp_path / "pretrained"), False)
+    (tmp_path / "nvme").mkdir()
+    for differ in run_ranks(nvme_worker, 2, directory, str(tmp_path / "nvme")):
+        assert differ == []
