@@ -305,3 +305,37 @@ def test_weights_reach_state_and_parameter_shards_on_nvme(tmp_path):
     (tmp_path / "nvme").mkdir()
     for differ in run_ranks(nvme_worker, 2, directory, str(tmp_path / "nvme")):
         assert differ == []
+
+
+def frozen_groups_worker(rank: int, world: int, directory: str) -> list:
+    import zerocore._gathered as gathered_module
+
+    torch.manual_seed(3)
+    model = Pretrained()
+    for block in model.blocks:  # a LoRA-like run: the base model's blocks frozen
+        block.requires_grad_(False)
+    engine = zerocore.initialize(model, _config(3, "bf16"))
+    block_elements = sum(p.numel() for p in model.blocks[0].parameters())
+    gathered_module._WRITE_GROUP_ELEMENTS = block_elements  # one block gathered at a time
+    stage3 = engine.stage3
+    stage3.peak_live_bytes = stage3.live_bytes
+    before = stage3.live_bytes
+    engine.load_hf_weights(directory)
+    extra_peak = stage3.peak_live_bytes - before
+    loaded = engine.full_state_dict(rank0_only=False)
+    weights = _weights()
+    differ = [k for k, v in weights.items() if not torch.equal(loaded[k], v.to(loaded[k].dtype))]
+    engine.close()
+    root = sum(unit.nbytes for unit in stage3.units if unit.persistent)  # the root: gathered once, kept
+    every_unit = sum(unit.nbytes for unit in stage3.units)
+    return [differ, extra_peak, root + block_elements * 2, every_unit]
+
+
+def test_frozen_weights_are_written_a_group_at_a_time(tmp_path):
+    """Frozen parameters (a LoRA run's base model) go through zerocore.gathered(modifier_rank=0) a bounded
+    group at a time: stage 3 never holds more of them gathered than one group (here one block, bf16) beside
+    the persistent root unit."""
+    directory = write_pretrained(str(tmp_path / "pretrained"), False)
+    for differ, extra_peak, root_and_one_block, every_unit in run_ranks(frozen_groups_worker, 2, directory):
+        assert differ == []
+        assert 0 < extra_peak <= root_and_one_block < every_unit, (extra_peak, root_and_one_block, every_unit)

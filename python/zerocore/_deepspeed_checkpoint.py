@@ -35,6 +35,7 @@ tensor-parallel checkpoints (``layer_*`` files, ``mp_rank_01``), MoE expert file
 
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import os
@@ -42,6 +43,7 @@ import pickle
 import re
 import types
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -142,7 +144,7 @@ class _Checkpoint:
     stage: int
     model: dict[str, Any]  # rank 0's model state file
     trainable: dict[str, tuple[torch.Size, Any]]  # name -> (shape, where its elements are)
-    frozen: dict[str, torch.Tensor]  # name -> whole value
+    frozen: dict[str, _Frozen]  # name -> shape and whole value
     flats: dict[str, list[_Flat]]  # "master" / "exp_avg" / "exp_avg_sq" -> per (rank or group) flat
     optimizer_step: int
     param_groups: list[dict[str, Any]]
@@ -264,18 +266,29 @@ def _stage3_geometry(optims: list[dict[str, Any]], groups: list[dict[str, torch.
     return trainable, flats
 
 
+@dataclass
+class _Frozen:
+    """A parameter that is not trainable: its shape, and its whole value when asked (assembled then, one at a
+    time: a LoRA run's frozen base model is most of the checkpoint)."""
+    shape: torch.Size
+    value: Callable[[], torch.Tensor]
+
+
 def _frozen_values(stage: int, model: dict[str, Any], models: list[dict[str, Any]],
-                   trainable: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Values of the parameters that are not trainable: whole in ``module`` at stages 1-2 (with the trainable
-    ones' 16-bit copies and the buffers, left out here), one fragment per rank at stage 3."""
+                   trainable: dict[str, Any]) -> dict[str, _Frozen]:
+    """The parameters that are not trainable: whole in ``module`` at stages 1-2 (with the trainable ones' 16-bit
+    copies and the buffers, left out here; memory-mapped), one fragment per rank at stage 3."""
     if stage < 3:
         buffers = set(model.get("buffer_names") or [])
-        return {name: value for name, value in model["module"].items() if name not in trainable and name not in buffers}
-    out = {}
-    for name, shape in (model.get("frozen_param_shapes") or {}).items():
+        return {name: _Frozen(value.shape, lambda value=value: value) for name, value in model["module"].items()
+                if name not in trainable and name not in buffers}
+
+    def whole(name: str, shape: torch.Size) -> torch.Tensor:
         pieces = [m["frozen_param_fragments"][name].reshape(-1) for m in models]
-        out[name] = torch.cat(pieces)[: math.prod(shape)].view(shape)
-    return out
+        return torch.cat(pieces)[: math.prod(shape)].view(shape)
+
+    return {name: _Frozen(torch.Size(shape), functools.partial(whole, name, torch.Size(shape)))
+            for name, shape in (model.get("frozen_param_shapes") or {}).items()}
 
 
 def assemble(checkpoint: _Checkpoint, name: str, key: str) -> torch.Tensor:
@@ -354,7 +367,7 @@ def _check_against(engine: Engine, checkpoint: _Checkpoint) -> None:
 
 def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, scheduler_states: bool,
            module_only: bool) -> None:
-    from ._gathered import gathered
+    from ._gathered import write_whole_in_groups
 
     theirs = {canonical(name): name for name in checkpoint.trainable}
     with torch.no_grad():
@@ -367,11 +380,8 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, sche
             write_full_state(param, values)
         frozen = {canonical(n): v for n, v in checkpoint.frozen.items()}
         ours = _trainable_names(engine)
-        held = [(p, frozen[n]) for n, p in named_parameters(engine.module) if n not in ours and n in frozen]
-        if held:
-            with gathered([p for p, _ in held], modifier_rank=0):
-                for param, value in held:
-                    param.copy_(value)
+        write_whole_in_groups(engine, [(p, frozen[n].value) for n, p in named_parameters(engine.module)
+                                       if n not in ours and n in frozen])
         module = checkpoint.model["module"]
         names = set(checkpoint.model.get("buffer_names") or [])
         for name, buffer in named_buffers(engine.module):

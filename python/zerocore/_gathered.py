@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import numbers
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -97,3 +98,31 @@ def gathered(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int |
     finally:
         for engine in entered:
             engine.release_for_user(params, modifier_rank)
+
+
+_WRITE_GROUP_ELEMENTS = 1 << 27  # 512 MiB of fp32 gathered at once by write_whole_in_groups
+
+
+def write_whole_in_groups(engine: Engine, writes: Sequence[tuple[nn.Parameter, Callable[[], torch.Tensor]]]) -> None:
+    """Writes whole values into parameters the optimizer does not hold (frozen ones) through
+    ``gathered(..., modifier_rank=0)``, a group of at most ``_WRITE_GROUP_ELEMENTS`` at a time, so stage 3 has only
+    that much gathered at once (a LoRA run's whole frozen base model in one block would be the whole model on
+    every rank). Every rank calls it with the same parameters in the same order; the values are taken on rank
+    0 only (``value()`` is called there, when its group is written) and reach every rank."""
+    group: list[tuple[nn.Parameter, Callable[[], torch.Tensor]]] = []
+    elements = 0
+
+    def write() -> None:
+        with gathered([param for param, _ in group], modifier_rank=0):
+            if engine.rank == 0:
+                for param, value in group:
+                    param.copy_(value())
+
+    for param, value in writes:
+        if group and elements + param.numel() > _WRITE_GROUP_ELEMENTS:
+            write()
+            group, elements = [], 0
+        group.append((param, value))
+        elements += param.numel()
+    if group:
+        write()

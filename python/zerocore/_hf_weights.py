@@ -28,10 +28,10 @@ them at a time; persistent buffers are read whole on every rank. The optimizer's
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-_FROZEN_GROUP_ELEMENTS = 1 << 27  # frozen parameters gathered at once: bounds stage 3's extra memory
 _SAMPLE = 1 << 16  # bytes of each file's data start and end that the ranks compare
 _CHUNK_ELEMENTS = 1 << 22  # read and written at once: a rank's memory beyond its shards stays 16-32 MiB
 
@@ -287,21 +286,8 @@ def _whole(tensor: _Tensor) -> torch.Tensor:
     return _elements(tensor, 0, tensor.nbytes // tensor.dtype.itemsize).view(tensor.shape)
 
 
-def _frozen_groups(frozen: list[tuple[nn.Parameter, _Tensor]]) -> Iterator[list[tuple[nn.Parameter, _Tensor]]]:
-    group: list[tuple[nn.Parameter, _Tensor]] = []
-    elements = 0
-    for param, tensor in frozen:
-        if group and elements + param.numel() > _FROZEN_GROUP_ELEMENTS:
-            yield group
-            group, elements = [], 0
-        group.append((param, tensor))
-        elements += param.numel()
-    if group:
-        yield group
-
-
 def _apply(engine: Engine, plan: _Plan) -> None:
-    from ._gathered import gathered
+    from ._gathered import write_whole_in_groups
 
     state = engine.optimizer_state
     for param, tensor in plan.trainable:  # this rank's elements only, a chunk at a time
@@ -317,10 +303,7 @@ def _apply(engine: Engine, plan: _Plan) -> None:
                         with shard.params_loaded(write=True):
                             shard.params[at_shard : at_shard + length] = values
     engine.reload_params_from_shards()  # every rank: stages 1-2 gather the rest, stage 3 releases its units
-    for group in _frozen_groups(plan.frozen):  # the same groups, in the same order, on every rank
-        with gathered([param for param, _ in group], modifier_rank=0):
-            if engine.rank == 0:
-                for param, tensor in group:
-                    param.copy_(_whole(tensor))
+    # read on rank 0 only, a group at a time
+    write_whole_in_groups(engine, [(param, functools.partial(_whole, tensor)) for param, tensor in plan.frozen])
     for buffer, tensor in plan.buffers:
         buffer.copy_(_whole(tensor))
