@@ -104,6 +104,18 @@ class DeepSpeedAccessors:
     def eval(self) -> DeepSpeedAccessors:
         return self.train(False)
 
+    def module_state_dict(self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """DeepSpeed's: the module's ``state_dict()`` (at stage 3 it raises while parameters are sharded, naming
+        ``full_state_dict()``, where DeepSpeed's would hold placeholders), without the frozen parameters with
+        ``exclude_frozen_parameters``."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+                if not param.requires_grad:
+                    state.pop(name, None)
+        return state
+
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
