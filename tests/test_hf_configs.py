@@ -582,6 +582,8 @@ def overflow_worker(rank: int, world: int) -> list[tuple[int, float]]:
         assert engine.get_lr() == [engine.optimizer.param_groups[0]["lr"]]
         seen.append((engine.lr_scheduler.last_epoch, engine.get_lr()[0], engine.skipped_steps,
                      engine.was_step_applied()))
+        # DeepSpeed's optimizer attributes, which Accelerate's wrapper reads
+        assert engine.optimizer.overflow == (step == 2) and engine.optimizer.loss_scale == engine.loss_scale
     engine.close()
     return seen
 

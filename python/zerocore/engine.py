@@ -529,6 +529,7 @@ class Engine(DeepSpeedAccessors):
         finally:
             self._update_due = False
         self.step_applied = self.skipped_steps == skipped
+        self.optimizer.overflow = not self.step_applied
         self.allocator.after_step(self.global_steps)
         if self.lr_scheduler is not None and self.step_applied:
             self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip

@@ -21,6 +21,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         defaults = {key: first[key] for key in ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")}
         super().__init__([dict(g) for g in groups], defaults)
         self._engine = engine
+        # DeepSpeed's optimizers' flag: whether the last accumulation boundary's step was skipped for an fp16
+        # overflow (what Accelerate's DeepSpeedOptimizerWrapper.step_was_skipped reads); set by the engine
+        self.overflow = False
+
+    @property
+    def loss_scale(self) -> float:
+        """DeepSpeed's fp16 optimizers' current loss scale (1.0 outside fp16)."""
+        return self._engine.loss_scaler.scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scale
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused once the engine is built: its parameters' shards, gradient buckets and optimizer state are
