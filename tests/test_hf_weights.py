@@ -163,7 +163,7 @@ def refusal_worker(rank: int, world: int, directory: str, case: str) -> str:
     model = Pretrained()
     engine = zerocore.initialize(model, _config(3, "bf16"))
     before = zerocore.safe_get_full_fp32_param(model.embed.weight)
-    path = os.path.join(directory, f"rank{rank}") if case == "ranks differ" else directory
+    path = os.path.join(directory, f"rank{rank}") if case in ("ranks differ", "odd header") else directory
     try:
         result = engine.load_hf_weights(path, strict=case != "not strict")
         outcome = f"loaded {list(result.missing_keys)} {list(result.unexpected_keys)}"
@@ -175,7 +175,8 @@ def refusal_worker(rank: int, world: int, directory: str, case: str) -> str:
     return f"{outcome} | unchanged={unchanged}"
 
 
-@pytest.mark.parametrize("case", ["missing", "not strict", "shape", "truncated", "ranks differ", "no weights"])
+@pytest.mark.parametrize("case", ["missing", "not strict", "shape", "truncated", "ranks differ", "no weights",
+                                  "odd header"])
 def test_weights_that_do_not_fit_are_refused_on_every_rank_with_nothing_changed(case, tmp_path):
     weights = _weights()
     directory = str(tmp_path / "pretrained")
@@ -192,6 +193,12 @@ def test_weights_that_do_not_fit_are_refused_on_every_rank_with_nothing_changed(
         os.makedirs(directory)
     else:
         write_pretrained(directory, False, weights)
+    if case == "odd header":  # valid JSON, but a list where safetensors has a dict: on rank 1's copy only
+        write_pretrained(os.path.join(directory, "rank0"), False, weights)
+        os.makedirs(os.path.join(directory, "rank1"))
+        header = b"[1, 2]"
+        with open(os.path.join(directory, "rank1", "model.safetensors"), "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header)
     if case == "truncated":
         file = os.path.join(directory, "model.safetensors")
         data_start = 8 + int.from_bytes(open(file, "rb").read(8), "little")
@@ -201,6 +208,9 @@ def test_weights_that_do_not_fit_are_refused_on_every_rank_with_nothing_changed(
             assert message == "loaded ['blocks.1.linear.bias'] ['extra.weight'] | unchanged=False", message
             continue
         assert message.endswith("unchanged=True"), message
+        if case == "odd header":  # rank 1 says what is wrong, rank 0 that rank 1 refused
+            assert "is not laid out as Hugging Face weights" in message or "rank 1 refused" in message, message
+            continue
         assert {"missing": "missing: ['blocks.1.linear.bias']; unexpected: ['extra.weight']",
                 "shape": "parameter 'frozen.weight' is [16, 16] in the model but [16, 17]",
                 "truncated": "the file is truncated or damaged",

@@ -72,6 +72,9 @@ def load_hf_weights(engine: Engine, path: str, strict: bool) -> _IncompatibleKey
         plan = _plan(engine, _read_headers(path), strict)
     except (OSError, ValueError) as error:
         problem = error
+    except Exception as error:  # noqa: BLE001 - a header of another shape: refused on every rank, not a hang
+        problem = ValueError(f"load_hf_weights: {path} is not laid out as Hugging Face weights "
+                             f"({type(error).__name__}: {error}); nothing was changed")
     verdicts = all_gather_json(engine.comm, [None if problem is None else f"{type(problem).__name__}: {problem}",
                                              None if plan is None else plan.digest], engine.device)
     if problem is not None:
