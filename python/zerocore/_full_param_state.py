@@ -233,20 +233,28 @@ def _get(param: nn.Parameter, key: str, call: str) -> torch.Tensor | None:
     _agree(located, call, key, refused)
     if located.buffer is None:
         return None
-    engine, buffer = located.engine, located.buffer
+    engine = located.engine
     out = torch.zeros(param.numel(), dtype=torch.float32, device=engine.device)
+    read_own(located, key, out, 0)
+    engine.comm.all_reduce(out.view(torch.int32)).wait()  # one rank holds each element: the sum is its bits
+    return out.view(param.shape)
+
+
+def read_own(located: _Located, key: str, out: torch.Tensor, base: int) -> None:
+    """Copies this rank's pieces of ``key`` (the gradient, unscaled; the master or a moment) into ``out``, element
+    ``i`` of the flattened parameter at ``out[i - base]``."""
+    engine, buffer = located.engine, located.buffer
+    assert buffer is not None
     if key == "grad":
         buffer.settle_grads()  # (the boundary's backward left none stale; kept for the rule's sake)
         unscale = 1.0 / engine.loss_scaler.scale if engine.config.fp16.enabled else 1.0
         for shard, start, at, length in _own_pieces(located):
-            out[at : at + length] = shard.grads[start : start + length].float() * unscale
+            out[at - base : at - base + length] = shard.grads[start : start + length].float() * unscale
     else:
         state = engine.optimizer_state
         for shard, start, at, length in _own_pieces(located):
             with state.resident_range(shard, start, start + length) as values:
-                out[at : at + length] = values[key]
-    engine.comm.all_reduce(out.view(torch.int32)).wait()  # one rank holds each element: the sum is its bits
-    return out.view(param.shape)
+                out[at - base : at - base + length] = values[key]
 
 
 def _set(param: nn.Parameter, value: Any, key: str, call: str) -> None:
@@ -273,19 +281,43 @@ def _write(located: _Located, key: str, value: torch.Tensor) -> None:
     (and the parameter's rounding) or a moment."""
     flat = value.detach().reshape(-1).to(device=located.engine.device, dtype=torch.float32)
     with torch.no_grad():
-        if key == "grad":
-            _set_grad(located, flat)
-        elif key == "master":
+        if key == "master":
             _set_master(located, flat)
         else:
-            _set_moment(located, key, flat)
+            write_own(located, key, flat, 0)
 
 
-def _set_moment(located: _Located, key: str, flat: torch.Tensor) -> None:
-    state = located.engine.optimizer_state
+def write_own(located: _Located, key: str, flat: torch.Tensor, base: int) -> None:
+    """Writes ``flat`` (element ``i`` of the flattened parameter at ``flat[i - base]``) into this rank's pieces
+    of ``key``: the gradient (scaled as the gradients are held), a moment, or the master and the parameter
+    shard's rounding. Nothing else: the whole parameter a rank may hold is the caller's."""
+    engine, buffer = located.engine, located.buffer
+    assert buffer is not None
+    if key == "grad":
+        buffer.settle_grads()
+        scale = engine.loss_scaler.scale if engine.config.fp16.enabled else 1.0  # the gradients are held scaled
+        for shard, start, at, length in _own_pieces(located):
+            shard.grads[start : start + length] = flat[at - base : at - base + length] * scale
+        engine.gradients.mark_got_grad(buffer, located.index)  # else a parameter without one would sit the step out
+        return
+    state = engine.optimizer_state
     for shard, start, at, length in _own_pieces(located):
-        with state.resident_range(shard, start, start + length, write=True) as values:
-            values[key].copy_(flat[at : at + length])
+        piece = flat[at - base : at - base + length]
+        if key == "master":
+            write_master_range(state, shard, start, piece)
+        else:
+            with state.resident_range(shard, start, start + length, write=True) as values:
+                values[key].copy_(piece)
+
+
+def write_master_range(state: Any, shard: Shard, start: int, values: torch.Tensor) -> None:
+    """Elements ``[start, start + len(values))`` of ``shard``'s fp32 master, and of its parameter shard (what a
+    later gather sends) their rounding, as the step leaves them."""
+    with state.resident_range(shard, start, start + values.numel(), write=True) as held:
+        held["master"].copy_(values)
+        if shard.separate_master:  # (in fp32 training the master is the parameter shard itself)
+            with shard.params_loaded(write=True):
+                shard.params[start : start + values.numel()] = values
 
 
 def _value_problem(param: nn.Parameter, value: Any, call: str) -> str | None:
@@ -298,27 +330,11 @@ def _value_problem(param: nn.Parameter, value: Any, call: str) -> str | None:
     return None
 
 
-def _set_grad(located: _Located, flat: torch.Tensor) -> None:
-    engine, buffer = located.engine, located.buffer
-    assert buffer is not None
-    buffer.settle_grads()
-    scale = engine.loss_scaler.scale if engine.config.fp16.enabled else 1.0  # the gradients are held scaled
-    for shard, start, at, length in _own_pieces(located):
-        shard.grads[start : start + length] = flat[at : at + length] * scale
-    engine.gradients.mark_got_grad(buffer, located.index)  # else a parameter without one would sit the step out
-
-
 def _set_master(located: _Located, flat: torch.Tensor) -> None:
     engine, buffer = located.engine, located.buffer
     assert buffer is not None
     engine.land_param_gathers()  # a gather in flight would land the old values over the new ones
-    state = engine.optimizer_state
-    for shard, start, at, length in _own_pieces(located):
-        with state.resident_range(shard, start, start + length, write=True) as values:
-            values["master"].copy_(flat[at : at + length])
-            if shard.separate_master:  # (in fp32 training the master is the parameter shard itself)
-                with shard.params_loaded(write=True):
-                    shard.params[start : start + length] = flat[at : at + length]
+    write_own(located, "master", flat, 0)
     param = buffer.params[located.index]
     if buffer.gathered:  # the whole parameter too: every rank writes it alike (stages 1-2, a gathered unit)
         buffer.views[located.index].copy_(flat.view(param.shape))

@@ -40,16 +40,14 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ._deferred_signals import deferred_interrupts
-from ._full_param_state import _locate, _own_pieces
+from ._full_param_state import _locate, _own_pieces, write_master_range
 from ._model_checks import all_gather_json
 from ._names import canonical
+from ._safetensors_io import _TORCH_DTYPE
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _SAMPLE = 1 << 16  # bytes of each file's data start and end that the ranks compare
 _CHUNK_ELEMENTS = 1 << 22  # read and written at once: a rank's memory beyond its shards stays 16-32 MiB
 
@@ -144,7 +142,7 @@ def _header(file: str) -> dict[str, _Tensor]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype = _DTYPES.get(entry.get("dtype"))
+        dtype = _TORCH_DTYPE.get(entry.get("dtype"))
         shape = tuple(entry.get("shape", ()))
         begin, end = entry.get("data_offsets", (0, -1))
         numel = 1
@@ -299,12 +297,8 @@ def _apply(engine: Engine, plan: _Plan) -> None:
             for offset in range(0, piece_length, _CHUNK_ELEMENTS):
                 at_shard, at = piece_at_shard + offset, piece_at + offset
                 length = min(_CHUNK_ELEMENTS, piece_length - offset)
-                values = _read(tensor, at, length).to(device=engine.device, dtype=torch.float32)
-                with state.resident_range(shard, at_shard, at_shard + length, write=True) as held:
-                    held["master"].copy_(values)
-                    if shard.separate_master:  # the shard the gathers send: the master's rounding
-                        with shard.params_loaded(write=True):
-                            shard.params[at_shard : at_shard + length] = values
+                write_master_range(state, shard, at_shard,
+                                   _read(tensor, at, length).to(device=engine.device, dtype=torch.float32))
     engine.reload_params_from_shards()  # every rank: stages 1-2 gather the rest, stage 3 releases its units
     # read on rank 0 only, a group at a time
     write_whole_in_groups(engine, [(param, functools.partial(_whole, tensor)) for param, tensor in plan.frozen])

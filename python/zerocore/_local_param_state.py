@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._full_param_state import _CALLS, _Located, _locate, _optimizer_key, _own_pieces, _refusal
+from ._full_param_state import _CALLS, _Located, _locate, _optimizer_key, _own_pieces, _refusal, read_own, write_own
 
 _LOCAL_CALLS = tuple(name.replace("_full_", "_local_") for name in _CALLS)
 
@@ -97,19 +97,9 @@ def _get(param: nn.Parameter, key: str, call: str) -> torch.Tensor | None:
         raise RuntimeError(refused)
     if located.buffer is None:
         return None
-    engine, buffer = located.engine, located.buffer
     start, stop = _range(located)
-    out = torch.empty(stop - start, dtype=torch.float32, device=engine.device)
-    if key == "grad":
-        buffer.settle_grads()
-        unscale = 1.0 / engine.loss_scaler.scale if engine.config.fp16.enabled else 1.0
-        for shard, at_shard, at, length in _own_pieces(located):
-            out[at - start : at - start + length] = shard.grads[at_shard : at_shard + length].float() * unscale
-    else:
-        state = engine.optimizer_state
-        for shard, at_shard, at, length in _own_pieces(located):
-            with state.resident_range(shard, at_shard, at_shard + length) as values:
-                out[at - start : at - start + length] = values[key]
+    out = torch.empty(stop - start, dtype=torch.float32, device=located.engine.device)
+    read_own(located, key, out, start)
     return out
 
 
@@ -127,23 +117,9 @@ def _set(param: nn.Parameter, value: object, key: str, call: str) -> None:
     start, _ = _range(located)
     flat = value.detach().reshape(-1).to(device=engine.device, dtype=torch.float32)
     with torch.no_grad():
-        if key == "grad":
-            buffer.settle_grads()
-            scale = engine.loss_scaler.scale if engine.config.fp16.enabled else 1.0  # the gradients are held scaled
-            for shard, at_shard, at, length in _own_pieces(located):
-                shard.grads[at_shard : at_shard + length] = flat[at - start : at - start + length] * scale
-            engine.gradients.mark_got_grad(buffer, located.index)
-            return
         if key == "master":
             engine.land_param_gathers()  # a gather in flight reads the shard this writes
-        state = engine.optimizer_state
-        for shard, at_shard, at, length in _own_pieces(located):
-            piece = flat[at - start : at - start + length]
-            with state.resident_range(shard, at_shard, at_shard + length, write=True) as values:
-                values[key].copy_(piece)
-                if key == "master" and shard.separate_master:  # the shard a later gather sends, as the step's rounding
-                    with shard.params_loaded(write=True):
-                        shard.params[at_shard : at_shard + length] = piece
+        write_own(located, key, flat, start)
         if key == "master" and buffer.gathered:
             buffer.shard_ahead_of_full = True
 

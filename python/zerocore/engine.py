@@ -679,7 +679,8 @@ class Engine(DeepSpeedAccessors):
 
     def load_hf_weights(self, path: str | os.PathLike[str], strict: bool = True) -> Any:
         """Loads pretrained weights in Hugging Face's safetensors layout (a file, or a directory with
-        ``model.safetensors`` or a sharded ``model.safetensors.index.json``) into the model, each rank reading
+        ``model.safetensors`` or a sharded ``model.safetensors.index.json``; older ``pytorch_model.bin``
+        memory-mapped) into the model, each rank reading
         only its shards' share of the trainable weights (Note [Loading Hugging Face weights]); the optimizer's
         moments and counters stay. Names, shapes and files are checked on every rank before anything changes;
         with ``strict=False`` tensors missing from the files or absent from the model are left out. Returns
