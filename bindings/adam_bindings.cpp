@@ -14,12 +14,17 @@
 // multi_tensor_adam_step_py for its lists. A lazily negated (x.neg() view, torch._neg_view) argument is
 // rejected by name (the op's Negative kernel) instead of reaching torch's math-bit fallback, which cannot
 // handle an op whose result is not its mutated input.
+#include <sched.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -30,6 +35,7 @@
 #include "cpu_kernel_pool.hpp"
 #include "tensor_checks.hpp"
 #include "zerocore/cpu_adam.hpp"
+#include "zerocore/kernel_threads.hpp"
 #include "zerocore/thread_pool.hpp"
 
 #if defined(ZEROCORE_HAVE_CUDA)
@@ -44,8 +50,8 @@ namespace zerocore::bindings {
 namespace {
 
 // The CPU kernels' pool, shared by every CPUAdam in the process like torch's intra-op pool. It follows
-// at::get_num_threads() unless set_num_threads() pinned a count. The mutex serialises kernel calls: a
-// pool runs one parallel_for at a time.
+// at::get_num_threads() unless set_num_threads() pinned a count, or torchrun left torch on one thread (Note
+// [Kernel threads under torchrun]). The mutex serialises kernel calls: a pool runs one parallel_for at a time.
 class CpuKernelPool {
  public:
   static CpuKernelPool& instance() {
@@ -60,7 +66,12 @@ class CpuKernelPool {
     pinned_threads_ = num_threads;
   }
 
-  int num_threads() const { return pinned_threads_ > 0 ? pinned_threads_ : std::max(1, at::get_num_threads()); }
+  int num_threads() const { return pinned_threads_ > 0 ? pinned_threads_ : unpinned_threads(); }
+
+  static int unpinned_threads() {
+    return default_kernel_threads(at::get_num_threads(), environment("OMP_NUM_THREADS"),
+                                  environment("LOCAL_WORLD_SIZE"), cores_this_process_may_use());
+  }
 
   template <typename Fn>
   auto run(Fn&& fn) {
@@ -71,6 +82,17 @@ class CpuKernelPool {
   }
 
  private:
+  static std::optional<std::string_view> environment(const char* name) {
+    const char* value = std::getenv(name);
+    return value ? std::optional<std::string_view>(value) : std::nullopt;
+  }
+
+  static int cores_this_process_may_use() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  }
+
   std::mutex mutex_;
   int pinned_threads_ = 0;
   std::unique_ptr<ThreadPool> pool_;
@@ -387,6 +409,9 @@ void bind_adam(py::module_& m) {
       "set_num_threads", [](int n) { CpuKernelPool::instance().set_num_threads(n); }, py::arg("num_threads"),
       "Threads for the CPU kernels; 0 follows torch.get_num_threads().");
   m.def("get_num_threads", [] { return CpuKernelPool::instance().num_threads(); });
+  m.def("default_kernel_threads", &default_kernel_threads, py::arg("torch_threads"), py::arg("omp_num_threads"),
+        py::arg("local_world_size"), py::arg("cores"),
+        "The CPU kernels' thread count when none is pinned (Note [Kernel threads under torchrun]).");
   m.def(
       "all_finite",
       [](const at::Tensor& grad) {

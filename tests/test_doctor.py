@@ -132,9 +132,12 @@ def test_command_line_prints_the_checks_and_exits_1_on_a_failure(tmp_path):
     assert bad.returncode == 2 and "probe size" in bad.stderr, bad.stderr
 
 
-@pytest.mark.parametrize("omp, expected", [("1", "set OMP_NUM_THREADS=4 (or zerocore.ops.set_num_threads(4)"),
+@pytest.mark.parametrize("omp, expected", [("2", "that CPU Adam runs on 2 thread(s) while 4 cores per rank are there: "
+                                                  "set OMP_NUM_THREADS=4 (or zerocore.ops.set_num_threads(4)"),
                                            ("8", "8 threads x 2 ranks oversubscribe the cores: set OMP_NUM_THREADS=4"),
-                                           ("4", None)])
+                                           ("4", None),
+                                           # torchrun's default: the kernels take the rank's share of the cores
+                                           ("1", None)])
 def test_threads_per_rank_are_checked_against_the_cores(monkeypatch, omp, expected):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setenv("OMP_NUM_THREADS", omp)
@@ -142,6 +145,9 @@ def test_threads_per_rank_are_checked_against_the_cores(monkeypatch, omp, expect
                     world_size=2)
     check = by_name(result)["cpu"]
     assert "8 cores for 2 rank(s)" in check["detail"], check
+    adam = 4 if omp in ("1", "4") else int(omp)
+    assert f"offloaded optimizer's CPU Adam on {adam}" in check["detail"], check
+    assert result["cpu"]["adam_threads"] == min(adam, 4), result["cpu"]
     if expected is None:
         assert check["status"] == "ok", check
     else:

@@ -263,6 +263,30 @@ def optimizer_state_for(config: ZeroConfig, device: torch.device, rank: int) -> 
     return OptimizerState(device)
 
 
+def cpu_step_threads_line(config: ZeroConfig, environ: Mapping[str, str], rank: int) -> str | None:
+    """The line an offloaded run prints once per machine (local rank 0) at ``initialize``: how many CPU threads
+    each rank's optimizer step gets and why (USER_PAINS #9: a CPU Adam starved of cores is the usual cause of
+    a slow offloaded step, and torchrun's default gives it one). None when nothing is offloaded or on other
+    ranks."""
+    offload = config.zero_optimization.offload_optimizer.device
+    local_rank = environ.get("LOCAL_RANK", str(rank))
+    if offload not in ("cpu", "nvme") or local_rank != "0":
+        return None
+    threads = _C.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = environ.get("LOCAL_WORLD_SIZE", "1")
+    unpinned = _C.default_kernel_threads(torch.get_num_threads(), environ.get("OMP_NUM_THREADS"),
+                                         environ.get("LOCAL_WORLD_SIZE"), cores)
+    if threads != unpinned:
+        why = "pinned by zerocore.ops.set_num_threads"
+    elif threads != torch.get_num_threads():
+        why = f"this rank's share of {cores} cores for {ranks} local ranks, in place of torchrun's OMP_NUM_THREADS=1"
+    else:
+        why = f"torch.get_num_threads(); {cores} cores here for {ranks} local rank(s)"
+    return (f"zerocore: offload_optimizer {offload}: each rank's optimizer step runs on {threads} CPU thread(s) "
+            f"({why}); zerocore.ops.set_num_threads(n) sets it")
+
+
 def param_file_for_config(config: ZeroConfig, device: torch.device, rank: int) -> Any:
     """``offload_param``: nvme gives this rank a parameter file (Note [NVMe parameter shards]); cpu is where
     the parameters are already on a CPU-only machine."""

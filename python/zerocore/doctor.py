@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ._info import build_info
+from ._native import _C
 from ._nvme_state import NamelessFile
 from ._safetensors_io import aligned_empty, open_io
 from .config import ZeroConfig
@@ -156,24 +157,29 @@ def _check_cpu(checks: list[Check], local: int, offloads: set[str]) -> dict[str,
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     per_rank = max(1, cores // local)
     threads = _rank_threads(local)
+    # the kernels' own rule (Note [Kernel threads under torchrun]), under torchrun's default where it applies
+    omp = os.environ.get("OMP_NUM_THREADS", "1" if local > 1 else None)
+    adam = _C.default_kernel_threads(threads, omp, str(local), cores)
     detail = (f"{cores} cores for {local} rank(s) here: {cores / local:g} per rank; each rank computes on {threads} "
               "thread(s) (OMP_NUM_THREADS" + (")" if "OMP_NUM_THREADS" in os.environ else ", or torchrun's default)"))
+    if offloads:
+        detail += f", its offloaded optimizer's CPU Adam on {adam}"
     status = "ok"
     if cores < local:
         status, detail = "warn", detail + "; more ranks than cores: every rank's compute and I/O threads queue"
     elif threads * local > cores:
         status, detail = "warn", (detail + f"; {threads} threads x {local} ranks oversubscribe the cores: set "
                                   f"OMP_NUM_THREADS={per_rank}")
-    elif offloads and threads < per_rank:
-        status, detail = "warn", (detail + f"; the CPU Adam of an offloaded optimizer runs on those {threads} while "
-                                  f"{per_rank} cores per rank are there: set OMP_NUM_THREADS={per_rank} (or "
-                                  f"zerocore.ops.set_num_threads({per_rank}) in each rank)")
+    elif offloads and adam < per_rank:
+        status, detail = "warn", (detail + f"; that CPU Adam runs on {adam} thread(s) while {per_rank} cores per rank "
+                                  f"are there: set OMP_NUM_THREADS={per_rank} (or zerocore.ops.set_num_threads("
+                                  f"{per_rank}) in each rank)")
     if offloads and cores / local < 2:
         status, detail = "warn", detail + ("; offloading runs the optimizer on the CPU, which then shares one core "
                                            "with the rank's other work: fewer ranks per node, or more cores")
     checks.append(Check("cpu", status, detail))
     return {"cores": cores, "ranks_here": local, "cores_per_rank": cores / local, "rank_threads": threads,
-            "adam_threads": min(threads, per_rank)}
+            "adam_threads": min(adam, per_rank)}  # what oversubscribed threads get of the cores
 
 
 def _check_gpus(checks: list[Check], nbytes: int) -> list[dict[str, Any]]:

@@ -40,7 +40,7 @@ from ._backward import GradientRouting, exchange_backward_outcome, exchanges_out
 from ._buckets import BucketSizes
 from ._buffer_sync import BufferSync
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
-                            cast_untracked_tensors, default_process_group, optimizer_state_for,
+                            cast_untracked_tensors, cpu_step_threads_line, default_process_group, optimizer_state_for,
                             param_file_for_config, training_device, whole_model_buffer)
 from ._deepspeed_api import DeepSpeedAccessors
 from ._deferred_signals import deferred_interrupts
@@ -170,6 +170,9 @@ class Engine(DeepSpeedAccessors):
         groups = collect_trainable(model, param_groups, config.optimizer)
         self.compute_dtype = config.compute_dtype
         self.optimizer_state = optimizer_state_for(config, self.device, self.rank)
+        threads_line = cpu_step_threads_line(config, os.environ, self.rank)
+        if threads_line is not None:
+            print(threads_line, file=sys.stderr, flush=True)
         self.param_file = param_file_for_config(config, self.device, self.rank)  # offload_param: nvme, else None
         self.stage3: Stage3Runtime | None = None
         group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}

@@ -286,7 +286,11 @@ def force_simd_path(path: str) -> Iterator[None]:
 
 
 def set_num_threads(num_threads: int) -> None:
-    """Threads used by the CPU kernels; 0 (the default) follows ``torch.get_num_threads()``.
+    """Threads used by the CPU kernels (the CPU Adam of an offloaded optimizer, quantization, finiteness
+    checks); 0 (the default) follows ``torch.get_num_threads()``, except under torchrun's default of one
+    thread per rank (``OMP_NUM_THREADS=1`` with ``LOCAL_WORLD_SIZE`` > 1), where the kernels take the rank's
+    share of the cores, ``cores / LOCAL_WORLD_SIZE`` (Note [Kernel threads under torchrun] in
+    cpp/include/zerocore/kernel_threads.hpp). ``set_num_threads(1)`` pins one thread.
 
     Raises:
         ValueError: for a count that is not an int in ``[0, max(1024, os.cpu_count())]``.
@@ -299,4 +303,5 @@ def set_num_threads(num_threads: int) -> None:
 
 
 def get_num_threads() -> int:
+    """The threads the CPU kernels run on now (see :func:`set_num_threads`)."""
     return _C.get_num_threads()

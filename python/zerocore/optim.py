@@ -345,8 +345,9 @@ _DOC_ARGS = """
 class CPUAdam(_ZerocoreAdam):
     __doc__ = (
         "Adam/AdamW for CPU parameters on zerocore's fused SIMD kernels; a drop-in ``torch.optim.AdamW``.\n\n"
-        "    Threads follow ``torch.get_num_threads()`` unless ``zerocore.ops.set_num_threads`` pins a count;\n"
-        "    the GIL is released while a step runs.\n" + _DOC_ARGS
+        "    Threads follow ``torch.get_num_threads()`` (a rank's share of the cores under torchrun's\n"
+        "    ``OMP_NUM_THREADS=1``) unless ``zerocore.ops.set_num_threads`` pins a count; the GIL is released\n"
+        "    while a step runs.\n" + _DOC_ARGS
     )
     _device_type = "cpu"
     _other_hint = "; use zerocore.optim.FusedAdam for CUDA params"
