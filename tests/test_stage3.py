@@ -891,6 +891,12 @@ def compiled_units_worker(rank: int, world: int, how: str, stage: int = 3) -> di
                                                                # stages 1-2: a block's gathers land on its own
                                                                "allgather_bucket_size": 600,
                                                                "reduce_bucket_size": 600}})
+    compiled = []
+    if how == "engine":  # DeepSpeed's engine.compile(), as Accelerate calls it
+        engine.compile(backend="aot_eager")
+        engine.compile(backend="aot_eager")  # again: nothing more
+        compiled = engine._compiled_modules
+        assert engine.is_compiled
     losses = []
     for step in range(3):
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -902,7 +908,7 @@ def compiled_units_worker(rank: int, world: int, how: str, stage: int = 3) -> di
         engine.step()
         losses.append(loss.item())
     state = {k.replace("._orig_mod", ""): v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}
-    return {"losses": losses, "state": state, "graphs": counters["frames"]["ok"]}
+    return {"losses": losses, "state": state, "graphs": counters["frames"]["ok"], "compiled": compiled}
 
 
 def test_units_compiled_one_by_one_train_as_uncompiled_with_one_graph_for_all():
@@ -917,6 +923,23 @@ def test_units_compiled_one_by_one_train_as_uncompiled_with_one_graph_for_all():
         assert "compile each unit before zerocore.initialize" in result["error"], result
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_engine_compile_trains_as_uncompiled(stage):
+    """engine.compile() (DeepSpeed's, which Accelerate calls) after initialize: at stage 3 each block's forward
+    is compiled with the hooks outside it, one graph for all blocks, the root left eager; at stages 1-2 the
+    whole module, whose forward then lands the step's gathers first. Same losses and parameters as eager."""
+    compiled = run_ranks(compiled_units_worker, 2, "engine", stage, timeout=240)
+    eager = run_ranks(compiled_units_worker, 2, "eager", stage, timeout=120)
+    assert "error" not in compiled[0], compiled[0]
+    blocks = torch._dynamo.config.recompile_limit + 2
+    if stage == 3:
+        assert compiled[0]["compiled"] == [f"1.{i}" for i in range(blocks)], compiled[0]["compiled"]
+        assert compiled[0]["graphs"] == 1, compiled[0]["graphs"]
+    else:
+        assert compiled[0]["compiled"] == [""] and compiled[0]["graphs"] >= 1, compiled[0]
+    assert compiled[0]["losses"] == eager[0]["losses"] and compiled[0]["state"] == eager[0]["state"]
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_compiled_blocks_at_stages_1_and_2_train_past_the_first_step(stage):
     """After step() the parameters' all-gathers land on first read (Note [Gathers land on first read]), which
@@ -926,3 +949,28 @@ def test_compiled_blocks_at_stages_1_and_2_train_past_the_first_step(stage):
     eager = run_ranks(compiled_units_worker, 2, "eager", stage, timeout=120)
     assert "error" not in compiled[0], compiled[0]
     assert compiled[0]["losses"] == eager[0]["losses"]
+
+
+def compile_refusals_worker(rank: int, world: int) -> list[str]:
+    engine = zerocore.initialize(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), {"zero_optimization": {"stage": 3}})
+    errors = []
+    for kwargs in ({"schedule": [(0, "pass")]}, {"compiled_autograd_enabled": True},
+                   {"compile_kwargs": {"backend": "eager"}}):
+        try:
+            engine.compile(**kwargs)
+        except ValueError as error:
+            errors.append(str(error))
+    assert not engine.is_compiled
+    engine.close()
+    try:
+        engine.compile()
+    except RuntimeError as error:
+        errors.append(str(error))
+    return errors
+
+
+def test_engine_compile_refuses_what_it_does_not_do_before_compiling_anything():
+    errors = run_ranks(compile_refusals_worker, 1, timeout=60)[0]
+    assert len(errors) == 4, errors
+    assert "DeepCompile" in errors[0] and "compiled_autograd_enabled" in errors[1] and "backend=" in errors[2], errors
+    assert "compile()" in errors[3], errors

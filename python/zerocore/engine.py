@@ -39,6 +39,7 @@ from ._allocator import AllocatorWatch
 from ._backward import GradientRouting, exchange_backward_outcome, exchanges_outcome, outcome_problem
 from ._buckets import BucketSizes
 from ._buffer_sync import BufferSync
+from ._compile import compile_engine
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
                             cast_untracked_tensors, cpu_step_threads_line, default_process_group, optimizer_state_for,
                             param_file_for_config, training_device, whole_model_buffer)
@@ -211,6 +212,7 @@ class Engine(DeepSpeedAccessors):
         self._has_compiled_code = any(isinstance(m, compiled) or m.__dict__.get("_compiled_call_impl") is not None
                                       for m in model.modules())
         self._comm_reset_at_step = 0
+        self._compiled_modules: list[str] = []  # by compile() ("" for the root)
         self.micro_steps = 0
         self._micro_steps_in_window = 0  # micro-steps ended since the last boundary (the open window's)
         # Note [Manual accumulation boundary]
@@ -583,6 +585,22 @@ class Engine(DeepSpeedAccessors):
     def steps_since_comm_reset(self) -> int:
         """Optimizer steps (skipped ones included) since the last ``reset_comm_stats()``."""
         return self.global_steps - self._comm_reset_at_step
+
+    def compile(self, backend: str | Callable[..., Any] = "inductor", compile_kwargs: Mapping[str, Any] | None = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile()`` (Accelerate calls it when its dynamo plugin is on): ``torch.compile``
+        with ``backend`` and ``compile_kwargs`` applied in place, the whole module at stages 1-2, each innermost
+        unit's ``forward`` at stage 3 (Note [Compiling through the engine]). Local: no collective, but every rank
+        should call it so that the ranks run the same code. Calling it again does nothing."""
+        self.lifecycle.require("compile()", *_USABLE)
+        compiled = compile_engine(self, backend, compile_kwargs, schedule, compiled_autograd_enabled)
+        self._has_compiled_code |= bool(compiled)
+        self._compiled_modules += compiled
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` compiled anything (DeepSpeed's ``engine.is_compiled``)."""
+        return bool(self._compiled_modules)
 
     def close(self) -> None:
         """Detaches the engine from the model: hooks removed, pending gathers landed, and under stage 3

@@ -1,0 +1,72 @@
+"""``engine.compile()``: DeepSpeed's way to put a wrapped model under ``torch.compile`` after ``initialize``.
+
+Note [Compiling through the engine]
+-----------------------------------
+Accelerate calls ``engine.compile(backend=..., compile_kwargs=...)`` when its dynamo plugin is on, and some
+DeepSpeed loops call it themselves; DeepSpeed compiles its module in place there. What is compiled depends on
+what the stage keeps out of the compiled code:
+
+* stages 1-2: the whole module, in place (``module.compile()``, as DeepSpeed). The parameters are whole, but
+  after ``step()`` their all-gathers land on first read (Note [Gathers land on first read]), which compiled
+  code cannot do, so from here on every forward lands them before it runs, as for a model compiled before
+  ``initialize``.
+* stage 3: each unit's ``forward``, the innermost units only. The gather and release hooks run in the unit's
+  ``__call__``, outside the compiled ``forward``, as with blocks compiled one by one before ``initialize``
+  (``model.layers[i] = torch.compile(layer)``, torchtitan's way with FSDP2); a unit that contains another
+  unit, and the root's own code between the units, run uncompiled, since compiling them would trace the
+  inner units' hooks (compiling the whole stage-3 model is not supported yet). A unit compiled before
+  ``initialize`` is left as it is.
+
+Compiling changes no result: the compiled code computes what the eager code does (bitwise with the
+``aot_eager`` backend, tested). Like DeepSpeed's, it lasts for the module's life: ``close()`` hands back the
+model with its compiled forwards.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def _compiled_already(module: nn.Module) -> bool:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return True
+    return module.__dict__.get("_compiled_call_impl") is not None or "forward" in module.__dict__
+
+
+def compile_engine(engine: Engine, backend: str | Callable[..., Any], compile_kwargs: Mapping[str, Any] | None,
+                   schedule: Any, compiled_autograd_enabled: bool) -> list[str]:
+    """See Note [Compiling through the engine]. Returns the names of the modules compiled ("" for the root)."""
+    if schedule is not None:
+        raise ValueError("engine.compile(schedule=...): DeepSpeed's DeepCompile schedules are not supported; call "
+                         "engine.compile() without a schedule")
+    if compiled_autograd_enabled:
+        raise ValueError("engine.compile(compiled_autograd_enabled=True) is not supported: zerocore's gradient "
+                         "hooks run in the eager autograd engine; leave it False")
+    kwargs = dict(compile_kwargs or {})
+    if "backend" in kwargs:
+        raise ValueError("engine.compile(): give the backend as backend=..., not inside compile_kwargs")
+    if engine.stage3 is None:
+        if _compiled_already(engine.module):
+            return []
+        engine.module.compile(backend=backend, **kwargs)
+        return [""]
+    runtime = engine.stage3
+    enclosing = {unit.spec.parent for unit in runtime.units}
+    compiled = []
+    for unit in runtime.units:
+        module = unit.spec.module
+        if unit.spec.parent is None or unit.index in enclosing or _compiled_already(module):
+            continue
+        # an instance attribute: nn.Module.__call__ runs the hooks, then this
+        module.forward = torch.compile(module.forward, backend=backend, **kwargs)
+        compiled.append(unit.name)
+    return compiled
