@@ -335,3 +335,26 @@ def test_hf_weights_load_into_gpu_shards(stage, offload, tmp_path):
     engine.backward(loss_fn("transformer", engine(inputs), target))
     engine.step()
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_engine_compile_with_inductor_trains_as_eager_on_cuda(stage):
+    """engine.compile() with the default backend (inductor, real GPU kernels): every step's loss as the eager
+    engine's within fp32 reordering, and at stage 3 each block compiled, the hooks outside."""
+    runs = {}
+    for how in ("eager", "compiled"):
+        engine = zerocore.initialize(build("transformer").cuda(), make_config(stage, gradient_clipping=1.0))
+        if how == "compiled":
+            engine.compile()
+            assert engine.is_compiled and (engine._compiled_modules == [""]) == (stage < 3), engine._compiled_modules
+        generator = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(6):
+            inputs, target = (t.cuda() for t in batch("transformer", generator))
+            loss = loss_fn("transformer", engine(inputs), target)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        runs[how] = losses
+        engine.close()
+    torch.testing.assert_close(torch.tensor(runs["compiled"]), torch.tensor(runs["eager"]), rtol=1e-4, atol=1e-5)
