@@ -56,6 +56,7 @@ def load_worker(rank: int, world: int, case: str, stage: int, directory: str, of
                                      for n in ("embed.weight", "hidden.weight", "scale"))
     seen["buffer"] = model.seen.tolist()
     seen["global_steps"], seen["adam_steps"] = engine.global_steps, engine.optimizer_state.step_count
+    seen["global_samples"] = engine.global_samples
     seen["lr"] = [g["lr"] for g in engine.optimizer.param_groups]
     seen["loss_scaler"] = engine.loss_scaler.state_dict()
     # the resumed run's first update against DeepSpeed's own fourth step from the same state and batch: the
@@ -102,6 +103,8 @@ def test_a_deepspeed_checkpoint_loads_exactly_at_any_world_size_and_stage(case, 
         assert seen["client_state"] == {"epoch": 7, "note": "from deepspeed"}
         skipped = facts.get("skipped_steps", 0)  # fp16 overflows: counted steps that updated nothing
         assert (seen["global_steps"], seen["adam_steps"]) == (3, 3 - skipped)
+        # DeepSpeed's saved count (3 steps x 4 samples x its 2 ranks), not the steps at this run's batch
+        assert seen["global_samples"] == 24, seen["global_samples"]
         if "loss_scaler" in facts:  # the resumed scale, and the counters that decide its next change, DeepSpeed's
             assert seen["loss_scaler"] == facts["loss_scaler"]
             assert seen["loss_scaler_after_step"] == facts["loss_scaler_after_step"]

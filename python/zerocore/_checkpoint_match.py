@@ -32,6 +32,10 @@ def check_model(engine: Engine, index: Mapping[str, Any]) -> None:
     if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= counters["global_steps"]:
         raise ValueError(f"the index's counters.optimizer_steps ({steps!r}) must be a step count in "
                          f"[0, {counters['global_steps']}] (its global_steps): the index is damaged")
+    samples = counters.get("global_samples", 0)
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+        raise ValueError(f"the index's counters.global_samples ({samples!r}) must be a sample count >= 0: the index "
+                         "is damaged")
     idle = counters.get("idle_steps", {})
     if not isinstance(idle, dict) or any(
             name not in ours or not isinstance(n, int) or not 0 < n <= steps for name, n in idle.items()):

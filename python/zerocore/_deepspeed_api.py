@@ -30,6 +30,7 @@ class DeepSpeedAccessors:
     rank: int
     global_steps: int
     skipped_steps: int
+    _samples_mark: tuple[int, int]
 
     def get_lr(self) -> list[float]:
         """Each param group's learning rate now (what the next update uses)."""
@@ -90,8 +91,10 @@ class DeepSpeedAccessors:
 
     @property
     def global_samples(self) -> int:
-        """Samples trained on, counted as DeepSpeed counts them: applied and skipped steps x the global batch."""
-        return self.global_steps * (self.train_batch_size() or 0)
+        """Samples trained on, counted as DeepSpeed counts them: applied and skipped steps x the global batch
+        each was taken at (``set_train_batch_size`` changes it for the steps after it)."""
+        samples, steps = self._samples_mark
+        return samples + (self.global_steps - steps) * (self.train_batch_size() or 0)
 
     @property
     def loss_scale(self) -> float:

@@ -67,6 +67,11 @@ _DEEPSPEED_KEYS = frozenset({
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
+def _sample_count(value: Any) -> int | None:
+    """DeepSpeed's saved ``global_samples`` (an int; None when absent or not a count, then derived)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def is_deepspeed_checkpoint(path: str) -> bool:
     """Whether ``path`` is a DeepSpeed checkpoint directory (its ZeRO optimizer files), not a zerocore one."""
     return (os.path.isdir(path) and not os.path.exists(os.path.join(path, "index.json"))
@@ -392,7 +397,8 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, sche
     global_steps = int(checkpoint.model.get("global_steps", 0))
     engine.restore_counters(global_steps, checkpoint.optimizer_step if optimizer_states else 0,
                             int(checkpoint.model.get("skipped_steps", 0)),
-                            global_steps * engine.config.gradient_accumulation_steps, {})
+                            global_steps * engine.config.gradient_accumulation_steps, {},
+                            _sample_count(checkpoint.model.get("global_samples")))
     if optimizer_states:
         for group, saved in zip(engine.optimizer.param_groups, checkpoint.param_groups):
             for key in ("lr", "betas", "eps", "weight_decay"):

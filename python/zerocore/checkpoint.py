@@ -236,7 +236,7 @@ def _write_index(engine: Engine, tmp: str, model_checksums: Any, untracked: dict
         "ranks": everyone,
         "counters": {"global_steps": engine.global_steps, "global_steps_count_skipped": True,
                      "optimizer_steps": engine.optimizer_state.step_count, "skipped_steps": engine.skipped_steps,
-                     "micro_steps": engine.micro_steps,
+                     "micro_steps": engine.micro_steps, "global_samples": engine.global_samples,
                      # per parameter: the applied steps it got no gradient for (its own step count lags)
                      "idle_steps": dict(sorted(engine.optimizer_state.idle_steps.items()))},
         "loss_scaler": engine.loss_scaler.state_dict(),
@@ -329,7 +329,8 @@ def _apply_staged(engine: Engine, staged: _Staged, load_optimizer_states: bool, 
     # DeepSpeed's: the step counts continue; a fresh optimizer's own count (Adam's t) starts over
     engine.restore_counters(global_steps(counters), optimizer_steps(counters) if load_optimizer_states else 0,
                             counters["skipped_steps"], counters["micro_steps"],
-                            counters.get("idle_steps", {}) if load_optimizer_states else {})
+                            counters.get("idle_steps", {}) if load_optimizer_states else {},
+                            counters.get("global_samples"))
     if load_optimizer_states:
         # Only a dynamic fp16 scale resumes, and only from fp16 training: a bf16 or fp32 engine's scale is 1
         # (given an fp16 checkpoint's 32768, every gradient would be 32768x too large: norms, clipping and Adam's

@@ -26,6 +26,7 @@ Every other method of the engine lands them all before it does anything.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -40,6 +41,7 @@ from ._backward import GradientRouting, exchange_backward_outcome, exchanges_out
 from ._buckets import BucketSizes
 from ._buffer_sync import BufferSync
 from ._compile import compile_engine
+from ._config_values import as_int
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
                             cast_untracked_tensors, cpu_step_threads_line, default_process_group, optimizer_state_for,
                             param_file_for_config, training_device, whole_model_buffer)
@@ -212,6 +214,7 @@ class Engine(DeepSpeedAccessors):
         self._has_compiled_code = any(isinstance(m, compiled) or m.__dict__.get("_compiled_call_impl") is not None
                                       for m in model.modules())
         self._comm_reset_at_step = 0
+        self._samples_mark = (0, 0)  # (global_samples, global_steps) when the batch size last changed
         self._compiled_modules: list[str] = []  # by compile() ("" for the root)
         self.micro_steps = 0
         self._micro_steps_in_window = 0  # micro-steps ended since the last boundary (the open window's)
@@ -674,6 +677,43 @@ class Engine(DeepSpeedAccessors):
         self._refuse_inside_window("save_checkpoint()", "would lose its gradients")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: the global batch becomes ``train_batch_size`` by changing the micro-batches per step
+        (``gradient_accumulation_steps``); the micro-batch size stays (Megatron-DeepSpeed's batch-size ramp-up
+        calls it). Every rank calls it with the same value, at a window's end (inside one, the micro-batches
+        already accumulated were scaled for the old count). ``global_samples`` counts the steps before it at
+        the old batch size.
+
+        Raises:
+            ValueError: for a size that micro-batch x ranks does not divide, or a config without batch sizes.
+            RuntimeError: inside an accumulation window.
+        """
+        batch = as_int(train_batch_size, "train_batch_size", 1)
+        micro = self.config.train_micro_batch_size_per_gpu
+        if micro is None:
+            raise ValueError("set_train_batch_size(): the config gives no train_micro_batch_size_per_gpu or "
+                             "train_batch_size, so there is no micro-batch size to keep")
+        if batch % (micro * self.world_size):
+            raise ValueError(f"set_train_batch_size({batch}): not divisible by train_micro_batch_size_per_gpu ({micro}) "
+                             f"* data-parallel ranks ({self.world_size}); no gradient_accumulation_steps fits")
+        self._set_batch_sizes("set_train_batch_size()", batch, micro, batch // (micro * self.world_size))
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: the per-rank micro-batch becomes ``micro_batch_size`` and ``gradient_accumulation_steps``
+        stays, so the global batch is ``micro_batch_size * gradient_accumulation_steps * ranks``. Called as
+        :meth:`set_train_batch_size` is."""
+        micro = as_int(micro_batch_size, "micro_batch_size", 1)
+        steps = self.config.gradient_accumulation_steps
+        self._set_batch_sizes("set_train_micro_batch_size()", micro * steps * self.world_size, micro, steps)
+
+    def _set_batch_sizes(self, action: str, batch: int, micro: int, accumulation_steps: int) -> None:
+        self._end_unstepped_micro_step()
+        self.lifecycle.require(action, EngineState.IDLE)
+        self._refuse_inside_window(action, "would scale the micro-batches already accumulated for another count")
+        self._samples_mark = (self.global_samples, self.global_steps)
+        self.config = dataclasses.replace(self.config, train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
+                                          gradient_accumulation_steps=accumulation_steps)
+
     def _refuse_inside_window(self, action: str, why: str) -> None:
         if self._micro_steps_in_window or self.lifecycle.local_grads:
             raise RuntimeError(f"{action} inside an accumulation window (or with no_sync() gradients pending) {why}; "
@@ -778,9 +818,13 @@ class Engine(DeepSpeedAccessors):
         return prints
 
     def restore_counters(self, global_steps: int, optimizer_steps: int, skipped_steps: int, micro_steps: int,
-                         idle_steps: dict[str, int]) -> None:
+                         idle_steps: dict[str, int], global_samples: int | None = None) -> None:
         """``optimizer_steps``: the optimizer's own update count (Adam's bias correction); ``global_steps`` as
-        the property counts them (skipped steps included)."""
+        the property counts them (skipped steps included); ``global_samples`` as saved (None: the checkpoint
+        did not say, so ``global_steps`` at this engine's batch size)."""
+        if global_samples is None:
+            global_samples = global_steps * (self.train_batch_size() or 0)
+        self._samples_mark = (global_samples, global_steps)
         self.optimizer_state.step_count = optimizer_steps
         self._steps_before_optimizer = global_steps - optimizer_steps - skipped_steps
         self.optimizer_state.idle_steps = dict(idle_steps)
