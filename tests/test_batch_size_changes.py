@@ -95,7 +95,13 @@ def refusal_worker(rank: int, world: int) -> list[str]:
     unchanged = (engine.train_batch_size(), engine.gradient_accumulation_steps())
     engine.backward(engine(torch.randn(4, 8, generator=g)).square().mean())
     engine.step()
-    engine.set_train_batch_size(8)  # at the window's end: fine
+    for asked in ((8, 16), (8, 12)):  # ranks that disagree; a size one rank refuses
+        try:
+            engine.set_train_batch_size(asked[rank])
+        except (ValueError, RuntimeError) as error:
+            errors.append(str(error))
+    unchanged += (engine.train_batch_size(), engine.gradient_accumulation_steps())
+    engine.set_train_batch_size(8)  # at the window's end, the same on every rank: fine
     errors.append(str((unchanged, engine.gradient_accumulation_steps())))
     engine.close()
     bare = zerocore.initialize(_model(), {"zero_optimization": {"stage": 1}})
@@ -107,11 +113,16 @@ def refusal_worker(rank: int, world: int) -> list[str]:
     return errors
 
 
-def test_changes_the_ranks_cannot_take_are_refused_before_anything_changes():
-    errors = run_ranks(refusal_worker, 2, timeout=120)[0]
-    assert len(errors) == 6, errors
-    assert "not divisible by train_micro_batch_size_per_gpu (4) * data-parallel ranks (2)" in errors[0], errors
-    assert "train_batch_size" in errors[1] and "micro_batch_size" in errors[2], errors
-    assert "inside an accumulation window" in errors[3], errors
-    assert errors[4] == "((16, 2), 1)", errors
-    assert "no train_micro_batch_size_per_gpu" in errors[5], errors
+def test_changes_the_ranks_cannot_take_are_refused_on_every_rank_before_anything_changes():
+    for rank, errors in enumerate(run_ranks(refusal_worker, 2, timeout=120)):
+        assert len(errors) == 8, errors
+        assert "not divisible by train_micro_batch_size_per_gpu (4) * data-parallel ranks (2)" in errors[0], errors
+        assert "train_batch_size" in errors[1] and "micro_batch_size" in errors[2], errors
+        assert "inside an accumulation window" in errors[3], errors
+        assert "the ranks asked for different batch sizes" in errors[4] and "call it on every rank" in errors[4], errors
+        if rank == 0:
+            assert "set_train_batch_size() was refused on rank(s) [1]" in errors[5], errors
+        else:
+            assert "set_train_batch_size(12): not divisible" in errors[5], errors
+        assert errors[6] == "((16, 2, 16, 2), 1)", errors
+        assert "no train_micro_batch_size_per_gpu" in errors[7], errors
