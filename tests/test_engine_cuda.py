@@ -36,6 +36,19 @@ def make_config(stage: int, weight_decay: float = 0.01, **extra) -> dict:
             "zero_optimization": zero, **extra}
 
 
+def transformer_losses(engine: zerocore.Engine, steps: int) -> list[float]:
+    """``steps`` steps of the "transformer" test model on seeded batches; their losses."""
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        inputs, target = (t.cuda() for t in batch("transformer", generator))
+        loss = loss_fn("transformer", engine(inputs), target)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train_against_the_reference(name: str, config: dict, label: str, weight_decay: float = 0.01,
                                 steps: int = 6) -> zerocore.Engine:
     """Trains model ``name`` on the GPU under ``config`` and a torch AdamW ReferencePair (same lr, weight decay
@@ -141,15 +154,7 @@ def test_nvme_and_cpu_offload_are_bitwise_equal_on_cuda_bf16(stage, tmp_path):
         config = make_config(stage, bf16={"enabled": True})
         config["zero_optimization"].update(offload_optimizer=section, sub_group_size=3000)
         engine = zerocore.initialize(build("transformer").cuda(), config)
-        generator = torch.Generator().manual_seed(0)
-        losses = []
-        for _ in range(4):
-            inputs, target = (t.cuda() for t in batch("transformer", generator))
-            loss = loss_fn("transformer", engine(inputs), target)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        results.append((losses, engine.full_state_dict(rank0_only=False)))
+        results.append((transformer_losses(engine, 4), engine.full_state_dict(rank0_only=False)))
         engine.close()
     (losses_cpu, state_cpu), (losses_nvme, state_nvme) = results
     assert losses_cpu == losses_nvme
@@ -347,14 +352,6 @@ def test_engine_compile_with_inductor_trains_as_eager_on_cuda(stage):
         if how == "compiled":
             engine.compile()
             assert engine.is_compiled and (engine._compiled_modules == [""]) == (stage < 3), engine._compiled_modules
-        generator = torch.Generator().manual_seed(0)
-        losses = []
-        for _ in range(6):
-            inputs, target = (t.cuda() for t in batch("transformer", generator))
-            loss = loss_fn("transformer", engine(inputs), target)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss))
-        runs[how] = losses
+        runs[how] = transformer_losses(engine, 6)
         engine.close()
     torch.testing.assert_close(torch.tensor(runs["compiled"]), torch.tensor(runs["eager"]), rtol=1e-4, atol=1e-5)
