@@ -39,7 +39,7 @@ def _compiled_already(module: nn.Module) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
         return True
-    return module.__dict__.get("_compiled_call_impl") is not None or "forward" in module.__dict__
+    return module.__dict__.get("_compiled_call_impl") is not None
 
 
 def compile_engine(engine: Engine, backend: str | Callable[..., Any], compile_kwargs: Mapping[str, Any] | None,
@@ -51,6 +51,8 @@ def compile_engine(engine: Engine, backend: str | Callable[..., Any], compile_kw
     if compiled_autograd_enabled:
         raise ValueError("engine.compile(compiled_autograd_enabled=True) is not supported: zerocore's gradient "
                          "hooks run in the eager autograd engine; leave it False")
+    if engine.is_compiled:  # (an instance forward can be anyone's, e.g. Accelerate's output cast: not a marker)
+        return []
     kwargs = dict(compile_kwargs or {})
     if "backend" in kwargs:
         raise ValueError("engine.compile(): give the backend as backend=..., not inside compile_kwargs")
