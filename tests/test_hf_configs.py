@@ -630,3 +630,30 @@ def test_hugging_face_model_config_when_transformers_is_installed():
     c = ZeroConfig.from_deepspeed(_filled(HF_ZERO3, gradient_accumulation_steps=1), strict=False,
                                   hidden_size=hidden_size_of(model))
     assert c.zero_optimization.stage3_param_persistence_threshold == 320
+
+
+def zero_accessors_worker(rank: int, world: int, config: dict) -> list:
+    engine = zerocore.initialize(build("mlp"), config)
+    answers = [engine.zero_optimization(), engine.zero_optimization_partition_gradients(),
+               engine.zero_optimization_partition_weights(), engine.zero_offload_optimizer().device,
+               engine.zero_offload_param().device, engine.zero_cpu_offload(), engine.zero_use_cpu_optimizer(),
+               str(engine.communication_data_type), engine.steps_per_print(), engine.dynamic_loss_scale()]
+    engine.close()
+    return answers
+
+
+@pytest.mark.parametrize("stage,offload,extra,expected", [
+    (1, None, {}, [True, False, False, "none", "none", False, False, "torch.float32", 10, True]),
+    (2, "cpu", {"communication_data_type": "bf16", "steps_per_print": 5, "bf16": {"enabled": True}},
+     [True, True, False, "cpu", "none", True, True, "torch.bfloat16", 5, True]),
+    (3, "nvme", {"fp16": {"enabled": True, "loss_scale": 128}},
+     [True, True, True, "nvme", "none", False, True, "torch.float32", 10, False]),
+])
+def test_deepspeed_zero_accessors(stage, offload, extra, expected, tmp_path):
+    zero: dict = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": offload, "nvme_path": str(tmp_path)} if offload == "nvme" else \
+            {"device": offload}
+    config = {"optimizer": {"params": {"lr": 1e-3}}, "zero_optimization": zero, **extra}
+    for result in run_ranks(zero_accessors_worker, 2, config):
+        assert result == expected, result

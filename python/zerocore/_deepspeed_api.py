@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -63,6 +64,47 @@ class DeepSpeedAccessors:
 
     def zero_optimization_stage(self) -> int:
         return self.stage
+
+    def zero_optimization(self) -> bool:
+        """Whether ZeRO is on: always, on a zerocore engine (stage 1 at least)."""
+        return True
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        """Whether gradients are sharded: stage 2 and up."""
+        return self.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """Whether parameters are sharded (gather them with ``zerocore.gathered`` to read them): stage 3."""
+        return self.stage >= 3
+
+    def zero_offload_optimizer(self) -> Any:
+        """The ``offload_optimizer`` section (``.device``: ``"none"``, ``"cpu"`` or ``"nvme"``)."""
+        return self.config.zero_optimization.offload_optimizer
+
+    def zero_offload_param(self) -> Any:
+        """The ``offload_param`` section (``.device``: ``"none"``, ``"cpu"`` or ``"nvme"``)."""
+        return self.config.zero_optimization.offload_param
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer state is offloaded to host memory (``offload_optimizer: cpu``)."""
+        return self.config.zero_optimization.offload_optimizer.device == "cpu"
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        """Whether the optimizer steps on the CPU because its state is offloaded (``cpu`` or ``nvme``)."""
+        return self.config.zero_optimization.offload_optimizer.device in ("cpu", "nvme")
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in: the config's ``communication_data_type``, else float32 (where
+        DeepSpeed's default is the compute dtype, zerocore reduces 16-bit gradients in fp32 unless told)."""
+        return self.config.reduce_dtype
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def dynamic_loss_scale(self) -> bool:
+        """Whether fp16's loss scale is dynamic (``fp16.loss_scale`` 0), as DeepSpeed answers it."""
+        return self.config.fp16.loss_scale == 0
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
