@@ -26,7 +26,6 @@ Every other method of the engine lands them all before it does anything.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -39,9 +38,9 @@ from torch import nn
 from ._allocator import AllocatorWatch
 from ._backward import GradientRouting, exchange_backward_outcome, exchanges_outcome, outcome_problem
 from ._buckets import BucketSizes
+from ._batch_sizes import set_batch_sizes, sizes_for_batch, sizes_for_micro_batch
 from ._buffer_sync import BufferSync
 from ._compile import compile_engine
-from ._config_values import as_int
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
                             cast_untracked_tensors, cpu_step_threads_line, default_process_group, optimizer_state_for,
                             param_file_for_config, training_device, whole_model_buffer)
@@ -680,70 +679,20 @@ class Engine(DeepSpeedAccessors):
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """DeepSpeed's: the global batch becomes ``train_batch_size`` by changing the micro-batches per step
         (``gradient_accumulation_steps``); the micro-batch size stays (Megatron-DeepSpeed's batch-size ramp-up
-        calls it). A collective: every rank calls it with the same value, at a window's end (inside one, the
-        micro-batches already accumulated were scaled for the old count); the ranks compare what they were asked
-        and whether it was refused, and raise alike, nothing changed, where they differ (different accumulation
-        counts would leave their reductions unpaired). ``global_samples`` counts the steps before it at the old
-        batch size.
+        calls it). A collective, at a window's end: Note [Batch size changes].
 
         Raises:
             ValueError: for a size that micro-batch x ranks does not divide, a config without batch sizes, or
                 ranks that asked for different sizes.
             RuntimeError: inside an accumulation window (on any rank).
         """
-        def sizes() -> tuple[int, int, int]:
-            batch = as_int(train_batch_size, "train_batch_size", 1)
-            micro = self.config.train_micro_batch_size_per_gpu
-            if micro is None:
-                raise ValueError("set_train_batch_size(): the config gives no train_micro_batch_size_per_gpu or "
-                                 "train_batch_size, so there is no micro-batch size to keep")
-            if batch % (micro * self.world_size):
-                raise ValueError(f"set_train_batch_size({batch}): not divisible by train_micro_batch_size_per_gpu "
-                                 f"({micro}) * data-parallel ranks ({self.world_size}); no gradient_accumulation_steps "
-                                 "fits")
-            return batch, micro, batch // (micro * self.world_size)
-
-        self._set_batch_sizes("set_train_batch_size()", sizes)
+        set_batch_sizes(self, "set_train_batch_size()", lambda: sizes_for_batch(self, train_batch_size))
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """DeepSpeed's: the per-rank micro-batch becomes ``micro_batch_size`` and ``gradient_accumulation_steps``
         stays, so the global batch is ``micro_batch_size * gradient_accumulation_steps * ranks``. A collective,
-        called as :meth:`set_train_batch_size` is."""
-        def sizes() -> tuple[int, int, int]:
-            micro = as_int(micro_batch_size, "micro_batch_size", 1)
-            steps = self.config.gradient_accumulation_steps
-            return micro * steps * self.world_size, micro, steps
-
-        self._set_batch_sizes("set_train_micro_batch_size()", sizes)
-
-    def _set_batch_sizes(self, action: str, sizes: Callable[[], tuple[int, int, int]]) -> None:
-        self.lifecycle.require(action, *_USABLE)  # (closed: no group left to agree over)
-        error: Exception | None = None
-        batch = micro = steps = 0
-        try:
-            batch, micro, steps = sizes()
-            self._end_unstepped_micro_step()
-            self.lifecycle.require(action, EngineState.IDLE)
-            self._refuse_inside_window(action, "would scale the micro-batches already accumulated for another count")
-        except (ValueError, RuntimeError) as caught:
-            error = caught
-        rows = torch.zeros(self.world_size, 4, dtype=torch.int64, device=self.device)
-        rows[self.rank] = torch.tensor([batch, micro, steps, int(error is not None)], dtype=torch.int64)
-        self.comm.all_reduce(rows.view(-1)).wait()
-        table = rows.tolist()
-        if error is not None:
-            raise error
-        refused = [rank for rank, row in enumerate(table) if row[3]]
-        if refused:
-            raise RuntimeError(f"{action} was refused on rank(s) {refused} (their error says why); nothing was changed "
-                               "on any rank")
-        if any(row != table[0] for row in table):
-            asked = {rank: f"{row[0]} ({row[1]} x {row[2]} micro-batches)" for rank, row in enumerate(table)}
-            raise ValueError(f"{action}: the ranks asked for different batch sizes ({asked}); call it on every rank "
-                             "with the same value. Nothing was changed on any rank")
-        self._samples_mark = (self.global_samples, self.global_steps)
-        self.config = dataclasses.replace(self.config, train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
-                                          gradient_accumulation_steps=steps)
+        at a window's end: Note [Batch size changes]."""
+        set_batch_sizes(self, "set_train_micro_batch_size()", lambda: sizes_for_micro_batch(self, micro_batch_size))
 
     def _refuse_inside_window(self, action: str, why: str) -> None:
         if self._micro_steps_in_window or self.lifecycle.local_grads:
