@@ -44,17 +44,10 @@ def test_a_rank_of_a_big_machine_gets_its_share():
     assert _C.default_kernel_threads(6, "1", "8", 96) == 6  # torch.set_num_threads(6) after torchrun's default
 
 
-def _offload(device: str) -> ZeroConfig:
-    return ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": device}}})
-
-
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_an_offloaded_run_names_its_cpu_threads_once_per_machine(device):
-    if device == "nvme":
-        config = ZeroConfig.from_deepspeed({"zero_optimization": {
-            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})
-    else:
-        config = _offload("cpu")
+    section = {"device": device, **({"nvme_path": "/tmp"} if device == "nvme" else {})}
+    config = ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": section}})
     torchrun = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
     line = cpu_step_threads_line(config, torchrun, rank=0)
     assert line is not None and f"offload_optimizer {device}" in line

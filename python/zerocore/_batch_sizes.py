@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._config_values import as_int
-from ._lifecycle import EngineState
+from ._lifecycle import USABLE, EngineState
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -51,8 +51,7 @@ def sizes_for_micro_batch(engine: Engine, micro_batch_size: Any) -> tuple[int, i
 
 def set_batch_sizes(engine: Engine, action: str, sizes: Callable[[], tuple[int, int, int]]) -> None:
     """Note [Batch size changes]: agreed on every rank, then applied to ``engine.config``."""
-    engine.lifecycle.require(action, EngineState.IDLE, EngineState.FORWARD, EngineState.AWAITING_STEP,
-                             EngineState.NO_SYNC)  # (closed, or inside a backward: no exchange is possible)
+    engine.lifecycle.require(action, *USABLE)  # (closed, or inside a backward: no exchange is possible)
     error: Exception | None = None
     batch = micro = steps = 0
     try:

@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+def is_count(value: Any) -> bool:
+    """A step or sample count as a checkpoint stores it: an int >= 0 (JSON's true is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def check_model(engine: Engine, index: Mapping[str, Any]) -> None:
     ours = trainable_shapes(engine)
     theirs = {name: tuple(shape) for name, shape in index["params"].items()}
@@ -29,11 +34,11 @@ def check_model(engine: Engine, index: Mapping[str, Any]) -> None:
                              f"{list(ours[name])} in this model")
     counters = index["counters"]
     steps = optimizer_steps(counters)
-    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= counters["global_steps"]:
+    if not is_count(steps) or steps > counters["global_steps"]:
         raise ValueError(f"the index's counters.optimizer_steps ({steps!r}) must be a step count in "
                          f"[0, {counters['global_steps']}] (its global_steps): the index is damaged")
     samples = counters.get("global_samples", 0)
-    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+    if not is_count(samples):
         raise ValueError(f"the index's counters.global_samples ({samples!r}) must be a sample count >= 0: the index "
                          "is damaged")
     idle = counters.get("idle_steps", {})

@@ -35,8 +35,10 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
-def _compiled_already(module: nn.Module) -> bool:
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+def is_compiled_module(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled code of its own: ``torch.compile(module)``'s wrapper, or compiled in place
+    by ``module.compile()``."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: nothing was compiled)
     if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
         return True
     return module.__dict__.get("_compiled_call_impl") is not None
@@ -57,7 +59,7 @@ def compile_engine(engine: Engine, backend: str | Callable[..., Any], compile_kw
     if "backend" in kwargs:
         raise ValueError("engine.compile(): give the backend as backend=..., not inside compile_kwargs")
     if engine.stage3 is None:
-        if _compiled_already(engine.module):
+        if is_compiled_module(engine.module):
             return []
         engine.module.compile(backend=backend, **kwargs)
         return [""]
@@ -66,7 +68,7 @@ def compile_engine(engine: Engine, backend: str | Callable[..., Any], compile_kw
     compiled = []
     for unit in runtime.units:
         module = unit.spec.module
-        if unit.spec.parent is None or unit.index in enclosing or _compiled_already(module):
+        if unit.spec.parent is None or unit.index in enclosing or is_compiled_module(module):
             continue
         # an instance attribute: nn.Module.__call__ runs the hooks, then this
         module.forward = torch.compile(module.forward, backend=backend, **kwargs)

@@ -15,6 +15,7 @@ from torch import nn
 
 from .config import ZeroConfig
 
+from ._info import cpu_cores
 from ._model_checks import model_device
 from ._names import named_parameters
 from ._native import _C
@@ -273,7 +274,7 @@ def cpu_step_threads_line(config: ZeroConfig, environ: Mapping[str, str], rank: 
     if offload not in ("cpu", "nvme") or local_rank != "0":
         return None
     threads = _C.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     ranks = environ.get("LOCAL_WORLD_SIZE", "1")
     unpinned = _C.default_kernel_threads(torch.get_num_threads(), environ.get("OMP_NUM_THREADS"),
                                          environ.get("LOCAL_WORLD_SIZE"), cores)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._checkpoint_match import is_count
 from ._deferred_signals import deferred_interrupts
 from ._full_param_state import write_full_state
 from ._model_checks import all_gather_json
@@ -65,11 +66,6 @@ _DEEPSPEED_KEYS = frozenset({
     "checkpoint_parallel_dimensions", "universal_checkpoint_info", "ds_autoep_layers", "autoep_layers",
 })
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-
-
-def _sample_count(value: Any) -> int | None:
-    """DeepSpeed's saved ``global_samples`` (an int; None when absent or not a count, then derived)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def is_deepspeed_checkpoint(path: str) -> bool:
@@ -395,10 +391,11 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, sche
     if module_only:
         return
     global_steps = int(checkpoint.model.get("global_steps", 0))
+    samples = checkpoint.model.get("global_samples")  # (not a count: derived from the steps instead)
     engine.restore_counters(global_steps, checkpoint.optimizer_step if optimizer_states else 0,
                             int(checkpoint.model.get("skipped_steps", 0)),
                             global_steps * engine.config.gradient_accumulation_steps, {},
-                            _sample_count(checkpoint.model.get("global_samples")))
+                            samples if is_count(samples) else None)
     if optimizer_states:
         for group, saved in zip(engine.optimizer.param_groups, checkpoint.param_groups):
             for key in ("lr", "betas", "eps", "weight_decay"):

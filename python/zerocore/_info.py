@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from ._native import _C, _build_config
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity), the count the CPU kernels' thread rule uses (Note
+    [Kernel threads under torchrun])."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def build_info() -> dict[str, Any]:

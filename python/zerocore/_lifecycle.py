@@ -28,6 +28,10 @@ class EngineState(enum.Enum):
     CLOSED = "closed"
 
 
+# the states in which an engine method that needs no particular phase of the cycle may run (not inside a
+# backward, not after close)
+USABLE = (EngineState.IDLE, EngineState.FORWARD, EngineState.AWAITING_STEP, EngineState.NO_SYNC)
+
 _FIX = {
     EngineState.CLOSED: "the engine was closed (engine.close() handed the model back); build a new engine with "
                         "zerocore.initialize() to train again",

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._info import build_info
+from ._info import build_info, cpu_cores
 from ._native import _C
 from ._nvme_state import NamelessFile
 from ._safetensors_io import aligned_empty, open_io
@@ -154,7 +154,7 @@ def _rank_threads(local: int) -> int:
 
 
 def _check_cpu(checks: list[Check], local: int, offloads: set[str]) -> dict[str, Any]:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     per_rank = max(1, cores // local)
     threads = _rank_threads(local)
     # the kernels' own rule (Note [Kernel threads under torchrun]), under torchrun's default where it applies

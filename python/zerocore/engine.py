@@ -40,7 +40,7 @@ from ._backward import GradientRouting, exchange_backward_outcome, exchanges_out
 from ._buckets import BucketSizes
 from ._batch_sizes import set_batch_sizes, sizes_for_batch, sizes_for_micro_batch
 from ._buffer_sync import BufferSync
-from ._compile import compile_engine
+from ._compile import compile_engine, is_compiled_module
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
                             cast_untracked_tensors, cpu_step_threads_line, default_process_group, optimizer_state_for,
                             param_file_for_config, training_device, whole_model_buffer)
@@ -50,7 +50,7 @@ from ._divergence import RanksDivergedError, ShardReadError
 from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
 from ._gathered import refuse_managed, unregister
 from ._gathered import register as register_managed
-from ._lifecycle import EngineState, Lifecycle
+from ._lifecycle import USABLE, EngineState, Lifecycle
 from ._loss_scaler import LossScaler
 from ._model_checks import (check_same_config_on_all_ranks, check_same_model_on_all_ranks, check_trainable_dtypes,
                             collect_trainable)
@@ -68,7 +68,6 @@ from .optimizer import ZeroOptimizer
 
 __all__ = ["Engine", "EngineState", "initialize"]
 # States in which the model's parameters may be read or written from outside training.
-_USABLE = (EngineState.IDLE, EngineState.FORWARD, EngineState.AWAITING_STEP, EngineState.NO_SYNC)
 # errors every rank raises at the same point, or after which no collective may follow: nothing to play out
 _RAISED_IN_LOCKSTEP = (RanksDivergedError, ShardReadError, CompileRefused, dist.DistError)
 
@@ -208,10 +207,7 @@ class Engine(DeepSpeedAccessors):
         self.buffer_sync = BufferSync(self.comm, model, self.world_size)
         # compiled code cannot land a gather on first read (Note [Gathers land on first read]): the forward lands
         # them all before it runs
-        eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: nothing was compiled)
-        compiled = () if eval_frame is None else eval_frame.OptimizedModule
-        self._has_compiled_code = any(isinstance(m, compiled) or m.__dict__.get("_compiled_call_impl") is not None
-                                      for m in model.modules())
+        self._has_compiled_code = any(is_compiled_module(m) for m in model.modules())
         self._comm_reset_at_step = 0
         self._samples_mark = (0, 0)  # (global_samples, global_steps) when the batch size last changed
         self._compiled_modules: list[str] = []  # by compile() ("" for the root)
@@ -285,7 +281,7 @@ class Engine(DeepSpeedAccessors):
         floating-point positional inputs (also inside lists, tuples and dicts) are cast to fp16 first, as
         DeepSpeed's auto_cast does (keyword arguments never are)."""
         life = self.lifecycle
-        life.require("forward()", *_USABLE)
+        life.require("forward()", *USABLE)
         self._end_unstepped_micro_step()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args = cast_floating(args, torch.float16)
@@ -594,7 +590,7 @@ class Engine(DeepSpeedAccessors):
         with ``backend`` and ``compile_kwargs`` applied in place, the whole module at stages 1-2, each innermost
         unit's ``forward`` at stage 3 (Note [Compiling through the engine]). Local: no collective, but every rank
         should call it so that the ranks run the same code. Calling it again does nothing."""
-        self.lifecycle.require("compile()", *_USABLE)
+        self.lifecycle.require("compile()", *USABLE)
         compiled = compile_engine(self, backend, compile_kwargs, schedule, compiled_autograd_enabled)
         self._has_compiled_code |= bool(compiled)
         self._compiled_modules += compiled
@@ -610,7 +606,7 @@ class Engine(DeepSpeedAccessors):
         The model can then be used plainly or given to a new engine. Closing twice does nothing."""
         if self.lifecycle.state is EngineState.CLOSED:
             return
-        self.lifecycle.require("close()", *_USABLE)
+        self.lifecycle.require("close()", *USABLE)
         self.land_param_gathers()
         self.gradients.remove_hooks()
         if self.stage3 is not None:
@@ -656,7 +652,7 @@ class Engine(DeepSpeedAccessors):
         ``load_state_dict(strict=True)``; CPU tensors, in ``dtype`` when given (floating ones). Stage 3
         gathers one unit at a time (peak: the output plus one unit). A collective: call it on every rank;
         with ``rank0_only`` other ranks get an empty dict."""
-        self.lifecycle.require("full_state_dict()", *_USABLE)
+        self.lifecycle.require("full_state_dict()", *USABLE)
         self.land_param_gathers()
         return full_state_dict(self, dtype, rank0_only)
 
@@ -748,7 +744,7 @@ class Engine(DeepSpeedAccessors):
         ``pytorch_model.bin``), Hugging Face's layout: tied parameters once, under their first name, persistent
         buffers included; without the frozen parameters with ``exclude_frozen_parameters`` (a LoRA adapter's
         run). A collective: stage 3 gathers unit by unit. Returns the file's path."""
-        self.lifecycle.require("save_16bit_model()", *_USABLE)
+        self.lifecycle.require("save_16bit_model()", *USABLE)
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> str:
@@ -831,7 +827,7 @@ class Engine(DeepSpeedAccessors):
     # ---- zerocore.gathered --------------------------------------------------------------------------
     def gather_for_user(self, params: list[nn.Parameter]) -> None:
         """Entering ``zerocore.gathered(params)``: the parameters hold their full values."""
-        self.lifecycle.require("gathered()", *_USABLE)
+        self.lifecycle.require("gathered()", *USABLE)
         self.land_param_gathers()
         # in-place writes made before the block (load_state_dict on every rank) are the model's, which the step
         # would take: taken now, so that leaving the block without a modifier rank undoes only what was
