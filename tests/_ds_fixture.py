@@ -61,3 +61,22 @@ def fixture_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fixture_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def states_differing(model: nn.Module, expected: dict[str, torch.Tensor]) -> list[str]:
+    """The ``master/<name>``, ``exp_avg/<name>`` and ``exp_avg_sq/<name>`` of the trainable parameters that are
+    not exactly ``expected``'s as the engine holds them (a moment ``expected`` lacks: zeros, a parameter that
+    never got a gradient). A collective (the safe_get_full_* functions)."""
+    import zerocore
+
+    differ = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        got = {"master": zerocore.safe_get_full_fp32_param(param),
+               "exp_avg": zerocore.safe_get_full_optimizer_state(param, "exp_avg"),
+               "exp_avg_sq": zerocore.safe_get_full_optimizer_state(param, "exp_avg_sq")}
+        for key, value in got.items():
+            if not torch.equal(value, expected.get(f"{key}/{name}", torch.zeros_like(value))):
+                differ.append(f"{key}/{name}")
+    return differ

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import zerocore
 from _dist import run_ranks
-from _ds_fixture import CASES, build_fixture_model, fixture_batch, fixture_loss, param_groups
+from _ds_fixture import CASES, build_fixture_model, fixture_batch, fixture_loss, param_groups, states_differing
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,16 +39,8 @@ def load_worker(rank: int, world: int, case: str, stage: int, directory: str, of
                                  param_groups=groups if CASES[case]["groups"] else None)
     path, client_state = engine.load_checkpoint(directory)
     expected = load_file(os.path.join(directory, "expected.safetensors"))
-    seen: dict = {"path": os.path.basename(path), "client_state": client_state, "differ": []}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        got = {"master": zerocore.safe_get_full_fp32_param(param),
-               "exp_avg": zerocore.safe_get_full_optimizer_state(param, "exp_avg"),
-               "exp_avg_sq": zerocore.safe_get_full_optimizer_state(param, "exp_avg_sq")}
-        for key, value in got.items():
-            if not torch.equal(value, expected[f"{key}/{name}"]):
-                seen["differ"].append(f"{key}/{name}")
+    seen: dict = {"path": os.path.basename(path), "client_state": client_state,
+                  "differ": states_differing(model, expected)}
     whole = engine.full_state_dict(rank0_only=False)
     dtype = whole["embed.weight"].dtype
     seen["frozen_kept"] = all(torch.equal(whole[n], initial[n].to(whole[n].dtype)) for n in ("frozen.weight", "frozen.bias"))

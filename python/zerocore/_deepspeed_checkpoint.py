@@ -49,10 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._checkpoint_match import is_count
+from ._checkpoint_match import agree_on_reading, is_count
 from ._deferred_signals import deferred_interrupts
 from ._full_param_state import write_full_state
-from ._model_checks import all_gather_json
 from ._names import canonical, named_buffers, named_parameters
 
 if TYPE_CHECKING:
@@ -318,14 +317,7 @@ def load(engine: Engine, path: str, load_optimizer_states: bool, load_lr_schedul
     except (KeyError, TypeError, IndexError, AttributeError) as error:  # a layout this reader does not know
         problem = ValueError(f"load_checkpoint: {path} is not a DeepSpeed ZeRO (stage 1-3) checkpoint this version "
                              f"reads ({type(error).__name__}: {error}); nothing was changed")
-    verdicts = all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
-                               engine.device)
-    if problem is not None:
-        raise problem
-    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
-    if failed:
-        raise ValueError(f"load_checkpoint: rank {failed[0][0]} refused the DeepSpeed checkpoint ({failed[0][1]}); "
-                         "nothing was changed")
+    agree_on_reading(engine, problem, "the DeepSpeed checkpoint")
     assert checkpoint is not None
     with deferred_interrupts("the checkpoint load"):  # (Note [Interrupts deferred in an update])
         _apply(engine, checkpoint, load_optimizer_states and not load_module_only, load_lr_scheduler_states,

@@ -59,6 +59,7 @@ from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsy
 from ._checkpoint_match import (check_model, check_param_groups, check_untracked, global_steps, group_names,
                                 optimizer_steps, persistent_names, trainable_shapes)
 from ._checkpoint_untracked import load_untracked, read_untracked, untracked_state, write_untracked
+from ._dcp_checkpoint import dcp_directories
 from ._deferred_signals import deferred_interrupts
 from ._model_checks import all_gather_json
 from .lr_schedules import apply_current_values
@@ -259,6 +260,13 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
 
         return deepspeed_dir, load_deepspeed(engine, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
                                              load_module_only)
+    dcp_path = os.path.join(os.fspath(load_dir), str(tag)) if tag is not None else os.fspath(load_dir)
+    dcp_dirs = dcp_directories(dcp_path)
+    if dcp_dirs is not None:  # Note [DCP checkpoints]
+        from ._dcp_checkpoint import load as load_dcp
+
+        return dcp_path, load_dcp(engine, dcp_path, dcp_dirs, load_optimizer_states, load_lr_scheduler_states,
+                                  load_module_only)
     problem: BaseException | None = None
     staged: _Staged | None = None
     try:

@@ -704,7 +704,9 @@ class Engine(DeepSpeedAccessors):
         signature: ``load_module_only`` replaces the weights and buffers only (moments, counters, scheduler
         and loss scale stay); ``load_optimizer_states=False`` starts the optimizer afresh from the loaded
         weights. Returns ``(path, client_state)``. Everything is validated before the engine changes. A
-        collective."""
+        collective. ``load_dir`` may also be a DeepSpeed ZeRO checkpoint (Note [DeepSpeed checkpoints]) or a
+        torch.distributed.checkpoint directory saved by FSDP2, torchtitan or Accelerate (Note [DCP
+        checkpoints]; its objects outside the model and the optimizer come back as the client state)."""
         from .checkpoint import load_checkpoint
 
         if load_module_strict is not True or custom_load_fn is not None:

@@ -1,0 +1,393 @@
+"""torch.distributed.checkpoint (DCP) directories, as FSDP2, torchtitan and Accelerate save them, loaded by
+``engine.load_checkpoint``: a run moves from FSDP to zerocore mid-training with its weights, AdamW moments,
+step counts and buffers, at any world size and stage.
+
+Note [DCP checkpoints]
+----------------------
+A DCP checkpoint is a directory with a ``.metadata`` file (every saved entry: a tensor's global shape, dtype
+and chunks, or a pickled object) and the ranks' ``.distcp`` files. Entries are keyed by their path in the
+state dict that was saved, which differs by framework: torch's recipe saves ``{"model": ..., "optim": ...}``
+from ``get_state_dict(model, optimizer)`` (the optimizer nested: ``state/<fqn>/exp_avg``,
+``param_groups/<i>/lr`` with ``params`` naming the parameters), torchtitan saves the model's keys at the top
+level and the optimizer flattened under ``optimizer`` (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``),
+with ``lr_scheduler`` and ``train_state`` beside them, and Accelerate writes the model and the optimizer to two
+DCP directories (``pytorch_model_fsdp_0/``, ``optimizer_0/``) in one checkpoint folder. So the reader goes by
+structure, not by names: an optimizer is where ``param_groups`` entries are; the model is the one container
+whose tensors cover every trainable parameter of this engine's model by name (without wrapper segments, Note
+[Names without wrappers]); everything else that is not a tensor (a train state, a scheduler's state, a data
+loader's position) comes back as the client state.
+
+FSDP2 keeps fp32 parameters (a ``MixedPrecisionPolicy`` computes in bf16 from them), so the model's values are
+the fp32 masters; AdamW's ``exp_avg`` and ``exp_avg_sq`` are the moments and its per-parameter ``step`` the
+bias-correction count: the engine's optimizer step is the largest, and a parameter whose step is smaller (or
+that has no state: it never got a gradient) counts the difference as steps it got no gradient for, as
+zerocore's own idle-step count does (torch's AdamW does not advance a parameter without a gradient either).
+Any other optimizer state (SGD's momentum, AMSGrad's ``max_exp_avg_sq``) is refused by name: zerocore's
+optimizer is Adam/AdamW, and moments of another rule would train on silently wrong. The param groups'
+hyperparameters (lr, betas, eps, weight_decay) are taken per engine param group from the checkpoint's groups
+of its parameters; a group whose parameters had different ones is refused, naming them. An engine LR
+scheduler from the config is stepped to the loaded step count, as a run that trained those steps would
+have stepped it (FSDP's own scheduler object is the script's, not in the engine).
+
+Every rank reads the metadata and checks it against the model (names, shapes, frozen or not, the files'
+sizes against the byte ranges the metadata names, so a truncated file is found before anything changes);
+the ranks agree on the verdict, then read one parameter at a time (its value and moments, whole) and keep
+their own shard's pieces, with no collective in DCP (``no_dist``). Objects in the checkpoint are unpickled,
+as DCP's own load does: load checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._checkpoint_match import agree_on_reading
+from ._deferred_signals import deferred_interrupts
+from ._full_param_state import write_full_state
+from ._names import canonical, named_buffers, named_parameters
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_METADATA = ".metadata"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_ADAM_STATE = frozenset({*_MOMENTS, "step"})
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+_FLAT_STATE = re.compile(r"^state\.(.+)\.([A-Za-z_]\w*)$")  # torchtitan: state.<fqn>.<field>
+_FLAT_GROUP = re.compile(r"^param_groups\.(.+)\.([A-Za-z_]\w*)$")  # torchtitan: param_groups.<fqn>.<field>
+Path = tuple[Any, ...]
+
+
+def dcp_directories(path: str) -> list[str] | None:
+    """The DCP directories of a checkpoint: ``path`` itself when it holds DCP's ``.metadata``, else its
+    subdirectories that do (Accelerate's ``pytorch_model_fsdp_0/`` and ``optimizer_0/``); None for neither."""
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, _METADATA)):
+        return [path]
+    found = sorted(os.path.join(path, name) for name in os.listdir(path)
+                   if os.path.isfile(os.path.join(path, name, _METADATA)))
+    return found or None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    directory: str
+    key: str  # the metadata's flattened key
+    shape: torch.Size | None  # None: a pickled object
+    dtype: torch.dtype | None
+
+
+@dataclass
+class _Checkpoint:
+    path: str
+    model: dict[str, _Entry]  # name -> the model's tensor (parameters and buffers)
+    model_root: Path
+    has_optimizer: bool = False
+    state: dict[str, dict[str, _Entry]] = field(default_factory=lambda: defaultdict(dict))  # name -> field -> entry
+    hyper: dict[str, dict[str, _Entry]] = field(default_factory=lambda: defaultdict(dict))  # name -> hyperparameter
+    client: dict[Path, _Entry] = field(default_factory=dict)  # objects outside the model and the optimizer
+
+
+def _read_metadata(directory: str) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(directory).read_metadata()
+    except Exception as error:  # noqa: BLE001 - a torn or foreign .metadata: named with its path
+        raise ValueError(f"load_checkpoint: cannot read the DCP metadata {os.path.join(directory, _METADATA)}: "
+                         f"{type(error).__name__}: {error}") from None
+
+
+def _check_files(directory: str, metadata: Any) -> None:
+    """Every byte range the metadata names lies inside its file: a rank's missing or truncated ``.distcp``
+    file is found here, before anything changes, instead of part-way through the load."""
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = os.path.join(directory, name)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size is None or size < end:
+            raise ValueError(f"load_checkpoint: the DCP file {file} is "
+                             f"{'missing' if size is None else f'{size} bytes, its entries end at byte {end}'} "
+                             "(a save that did not finish, or a partial copy); nothing was changed")
+
+
+def _optimizer_root(path: Path) -> Path | None:
+    """Where an optimizer state dict sits, if ``path`` is one of its ``param_groups`` entries."""
+    for i, part in enumerate(path):
+        if part == "param_groups" and i + 1 < len(path):
+            return path[:i]
+    if path and isinstance(path[-1], str) and _FLAT_GROUP.match(path[-1]):
+        return path[:-1]
+    return None
+
+
+def read(path: str, directories: list[str], trainable: set[str]) -> _Checkpoint:
+    """Reads and sorts the entries of a DCP checkpoint (Note [DCP checkpoints]); nothing is loaded yet."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries: list[tuple[Path, _Entry]] = []
+    for directory in directories:
+        metadata = _read_metadata(directory)
+        _check_files(directory, metadata)
+        planner = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        for key, meta in metadata.state_dict_metadata.items():
+            tensor = isinstance(meta, TensorStorageMetadata)
+            where = tuple(planner.get(key, (key,)))
+            entries.append((where, _Entry(directory, key, meta.size if tensor else None,
+                                          meta.properties.dtype if tensor else None)))
+    optimizers = {root for where, _ in entries if (root := _optimizer_root(where)) is not None}
+    if len(optimizers) > 1:
+        raise ValueError(f"load_checkpoint: the DCP checkpoint {path} holds {len(optimizers)} optimizers (under "
+                         f"{sorted('/'.join(map(str, r)) or '<top>' for r in optimizers)}): zerocore loads one; "
+                         "nothing was changed")
+    optimizer = next(iter(optimizers), None)
+    models: dict[Path, dict[str, _Entry]] = defaultdict(dict)
+    client: dict[Path, _Entry] = {}
+    nested_groups: dict[Any, dict[str, _Entry]] = defaultdict(dict)
+    state: dict[str, dict[str, _Entry]] = defaultdict(dict)
+    flat_hyper: dict[str, dict[str, _Entry]] = defaultdict(dict)
+    for where, entry in entries:
+        if optimizer is not None and where[:len(optimizer)] == optimizer and len(where) > len(optimizer):
+            rest = where[len(optimizer):]
+            if rest[0] == "state" and len(rest) == 3:
+                state[canonical(str(rest[1]))][str(rest[2])] = entry
+            elif rest[0] == "param_groups" and len(rest) == 3:
+                nested_groups[rest[1]][str(rest[2])] = entry
+            elif len(rest) == 1 and (match := _FLAT_STATE.match(str(rest[0]))):
+                state[canonical(match.group(1))][match.group(2)] = entry
+            elif len(rest) == 1 and (match := _FLAT_GROUP.match(str(rest[0]))):
+                flat_hyper[canonical(match.group(1))][match.group(2)] = entry
+            else:
+                raise ValueError(f"load_checkpoint: the DCP checkpoint {path} has an optimizer entry this version "
+                                 f"does not read ({entry.key!r}); nothing was changed")
+        elif entry.shape is not None and where:
+            models[where[:-1]][canonical(str(where[-1]))] = entry
+        else:
+            client[where] = entry
+    covering = [root for root, names in models.items() if trainable <= names.keys()]
+    if len(covering) != 1:
+        if covering:
+            raise ValueError(f"load_checkpoint: the DCP checkpoint {path} holds several models with the trainable "
+                             f"parameters' names (under {sorted('/'.join(map(str, r)) or '<top>' for r in covering)}"
+                             "); nothing was changed")
+        best = max(models.items(), key=lambda item: len(trainable & item[1].keys()), default=((), {}))
+        missing = sorted(trainable - best[1].keys())
+        raise ValueError(f"load_checkpoint: the DCP checkpoint {path} does not hold the model's trainable "
+                         f"parameters (missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}); nothing was "
+                         "changed")
+    root = covering[0]
+    for other, names in models.items():  # tensors beside the model and the optimizer (another model, an EMA)
+        if other != root:
+            warnings.warn(f"load_checkpoint: the DCP checkpoint {path} also holds tensors under "
+                          f"{'/'.join(map(str, other)) or '<top>'} ({len(names)}), which are not loaded",
+                          RuntimeWarning, stacklevel=4)
+    checkpoint = _Checkpoint(path, models[root], root, optimizer is not None, state, client=client)
+    if nested_groups:
+        names_of = _load_objects([group["params"] for group in nested_groups.values() if "params" in group])
+        for group, names in zip((g for g in nested_groups.values() if "params" in g), names_of):
+            for name in names:
+                checkpoint.hyper[canonical(str(name))] = {k: v for k, v in group.items() if k != "params"}
+    for name, hyper in flat_hyper.items():
+        checkpoint.hyper[name] = hyper
+    return checkpoint
+
+
+def _load(entries: dict[str, _Entry]) -> dict[str, Any]:
+    """Loads entries (tensors whole, objects unpickled) by their DCP keys, one ``dcp.load`` per directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    by_directory: dict[str, dict[str, Any]] = defaultdict(dict)
+    for entry in entries.values():
+        by_directory[entry.directory][entry.key] = (None if entry.shape is None
+                                                    else torch.empty(entry.shape, dtype=entry.dtype))
+    loaded: dict[tuple[str, str], Any] = {}
+    for directory, state_dict in by_directory.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (DCP: "loading in a single process")
+            dcp.load(state_dict, storage_reader=FileSystemReader(directory), no_dist=True)
+        loaded.update({(directory, key): value for key, value in state_dict.items()})
+    return {name: loaded[(entry.directory, entry.key)] for name, entry in entries.items()}
+
+
+def _load_objects(entries: list[_Entry]) -> list[Any]:
+    values = _load({str(i): entry for i, entry in enumerate(entries)})
+    return [values[str(i)] for i in range(len(entries))]
+
+
+def _nested(client: dict[Path, Any]) -> dict[str, Any]:
+    """The client state's objects as nested dicts by their paths (``train_state/step`` -> {"train_state":
+    {"step": ...}})."""
+    out: dict[str, Any] = {}
+    for where, value in client.items():
+        node = out
+        for part in where[:-1]:
+            node = node.setdefault(str(part), {})
+        node[str(where[-1])] = value
+    return out
+
+
+def _trainable_names(engine: Engine) -> dict[str, Any]:
+    return {name: param for buffer in engine.buffers for name, param in zip(buffer.names, buffer.params)}
+
+
+@dataclass
+class _Plan:
+    """What the load writes, decided (and checked) before anything changes."""
+    optimizer_step: int = 0
+    steps: dict[str, int] = field(default_factory=dict)
+    hyperparameters: list[dict[str, Any] | None] = field(default_factory=list)  # per engine param group
+
+
+def _check_against(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool) -> _Plan:
+    path = checkpoint.path
+    ours = _trainable_names(engine)
+    known = {name for name, _ in named_parameters(engine.module, remove_duplicate=False)}  # (tied: every name)
+    known |= {name for name, _ in named_buffers(engine.module, remove_duplicate=False)}
+    extra = sorted(set(checkpoint.model) - known)
+    if extra:
+        raise ValueError(f"load_checkpoint: the DCP checkpoint {path} holds tensors the model does not have "
+                         f"({extra[:5]}{' ...' if len(extra) > 5 else ''}): another model's checkpoint?; nothing was "
+                         "changed")
+    frozen = [name for name, _ in named_parameters(engine.module) if name not in ours]
+    saved = [name for name in frozen if name in checkpoint.model]
+    if saved and len(saved) != len(frozen):  # none saved: the model's own stay, as for DeepSpeed's checkpoints
+        raise ValueError(f"load_checkpoint: frozen parameters {sorted(set(frozen) - set(saved))[:5]} are not in the "
+                         f"DCP checkpoint {path}; nothing was changed")
+    for name, param in named_parameters(engine.module):
+        entry = checkpoint.model.get(name)
+        if entry is None:
+            continue
+        if tuple(entry.shape) != tuple(param.shape):
+            raise ValueError(f"load_checkpoint: parameter {name!r} is {list(param.shape)} in the model but "
+                             f"{list(entry.shape)} in the DCP checkpoint {path}; nothing was changed")
+    for name, buffer in named_buffers(engine.module):
+        entry = checkpoint.model.get(name)
+        if entry is not None and tuple(entry.shape) != tuple(buffer.shape):
+            raise ValueError(f"load_checkpoint: buffer {name!r} is {list(buffer.shape)} in the model but "
+                             f"{list(entry.shape)} in the DCP checkpoint {path}; nothing was changed")
+    plan = _Plan(hyperparameters=[None] * len(engine.optimizer.param_groups))
+    if not optimizer_states:
+        return plan
+    if not checkpoint.has_optimizer:
+        raise ValueError(f"load_checkpoint: the DCP checkpoint {path} holds no optimizer state (a model-only save); "
+                         "pass load_optimizer_states=False to load its weights with a fresh optimizer; nothing was "
+                         "changed")
+    for name, fields in checkpoint.state.items():
+        if name not in ours:
+            raise ValueError(f"load_checkpoint: the DCP checkpoint {path} has optimizer state for {name!r}, which is "
+                             "not a trainable parameter of this model (frozen here, or another model's); nothing "
+                             "was changed")
+        other = sorted(set(fields) - _ADAM_STATE)
+        if other:
+            raise ValueError(f"load_checkpoint: the DCP checkpoint {path} holds optimizer state {other} for {name!r}: "
+                             "not Adam/AdamW's (exp_avg, exp_avg_sq, step), which zerocore's optimizer continues; "
+                             "pass load_optimizer_states=False to load the weights alone; nothing was changed")
+        for key in _MOMENTS:
+            entry = fields.get(key)
+            if entry is None or entry.shape is None or tuple(entry.shape) != tuple(ours[name].shape):
+                raise ValueError(f"load_checkpoint: the DCP checkpoint {path} holds no {key} of the parameter's "
+                                 f"shape for {name!r}; nothing was changed")
+    steps = _load({name: fields["step"] for name, fields in checkpoint.state.items() if "step" in fields})
+    plan.steps = {name: int(torch.as_tensor(value).item()) for name, value in steps.items()}
+    plan.optimizer_step = max(plan.steps.values(), default=0)
+    hyper = _load({f"{name}/{key}": entry for name, fields in checkpoint.hyper.items() if name in ours
+                   for key, entry in fields.items()
+                   if key in (*_HYPERPARAMETERS, "amsgrad", "maximize", "decoupled_weight_decay")})
+    decoupled = engine.config.optimizer.adamw_mode
+    for name in ours:
+        for flag in ("amsgrad", "maximize"):
+            if hyper.get(f"{name}/{flag}"):
+                raise ValueError(f"load_checkpoint: the DCP checkpoint {path} trained {name!r} with {flag}=True, "
+                                 "which zerocore's AdamW does not do; nothing was changed")
+        # torch's Adam adds weight decay to the gradient (L2), its AdamW decouples it: the loaded weight_decay
+        # must keep meaning what it meant
+        saved = hyper.get(f"{name}/decoupled_weight_decay")
+        if saved is not None and bool(saved) != decoupled and hyper.get(f"{name}/weight_decay"):
+            raise ValueError(
+                f"load_checkpoint: the DCP checkpoint {path} trained {name!r} with "
+                f"{'decoupled (AdamW)' if saved else 'L2 (torch.optim.Adam)'} weight decay, this engine's optimizer "
+                f"applies it {'decoupled' if decoupled else 'as L2'}: configure "
+                f"{'type AdamW' if saved else 'type Adam with adam_w_mode false'}; nothing was changed")
+    for index, group in enumerate(engine.optimizer.param_groups):
+        names = [name for name, param in ours.items() if any(param is p for p in group["params"])]
+        seen = {}
+        for name in names:
+            values = {key: hyper[f"{name}/{key}"] for key in _HYPERPARAMETERS if f"{name}/{key}" in hyper}
+            if values:
+                seen[name] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        distinct = {tuple(sorted(v.items())) for v in seen.values()}
+        if len(distinct) > 1:
+            raise ValueError(f"load_checkpoint: param group {index}'s parameters had different hyperparameters in the "
+                             f"DCP checkpoint {path} ({dict(list(seen.items())[:3])}): build the engine's param groups "
+                             "as the run that saved it had them; nothing was changed")
+        if seen:
+            plan.hyperparameters[index] = next(iter(seen.values()))
+    return plan
+
+
+def load(engine: Engine, path: str, directories: list[str], load_optimizer_states: bool,
+         load_lr_scheduler_states: bool, load_module_only: bool) -> dict[str, Any]:
+    """Reads, checks (every rank agreeing) and applies a DCP checkpoint; returns its objects as client state."""
+    optimizer_states = load_optimizer_states and not load_module_only
+    checkpoint, plan, client, problem = None, None, None, None
+    try:
+        checkpoint = read(path, directories, set(_trainable_names(engine)))
+        plan = _check_against(engine, checkpoint, optimizer_states)
+        client = _nested(dict(zip(checkpoint.client, _load_objects(list(checkpoint.client.values())))))
+    except (OSError, ValueError) as error:
+        problem = error
+    except (KeyError, TypeError, IndexError, AttributeError, RuntimeError) as error:  # a layout not read here
+        problem = ValueError(f"load_checkpoint: {path} is not a DCP checkpoint this version reads "
+                             f"({type(error).__name__}: {error}); nothing was changed")
+    agree_on_reading(engine, problem, "the DCP checkpoint")
+    assert checkpoint is not None and plan is not None and client is not None
+    with deferred_interrupts("the checkpoint load"):  # (Note [Interrupts deferred in an update])
+        _apply(engine, checkpoint, plan, optimizer_states, load_lr_scheduler_states, load_module_only)
+    return client
+
+
+def _apply(engine: Engine, checkpoint: _Checkpoint, plan: _Plan, optimizer_states: bool, scheduler_states: bool,
+           module_only: bool) -> None:
+    from ._gathered import write_whole_in_groups
+
+    ours = _trainable_names(engine)
+    with torch.no_grad():
+        for name, param in ours.items():  # the same order on every rank
+            wanted = {"master": checkpoint.model[name]}
+            if optimizer_states:
+                wanted.update({key: entry for key, entry in checkpoint.state.get(name, {}).items() if key in _MOMENTS})
+            values = {key: value.float() for key, value in _load(wanted).items()}
+            if not module_only:
+                for key in _MOMENTS:
+                    values.setdefault(key, torch.zeros(param.shape))  # no state: it never got a gradient
+            write_full_state(param, values)
+        write_whole_in_groups(engine, [
+            (param, lambda entry=checkpoint.model[name]: _load({"value": entry})["value"])
+            for name, param in named_parameters(engine.module) if name not in ours and name in checkpoint.model])
+        buffers = {name: buffer for name, buffer in named_buffers(engine.module) if name in checkpoint.model}
+        for name, value in _load({name: checkpoint.model[name] for name in buffers}).items():
+            buffers[name].copy_(value)
+    if module_only:
+        return
+    step = plan.optimizer_step
+    idle = {name: step - plan.steps.get(name, 0) for name in ours if step - plan.steps.get(name, 0) > 0}
+    engine.restore_counters(step, step, 0, step * engine.config.gradient_accumulation_steps, idle)
+    for group, saved in zip(engine.optimizer.param_groups, plan.hyperparameters):
+        if saved is not None:
+            group.update(saved)
+    if scheduler_states and engine.lr_scheduler is not None and step > 0:
+        # the schedule where a run that took these steps has it (FSDP's scheduler is the script's own object)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (torch: a scheduler step before an optimizer step)
+            for _ in range(step):
+                engine.lr_scheduler.step()

@@ -1,0 +1,215 @@
+"""torch.distributed.checkpoint (DCP) checkpoints loaded by engine.load_checkpoint (Note [DCP checkpoints] in
+_dcp_checkpoint.py): the fixtures in tests/fixtures/dcp were written by FSDP2 runs on 2 ranks in torch's,
+torchtitan's and Accelerate's layouts (make_fixtures.py there), each with what FSDP2 held for every parameter
+(its fp32 value and AdamW moments) and its parameters after one more step; a zerocore engine of another world
+size or stage loads them and must hold exactly those, and its next step must be FSDP2's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zerocore
+from _dcp_fixture import ADAMW, CASES, STEPS
+from _dist import run_ranks
+from _ds_fixture import build_fixture_model, fixture_batch, fixture_loss, param_groups, states_differing
+
+pytestmark = pytest.mark.timeout(300)
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "dcp")
+
+
+def _config(case: str, stage: int, offload: str | None = None, scheduler: bool = False) -> dict:
+    config: dict = {"optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]), "lr": 0.5}},
+                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                    "gradient_clipping": 0.0}  # (FSDP2's run did not clip)
+    if CASES[case]["bf16"]:
+        config["bf16"] = {"enabled": True}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": offload}
+    if scheduler:
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                              "warmup_num_steps": 10, "warmup_type": "linear"}}
+    return config
+
+
+def load_worker(rank: int, world: int, case: str, stage: int, offload: str | None) -> dict:
+    directory = os.path.join(FIXTURES, case)
+    model = build_fixture_model()
+    groups = param_groups(model, CASES[case])
+    engine = zerocore.initialize(model, _config(case, stage, offload),
+                                 param_groups=groups if CASES[case]["groups"] else None)
+    path, client_state = engine.load_checkpoint(directory)
+    expected = load_file(os.path.join(directory, "expected.safetensors"))
+    seen: dict = {"path": os.path.basename(path), "client_state": client_state,
+                  "differ": states_differing(model, expected)}
+    seen["buffer"] = model.seen.tolist()
+    seen["global_steps"], seen["adam_steps"] = engine.global_steps, engine.optimizer_state.step_count
+    seen["idle"] = dict(engine.optimizer_state.idle_steps)
+    seen["lr"] = [g["lr"] for g in engine.optimizer.param_groups]
+    # the resumed run's first update against FSDP2's own next step from the same state and batches: the step
+    # counts (Adam's bias correction), lr and moments all enter it; FSDP2's two ranks' batches are spread over
+    # this run's ranks so the averaged gradient is the same
+    mine = [k for k in range(2) if k % world == rank]
+    loss = sum(fixture_loss(engine(fixture_batch(STEPS, k)[0]), fixture_batch(STEPS, k)[1]) for k in mine or [0])
+    engine.backward(loss * (world / 2 if mine else 0.0))  # (a third rank runs a batch that counts for nothing)
+    engine.step()
+    after = load_file(os.path.join(directory, "expected_after_step.safetensors"))
+    seen["update_distance"] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad and not name.startswith("unused."):
+            before = expected[f"master/{name}"]
+            fsdp_update = after[f"master/{name}"] - before
+            ours = zerocore.safe_get_full_fp32_param(param) - before
+            seen["update_distance"][name] = float((ours - fsdp_update).norm() / fsdp_update.norm())
+    seen["unused_unchanged"] = all(torch.equal(zerocore.safe_get_full_fp32_param(p), expected[f"master/{n}"])
+                                   for n, p in model.named_parameters() if n.startswith("unused."))
+    engine.close()
+    return seen
+
+
+@pytest.mark.parametrize("case,world,stage,offload", [
+    ("tutorial-fp32-groups", 2, 1, None), ("tutorial-fp32-groups", 3, 3, None),
+    ("torchtitan-bf16", 2, 3, None), ("torchtitan-bf16", 1, 2, "cpu"),
+    ("accelerate-fp32", 2, 2, None), ("accelerate-fp32", 3, 3, None),
+])
+def test_an_fsdp2_dcp_checkpoint_loads_exactly_at_any_world_size_and_stage(case, world, stage, offload):
+    with open(os.path.join(FIXTURES, case, "expected.json")) as f:
+        facts = json.load(f)
+    for seen in run_ranks(load_worker, world, case, stage, offload):
+        assert seen["path"] == case
+        assert seen["differ"] == [], seen["differ"]
+        assert seen["buffer"] == facts["buffer_seen"]
+        assert (seen["global_steps"], seen["adam_steps"]) == (STEPS, STEPS)
+        # the unused layer never got a gradient: no AdamW state in FSDP2, idle for every step here
+        assert seen["idle"] == {"unused.weight": STEPS, "unused.bias": STEPS}, seen["idle"]
+        assert seen["lr"] == pytest.approx(facts["lr"], rel=1e-12)  # the checkpoint's, not the config's 0.5
+        if CASES[case]["layout"] == "torchtitan":  # the objects beside the model and the optimizer
+            assert seen["client_state"]["train_state"] == {"step": STEPS, "ntokens_seen": STEPS * 24}
+            assert seen["client_state"]["lr_scheduler"]["last_epoch"] == STEPS
+        else:
+            assert seen["client_state"] == {}
+        # fp32: summation order only; bf16: FSDP2 and zerocore round the gradients to bf16 along other paths
+        tolerance = 1e-4 if not CASES[case]["bf16"] else 5e-2
+        assert max(seen["update_distance"].values()) < tolerance, seen["update_distance"]
+        assert seen["unused_unchanged"]
+
+
+def scheduler_worker(rank: int, world: int) -> tuple[list[float], list[float]]:
+    engine = zerocore.initialize(build_fixture_model(), _config("accelerate-fp32", 2, scheduler=True))
+    engine.load_checkpoint(os.path.join(FIXTURES, "accelerate-fp32"))
+    loaded = engine.get_lr()
+    engine.close()
+    engine = zerocore.initialize(build_fixture_model(), _config("accelerate-fp32", 2, scheduler=True))
+    for step in range(STEPS):
+        engine.backward(fixture_loss(engine(fixture_batch(step, rank)[0]), fixture_batch(step, rank)[1]))
+        engine.step()
+    trained = engine.get_lr()
+    engine.close()
+    return loaded, trained
+
+
+def test_the_configured_schedule_resumes_at_the_loaded_step():
+    """FSDP's scheduler is the script's object: the engine's, from the config, is where a run that took the
+    checkpoint's steps has it (a WarmupLR part-way up)."""
+    for loaded, trained in run_ranks(scheduler_worker, 2):
+        assert loaded == trained and 0 < loaded[0] < 1e-2, (loaded, trained)
+
+
+def refusal_worker(rank: int, world: int, directory: str, change: str) -> tuple[str, bool]:
+    model = build_fixture_model()
+    config = _config("accelerate-fp32", 3)
+    if change == "l2_weight_decay":  # torch.optim.Adam's weight decay, not the checkpoint's AdamW's
+        config["optimizer"] = {"type": "Adam", "params": {**config["optimizer"]["params"], "adam_w_mode": False}}
+    if change == "shape":
+        model.hidden = torch.nn.Linear(8, 9)
+    elif change == "extra_layer":  # the checkpoint's model is missing one of this model's trainable layers
+        model.extra = torch.nn.Linear(8, 8)
+    elif change == "smaller_model":  # this model lacks a layer the checkpoint holds
+        del model.unused
+    engine = zerocore.initialize(model, config)
+    before = {name: zerocore.safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()
+              if p.requires_grad}
+    kwargs = {"load_optimizer_states": False} if change == "model_only_ok" else {}
+    try:
+        engine.load_checkpoint(directory, **kwargs)
+        message = ""
+    except ValueError as error:
+        message = str(error)
+    unchanged = all(torch.equal(zerocore.safe_get_full_fp32_param(p), before[n])
+                    for n, p in model.named_parameters() if p.requires_grad)
+    if change != "shape":  # the engine goes on training after a refused load
+        engine.backward(fixture_loss(engine(fixture_batch(0, rank)[0]), fixture_batch(0, rank)[1]))
+        engine.step()
+    engine.close()
+    return message, unchanged
+
+
+def _copy_fixture(tmp_path, case: str) -> str:
+    directory = str(tmp_path / case)
+    shutil.copytree(os.path.join(FIXTURES, case), directory)
+    return directory
+
+
+@pytest.mark.parametrize("change,needle", [
+    ("shape", "'hidden.weight' is [9, 8] in the model but [8, 8]"),
+    ("extra_layer", "does not hold the model's trainable parameters (missing: ['extra.bias', 'extra.weight']"),
+    ("smaller_model", "holds tensors the model does not have (['unused.bias', 'unused.weight'])"),
+    ("l2_weight_decay", "with decoupled (AdamW) weight decay, this engine's optimizer applies it as L2"),
+])
+def test_a_dcp_checkpoint_of_another_model_is_refused_on_every_rank_with_nothing_changed(change, needle):
+    for message, unchanged in run_ranks(refusal_worker, 2, os.path.join(FIXTURES, "accelerate-fp32"), change):
+        assert needle in message, message
+        assert "nothing was changed" in message and unchanged
+
+
+def test_a_truncated_dcp_file_is_refused_before_anything_changes(tmp_path):
+    directory = _copy_fixture(tmp_path, "tutorial-fp32-groups")
+    file = os.path.join(directory, "__1_0.distcp")
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+    for message, unchanged in run_ranks(refusal_worker, 2, directory, "none"):
+        assert f"the DCP file {file} is" in message and "entries end at byte" in message, message
+        assert unchanged
+
+
+def test_a_model_only_dcp_checkpoint_needs_load_optimizer_states_false(tmp_path):
+    directory = _copy_fixture(tmp_path, "accelerate-fp32")
+    shutil.rmtree(os.path.join(directory, "optimizer_0"))  # Accelerate's model directory alone
+    for message, unchanged in run_ranks(refusal_worker, 2, directory, "none"):
+        assert "holds no optimizer state" in message and "load_optimizer_states=False" in message, message
+        assert unchanged
+    for message, unchanged in run_ranks(refusal_worker, 2, directory, "model_only_ok"):
+        assert message == "" and not unchanged  # the weights loaded (the fixture trained them)
+
+
+def sgd_fixture_worker(rank: int, world: int, directory: str) -> None:
+    """A DCP checkpoint of a model trained with SGD with momentum (its state: momentum_buffer), saved by DCP
+    from whole tensors in a single process (the format FSDP2 writes, one chunk per tensor)."""
+    import torch.distributed.checkpoint as dcp
+
+    if rank != 0:
+        return
+    model = build_fixture_model()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    fixture_loss(model(fixture_batch(0, 0)[0]), fixture_batch(0, 0)[1]).backward()
+    optimizer.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {"state": {names[id(p)]: dict(s) for p, s in optimizer.state.items()},
+             "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                               "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]}
+    dcp.save({"model": model.state_dict(), "optim": state}, storage_writer=dcp.FileSystemWriter(directory),
+             no_dist=True)
+
+
+def test_optimizer_state_that_is_not_adams_is_refused_by_name(tmp_path):
+    directory = str(tmp_path / "sgd")
+    run_ranks(sgd_fixture_worker, 1, directory)
+    for message, unchanged in run_ranks(refusal_worker, 2, directory, "none"):
+        assert "optimizer state ['momentum_buffer']" in message and "not Adam/AdamW's" in message, message
+        assert unchanged
