@@ -6,6 +6,7 @@ size or stage loads them and must hold exactly those, and its next step must be 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -213,3 +214,114 @@ def test_optimizer_state_that_is_not_adams_is_refused_by_name(tmp_path):
     for message, unchanged in run_ranks(refusal_worker, 2, directory, "none"):
         assert "optimizer state ['momentum_buffer']" in message and "not Adam/AdamW's" in message, message
         assert unchanged
+
+
+# ---- the other way: python -m zerocore.checkpoint to-dcp (Note [DCP export]) ------------------------------
+
+def train_and_save_worker(rank: int, world: int, directory: str, stage: int) -> bytes:
+    """zerocore trains the fixture model (two param groups, tied, frozen and unused parameters, a buffer) two
+    steps and saves; returns its state and, after one more step on both fixture batches, its masters."""
+    model = build_fixture_model()
+    engine = zerocore.initialize(model, _config("tutorial-fp32-groups", stage),
+                                 param_groups=param_groups(model, CASES["tutorial-fp32-groups"]))
+    for step in range(2):
+        engine.backward(fixture_loss(engine(fixture_batch(step, rank)[0]), fixture_batch(step, rank)[1]))
+        engine.step()
+        with torch.no_grad():
+            model.seen += 1
+    engine.save_checkpoint(directory)
+    saved = {f"{key}/{name}": value for name, param in model.named_parameters() if param.requires_grad
+             for key, value in (("master", zerocore.safe_get_full_fp32_param(param)),
+                                ("exp_avg", zerocore.safe_get_full_optimizer_state(param, "exp_avg")),
+                                ("exp_avg_sq", zerocore.safe_get_full_optimizer_state(param, "exp_avg_sq")))}
+    engine.backward(fixture_loss(engine(fixture_batch(2, rank)[0]), fixture_batch(2, rank)[1]))
+    engine.step()
+    after = {name: zerocore.safe_get_full_fp32_param(p) for name, p in model.named_parameters() if p.requires_grad}
+    engine.close()
+    buffer = io.BytesIO()  # (tensors through the result queue would be shared-memory handles of a dead process)
+    torch.save({"saved": saved, "after": after}, buffer)
+    return buffer.getvalue()
+
+
+def test_to_dcp_writes_what_torch_resumes_adamw_training_from(tmp_path):
+    """torch's DCP recipe (get_state_dict, dcp.load, set_state_dict) on the plain model and torch's AdamW: the
+    same values, moments, per-parameter steps and hyperparameters, and its next step is zerocore's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from zerocore.checkpoint import to_dcp
+
+    checkpoint, out = str(tmp_path / "ckpt"), str(tmp_path / "dcp")
+    ours = torch.load(io.BytesIO(run_ranks(train_and_save_worker, 2, checkpoint, 3)[0]))
+    written = to_dcp(checkpoint, out)
+    assert written[0] == ".metadata" and all(name.endswith(".distcp") for name in written[1:])
+    model = build_fixture_model()
+    optimizer = torch.optim.AdamW(param_groups(model, CASES["tutorial-fp32-groups"]), **ADAMW)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=out, no_dist=True)  # (strict: every key the recipe asks for is there)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert model.head.weight is model.embed.weight and model.seen.tolist() == [2.0, 2.0, 2.0]
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        name = names[id(param)]
+        assert torch.equal(param.detach(), ours["saved"][f"master/{name}"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[param][key], ours["saved"][f"{key}/{name}"]), (key, name)
+        # the unused layer never got a gradient: step 0 (zero moments), as torch's "no state yet" continues
+        assert float(optimizer.state[param]["step"]) == (0 if name.startswith("unused.") else 2), name
+    assert [(g["lr"], g["betas"], g["weight_decay"], g["decoupled_weight_decay"]) for g in optimizer.param_groups] \
+        == [(0.5, (0.9, 0.999), 0.01, True), (0.5, (0.9, 0.999), 0.0, True)]  # (the config's lr)
+    loss = sum(fixture_loss(model(fixture_batch(2, k)[0]), fixture_batch(2, k)[1]) for k in range(2)) / 2
+    loss.backward()
+    optimizer.step()
+    for param in model.parameters():
+        if param.requires_grad:
+            name = names[id(param)]
+            before = ours["saved"][f"master/{name}"]
+            if name.startswith("unused."):
+                assert torch.equal(param.detach(), before) and torch.equal(ours["after"][name], before)
+                continue
+            update, torch_update = ours["after"][name] - before, param.detach() - before
+            assert float((update - torch_update).norm() / torch_update.norm()) < 1e-4, name
+
+
+def roundtrip_worker(rank: int, world: int, directory: str, stage: int, expected_file: str) -> list[str]:
+    model = build_fixture_model()
+    engine = zerocore.initialize(model, _config("tutorial-fp32-groups", stage),
+                                 param_groups=param_groups(model, CASES["tutorial-fp32-groups"]))
+    engine.load_checkpoint(directory)
+    differ = states_differing(model, torch.load(expected_file))
+    differ += [] if model.seen.tolist() == [2.0, 2.0, 2.0] else ["seen"]
+    differ += [] if (engine.global_steps, dict(engine.optimizer_state.idle_steps)) == (
+        2, {"unused.weight": 2, "unused.bias": 2}) else ["counters"]
+    engine.close()
+    return differ
+
+
+def test_to_dcp_output_loads_back_into_zerocore_at_another_world_size_and_stage(tmp_path):
+    from zerocore.checkpoint import to_dcp
+
+    checkpoint, out, expected = str(tmp_path / "ckpt"), str(tmp_path / "dcp"), str(tmp_path / "expected.pt")
+    ours = torch.load(io.BytesIO(run_ranks(train_and_save_worker, 2, checkpoint, 2)[0]))
+    to_dcp(checkpoint, out)
+    torch.save(ours["saved"], expected)
+    for differ in run_ranks(roundtrip_worker, 3, out, 3, expected):
+        assert differ == [], differ
+
+
+def test_to_dcp_refuses_to_overwrite_or_to_write_into_the_checkpoint(tmp_path):
+    from zerocore.checkpoint import main, to_dcp
+
+    checkpoint, out = str(tmp_path / "ckpt"), str(tmp_path / "dcp")
+    run_ranks(train_and_save_worker, 2, checkpoint, 1)
+    with pytest.raises(ValueError, match="overlaps the checkpoint"):
+        to_dcp(checkpoint, os.path.join(checkpoint, "dcp"))
+    assert main(["to-dcp", checkpoint, out]) == 0
+    with open(os.path.join(out, "__7_0.distcp"), "wb") as f:  # a file of an earlier, larger run's save
+        f.write(b"old")
+    with pytest.raises(FileExistsError, match="already holds a DCP checkpoint"):
+        to_dcp(checkpoint, out)
+    assert to_dcp(checkpoint, out, overwrite=True) == sorted(os.listdir(out), key=lambda n: n != ".metadata")

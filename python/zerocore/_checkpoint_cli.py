@@ -1,5 +1,6 @@
-"""``python -m zerocore.checkpoint``: ``info`` (what a checkpoint holds) and ``to-hf`` (:func:`to_hf`: the
-model as Hugging Face safetensors); both read a checkpoint directory without an engine or a process group."""
+"""``python -m zerocore.checkpoint``: ``info`` (what a checkpoint holds), ``to-hf`` (:func:`to_hf`: the
+model as Hugging Face safetensors) and ``to-dcp`` (:func:`to_dcp`: model and AdamW state as a DCP directory
+FSDP2 resumes from); each reads a checkpoint directory without an engine or a process group."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import re
 import torch
 
 from . import _safetensors_io as stio
-from ._checkpoint_format import (CHECKPOINT_IO, covering, open_file, piece_sources, read_bytes, read_index,
-                                 resolve_tag, tag_path, write_durably)
+from ._checkpoint_format import read_index, resolve_tag, tag_path, write_durably
+from ._dcp_export import to_dcp
+from ._saved_tensors import SavedTensors
 
 # --help's description: the first line of checkpoint.py's docstring, as when main() was defined there.
 _DESCRIPTION = ("Sharded checkpoints: ``engine.save_checkpoint`` / ``engine.load_checkpoint``, safetensors and JSON "
@@ -40,9 +42,8 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
         raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     max_shard_size = _shard_size(max_shard_size)
     path = tag_path(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
-    _check_out_dir(out_dir, [checkpoint_dir, path])
+    check_out_dir(out_dir, [checkpoint_dir, path])
     index = read_index(path)
-    sources = piece_sources(index)
     target = _DTYPES[dtype]
     entries: list[tuple[str, list[int], torch.dtype]] = [(n, s, target) for n, s in index["params"].items()]
     entries += [(n, u["shape"], getattr(torch, u["dtype"])) for n, u in index["untracked"].items()
@@ -63,25 +64,10 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
     if previous and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {', '.join(previous)}: pass --overwrite (overwrite=True) to "
                               "replace that output, or choose another directory")
-    io = stio.open_io(CHECKPOINT_IO)
-    files = [open_file(io, path, entry) for entry in index["ranks"]]  # every file is checked before writing
-    model = open_file(io, path, index["model_file"])
-    try:
+    with SavedTensors(path, index) as saved:  # every file is checked before writing
         def tensor(name: str, shape: list[int], dt: torch.dtype) -> torch.Tensor:
-            if name not in index["params"]:
-                return model.tensor(name).to(dt)
-            flat = torch.empty(stio.numel(shape), dtype=torch.float32)
-            by_rank: dict[int, list[tuple[int, int, int, int]]] = {}
-            for lo, hi, rank, shard, offset in covering(sources, name, 0, flat.numel()):
-                by_rank.setdefault(rank, []).append((lo, hi, shard, offset))
-            for rank, pieces in by_rank.items():
-                ranges = []
-                for lo, hi, shard, offset in pieces:
-                    start, _, _ = files[rank].tensor_range(f"{shard}.master")
-                    ranges.append((start + 4 * offset, 4 * (hi - lo)))
-                for (lo, hi, _, _), data in zip(pieces, files[rank].read(ranges)):
-                    flat[lo:hi] = data.view(torch.float32)
-            return flat.view(shape) if dt == torch.float32 else flat.to(dt).view(shape)
+            value = saved.trainable(name) if name in index["params"] else saved.untracked(name)
+            return value.to(dt)
 
         os.makedirs(out_dir, exist_ok=True)
         written, weight_map = [], {}
@@ -89,9 +75,6 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
             stio.write(os.path.join(out_dir, name), shard, tensor)
             written.append(name)
             weight_map.update({entry[0]: name for entry in shard})
-    finally:
-        for f in files + [model]:
-            f.close()
     if len(shards) > 1:
         total = sum(stio.nbytes(s, d) for _, s, d in entries)
         write_durably(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(
@@ -112,7 +95,7 @@ def _previous_output(out_dir: str) -> list[str]:
     return sorted(name for name in os.listdir(out_dir) if _OUTPUT_NAME.fullmatch(name))
 
 
-def _check_out_dir(out_dir: str, checkpoint_paths: list[str]) -> None:
+def check_out_dir(out_dir: str, checkpoint_paths: list[str]) -> None:
     """Refuses an output directory that is, holds or lies inside a checkpoint path, symlinks resolved: the
     output's model.safetensors would replace the checkpoint's own (or its files sit where a sharded output
     lands), leaving it unloadable."""
@@ -158,10 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     hf.add_argument("--max-shard-size", default="5GB", type=_parse_size, help="e.g. 5GB, 500MB, or bytes")
     hf.add_argument("--overwrite", action="store_true",
                     help="replace a previous to-hf output in OUT_DIR (its model*.safetensors and index)")
+    to_dcp_parser = sub.add_parser("to-dcp", help="write the model and AdamW state as a torch.distributed.checkpoint "
+                                                  "directory that FSDP2 resumes from, one tensor at a time")
+    to_dcp_parser.add_argument("checkpoint_dir")
+    to_dcp_parser.add_argument("out_dir")
+    to_dcp_parser.add_argument("--tag")
+    to_dcp_parser.add_argument("--overwrite", action="store_true",
+                               help="replace a previous DCP checkpoint in OUT_DIR (.metadata, *.distcp)")
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
             _info(args.checkpoint_dir, args.tag)
+        elif args.command == "to-dcp":
+            written = to_dcp(args.checkpoint_dir, args.out_dir, args.tag, args.overwrite)
+            print("wrote " + ", ".join(os.path.join(args.out_dir, name) for name in written))
         else:
             written = to_hf(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, args.max_shard_size,
                             args.overwrite)

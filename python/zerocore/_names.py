@@ -34,3 +34,17 @@ def named_parameters(module: nn.Module, remove_duplicate: bool = True) -> Iterat
 def named_buffers(module: nn.Module, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     for name, buffer in module.named_buffers(remove_duplicate=remove_duplicate):
         yield canonical(name), buffer
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Each name under which a parameter is reached again (a head tied to the embedding), to its first name:
+    the name checkpoints and state dicts hold it under."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in named_parameters(module, remove_duplicate=False):
+        if id(param) in first:
+            if name != first[id(param)]:
+                aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
