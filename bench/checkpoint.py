@@ -6,7 +6,9 @@ same data, on ``--world`` Gloo ranks:
   its zerocore checkpoint shard, in 16 MiB blocks;
 * zerocore ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (stage 2, fp32);
 * ``torch.distributed.checkpoint`` (DCP) ``save`` / ``load`` of DDP's model and ``AdamW(fused=True)`` state,
-  the same tensors a DDP user checkpoints (DCP fsyncs its files, its default);
+  the same tensors a DDP user checkpoints, through ``get_state_dict`` as torch's recipe (and FSDP2) does (DCP
+  fsyncs its files, its default); then the zerocore engine's ``load_checkpoint`` of that DCP checkpoint (a run
+  moving from DDP or FSDP mid-training, Note [DCP checkpoints]), timed as the zerocore load;
 * DeepSpeed ZeRO-2 (fp32, ``AdamW(fused=True)`` client optimizer, built as in ``_peers.py``)
   ``engine.save_checkpoint`` / ``engine.load_checkpoint``, when ``import deepspeed`` works. DeepSpeed does
   not fsync what it writes; its save is shown without and with an fsync of its files (by the rank that
@@ -14,7 +16,8 @@ same data, on ``--world`` Gloo ranks:
 * consolidation of the last round's checkpoints into one fp32 safetensors file, each tool's command line run
   as a child process: ``python -m zerocore.checkpoint to-hf CKPT OUT`` against DeepSpeed's
   ``python CKPT/zero_to_fp32.py CKPT OUT --safe_serialization`` (both with their default 5 GB shard size, so
-  one file here), with the child's wall time and peak RSS (``os.wait4`` in a fresh wrapper process, see
+  one file here), and ``python -m zerocore.checkpoint to-dcp CKPT OUT`` (the model and the AdamW state as a
+  DCP directory FSDP2 resumes from), with the child's wall time and peak RSS (``os.wait4`` in a fresh wrapper process, see
   ``_rss.py``). The peak RSS of the same command with ``--help`` (the interpreter and the tool's imports) is
   reported next to it, and so are the model's largest tensor and total fp32 bytes, to read "peak RSS above
   the imports" against. Both children inherit ``OMP_NUM_THREADS=1`` from the rank runner.
@@ -96,13 +99,14 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any], root: str, rounds: in
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import zerocore
 
     keys = ["disk_write", "disk_read", "zc_save", "zc_load", "zc_load_landed"]
     if with_dcp:
-        keys += ["dcp_save", "dcp_load"]
+        keys += ["dcp_save", "dcp_load", "zc_load_dcp", "zc_load_dcp_landed"]
     if with_ds:
         keys += ["ds_save", "ds_save_fsync", "ds_load"]
     out: dict[str, Any] = {k: [] for k in keys}
@@ -177,11 +181,15 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any], root: str, rounds: in
 
         d = os.path.join(root, f"dcp{r}")
         if with_dcp:
-            state = {"model": ddp.module.state_dict(), "optim": opt.state_dict()}
+            # torch's recipe (FSDP2's layout, parameters by name), which zerocore's load_checkpoint reads
+            model_sd, optim_sd = get_state_dict(ddp, opt)
+            state = {"model": model_sd, "optim": optim_sd}
             timed("dcp_save", dcp.save, state, checkpoint_id=d)
             sizes["dcp"] = _dir_bytes(d)
             cold(d)
             timed("dcp_load", dcp.load, state, checkpoint_id=d)
+            cold(d)  # the same checkpoint into the zerocore engine: a run moving from FSDP/DDP mid-training
+            timed("zc_load_dcp", engine.load_checkpoint, d, then=("zc_load_dcp_landed", engine.land_param_gathers))
 
         if ds is not None:
             dsdir = os.path.join(root, f"ds{r}")
@@ -217,10 +225,11 @@ def _consolidate(root: str, rounds: int, warm: bool, with_ds: bool) -> dict[str,
     zc = os.path.join(root, f"zc{rounds - 1}")
     ds = os.path.join(root, f"ds{rounds - 1}")
     log = os.path.join(root, "child.log")
-    commands = {"zc_hf": ([sys.executable, "-m", "zerocore.checkpoint", "to-hf", zc], zc)}
+    commands = {"zc_hf": ([sys.executable, "-m", "zerocore.checkpoint", "to-hf", zc], zc),
+                "zc_dcp": ([sys.executable, "-m", "zerocore.checkpoint", "to-dcp", zc], zc)}
     if with_ds:
         commands["ds_fp32"] = ([sys.executable, os.path.join(ds, "zero_to_fp32.py"), ds], ds)
-    extra = {"zc_hf": [], "ds_fp32": ["--safe_serialization"]}
+    extra = {"zc_hf": [], "zc_dcp": [], "ds_fp32": ["--safe_serialization"]}
     fields = ("seconds", "peak_rss_bytes", "peak_anon_bytes", "peak_file_bytes")
     res: dict[str, Any] = {k: {f: [] for f in fields + ("resident_after_evict",)} for k in commands}
 
@@ -246,7 +255,7 @@ def _consolidate(root: str, rounds: int, warm: bool, with_ds: bool) -> dict[str,
             res[key]["out_bytes"] = _dir_bytes(dst)
             res[key]["out_files"] = sorted(os.listdir(dst))
     for key, (cmd, _) in commands.items():  # the interpreter and the tool's imports, nothing converted
-        res[key]["imports"] = run(cmd[:-1] + ["--help"] if key == "zc_hf" else cmd[:2] + ["--help"])
+        res[key]["imports"] = run(cmd[:-1] + ["--help"] if key.startswith("zc_") else cmd[:2] + ["--help"])
     if with_ds:
         res["same_tensors"] = _compare(os.path.join(root, "zc_hf.out"), os.path.join(root, "ds_fp32.out"))
     return res
@@ -316,7 +325,7 @@ def main() -> None:
     per_round = {k: [max(r[k][i] for r in results) for i in range(args.rounds)] for k in keys}
     slowest = {k: median(v) for k, v in per_round.items()}
     resident = [f for r in results for f in r["resident_after_evict"]]
-    resident += [f for k in ("zc_hf", "ds_fp32") if k in hf for f in hf[k]["resident_after_evict"]]
+    resident += [f for k in ("zc_hf", "zc_dcp", "ds_fp32") if k in hf for f in hf[k]["resident_after_evict"]]
     header["max_resident_after_evict"] = max(resident) if resident else None
 
     disk_rate = {"save": sizes["disk"] / slowest["disk_write"], "load": sizes["disk"] / slowest["disk_read"]}
@@ -328,7 +337,9 @@ def main() -> None:
                  (f"zerocore load_checkpoint + parameters landed ({read_label})", "zc_load_landed", "zc", "load")]
     if with_dcp:
         rows_spec += [("torch DCP save (DDP + AdamW)", "dcp_save", "dcp", "save"),
-                      (f"torch DCP load ({read_label})", "dcp_load", "dcp", "load")]
+                      (f"torch DCP load ({read_label})", "dcp_load", "dcp", "load"),
+                      (f"zerocore load_checkpoint of that DCP checkpoint ({read_label})", "zc_load_dcp", "dcp", "load"),
+                      (f"  + parameters landed ({read_label})", "zc_load_dcp_landed", "dcp", "load")]
     if with_ds:
         rows_spec += [("DeepSpeed ZeRO-2 save_checkpoint (no fsync)", "ds_save", "ds", "save"),
                       ("DeepSpeed ZeRO-2 save_checkpoint + fsync", "ds_save_fsync", "ds", "save"),
@@ -345,8 +356,9 @@ def main() -> None:
         table.append(row)
 
     consolidation = []
-    labels = {"zc_hf": "zerocore to-hf", "ds_fp32": "DeepSpeed zero_to_fp32.py --safe_serialization"}
-    for key in ("zc_hf", "ds_fp32"):
+    labels = {"zc_hf": "zerocore to-hf", "zc_dcp": "zerocore to-dcp",
+              "ds_fp32": "DeepSpeed zero_to_fp32.py --safe_serialization"}
+    for key in ("zc_hf", "zc_dcp", "ds_fp32"):
         if key not in hf:
             continue
         h, imports = hf[key], hf[key]["imports"]
@@ -357,7 +369,8 @@ def main() -> None:
                "anon above imports MiB": (anon - imports["peak_anon_bytes"]) / 2**20,
                "file-backed peak MiB": max(h["peak_file_bytes"]) / 2**20,
                "output MB": h["out_bytes"] / 1e6, "files": ", ".join(h["out_files"])}
-        row["x DeepSpeed"] = median(hf["ds_fp32"]["seconds"]) / secs if with_ds else None
+        # (to-dcp writes the moments too: no peer converts the same)
+        row["x DeepSpeed"] = median(hf["ds_fp32"]["seconds"]) / secs if with_ds and key != "zc_dcp" else None
         consolidation.append(row)
     model_note = {"largest_tensor_MiB": max(tensor_bytes) / 2**20, "model_fp32_MiB": sum(tensor_bytes) / 2**20}
     notes = []

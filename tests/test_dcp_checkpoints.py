@@ -189,31 +189,47 @@ def test_a_model_only_dcp_checkpoint_needs_load_optimizer_states_false(tmp_path)
         assert message == "" and not unchanged  # the weights loaded (the fixture trained them)
 
 
-def sgd_fixture_worker(rank: int, world: int, directory: str) -> None:
-    """A DCP checkpoint of a model trained with SGD with momentum (its state: momentum_buffer), saved by DCP
-    from whole tensors in a single process (the format FSDP2 writes, one chunk per tensor)."""
+def single_process_fixture_worker(rank: int, world: int, directory: str, kind: str) -> None:
+    """A DCP checkpoint saved by DCP from whole tensors in a single process (the format FSDP2 writes, one chunk
+    per tensor): ``sgd``: a model trained with SGD with momentum (its state: momentum_buffer), by name;
+    ``indexed``: AdamW's ``optimizer.state_dict()`` as it is (state by parameter index)."""
     import torch.distributed.checkpoint as dcp
 
     if rank != 0:
         return
     model = build_fixture_model()
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = (torch.optim.SGD(trainable, lr=0.1, momentum=0.9) if kind == "sgd" else
+                 torch.optim.AdamW(trainable, **ADAMW))
     fixture_loss(model(fixture_batch(0, 0)[0]), fixture_batch(0, 0)[1]).backward()
     optimizer.step()
     names = {id(p): n for n, p in model.named_parameters()}
-    state = {"state": {names[id(p)]: dict(s) for p, s in optimizer.state.items()},
-             "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                               "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]}
+    state = optimizer.state_dict() if kind == "indexed" else {
+        "state": {names[id(p)]: dict(s) for p, s in optimizer.state.items()},
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                          "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]}
     dcp.save({"model": model.state_dict(), "optim": state}, storage_writer=dcp.FileSystemWriter(directory),
              no_dist=True)
 
 
 def test_optimizer_state_that_is_not_adams_is_refused_by_name(tmp_path):
     directory = str(tmp_path / "sgd")
-    run_ranks(sgd_fixture_worker, 1, directory)
+    run_ranks(single_process_fixture_worker, 1, directory, "sgd")
     for message, unchanged in run_ranks(refusal_worker, 2, directory, "none"):
         assert "optimizer state ['momentum_buffer']" in message and "not Adam/AdamW's" in message, message
         assert unchanged
+
+
+def test_optimizer_state_by_parameter_index_is_refused_naming_get_state_dict(tmp_path):
+    """``optimizer.state_dict()`` saved as it is numbers the parameters: which is which is the script's
+    guess, so the optimizer state is refused (the weights load alone with load_optimizer_states=False)."""
+    directory = str(tmp_path / "indexed")
+    run_ranks(single_process_fixture_worker, 1, directory, "indexed")
+    for message, unchanged in run_ranks(refusal_worker, 2, directory, "none"):
+        assert "optimizer state by parameter index" in message and "get_state_dict(model, optimizer)" in message
+        assert unchanged
+    for message, unchanged in run_ranks(refusal_worker, 2, directory, "model_only_ok"):
+        assert message == "" and not unchanged
 
 
 # ---- the other way: python -m zerocore.checkpoint to-dcp (Note [DCP export]) ------------------------------

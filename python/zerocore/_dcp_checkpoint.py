@@ -38,6 +38,7 @@ as DCP's own load does: load checkpoints you trust.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import warnings
@@ -82,6 +83,7 @@ class _Entry:
     key: str  # the metadata's flattened key
     shape: torch.Size | None  # None: a pickled object
     dtype: torch.dtype | None
+    metadata: Any = field(compare=False, repr=False, default=None)  # its directory's, read once
 
 
 @dataclass
@@ -93,6 +95,7 @@ class _Checkpoint:
     state: dict[str, dict[str, _Entry]] = field(default_factory=lambda: defaultdict(dict))  # name -> field -> entry
     hyper: dict[str, dict[str, _Entry]] = field(default_factory=lambda: defaultdict(dict))  # name -> hyperparameter
     client: dict[Path, _Entry] = field(default_factory=dict)  # objects outside the model and the optimizer
+    indexed_state: bool = False  # optimizer state keyed by parameter index (optimizer.state_dict() saved as is)
 
 
 def _read_metadata(directory: str) -> Any:
@@ -143,7 +146,7 @@ def read(path: str, directories: list[str], trainable: set[str]) -> _Checkpoint:
             tensor = isinstance(meta, TensorStorageMetadata)
             where = tuple(planner.get(key, (key,)))
             entries.append((where, _Entry(directory, key, meta.size if tensor else None,
-                                          meta.properties.dtype if tensor else None)))
+                                          meta.properties.dtype if tensor else None, metadata)))
     optimizers = {root for where, _ in entries if (root := _optimizer_root(where)) is not None}
     if len(optimizers) > 1:
         raise ValueError(f"load_checkpoint: the DCP checkpoint {path} holds {len(optimizers)} optimizers (under "
@@ -193,6 +196,9 @@ def read(path: str, directories: list[str], trainable: set[str]) -> _Checkpoint:
     checkpoint = _Checkpoint(path, models[root], root, optimizer is not None, state, client=client)
     if nested_groups:
         names_of = _load_objects([group["params"] for group in nested_groups.values() if "params" in group])
+        # optimizer.state_dict() saved as it is numbers the parameters (its state keys are those numbers):
+        # which parameter is which would be a guess
+        checkpoint.indexed_state = any(isinstance(name, int) for names in names_of for name in names)
         for group, names in zip((g for g in nested_groups.values() if "params" in g), names_of):
             for name in names:
                 checkpoint.hyper[canonical(str(name))] = {k: v for k, v in group.items() if k != "params"}
@@ -201,20 +207,39 @@ def read(path: str, directories: list[str], trainable: set[str]) -> _Checkpoint:
     return checkpoint
 
 
+@functools.cache
+def _reader_class() -> type:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class MetadataReadOnce(FileSystemReader):
+        """dcp.load asks its reader for the metadata at every call, and the load calls it per parameter: a
+        large run's metadata names every rank's chunk of every tensor, so it is read once, in read()."""
+
+        def __init__(self, directory: str, metadata: Any) -> None:
+            super().__init__(directory)
+            self._metadata = metadata
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return self._metadata
+
+    return MetadataReadOnce
+
+
 def _load(entries: dict[str, _Entry]) -> dict[str, Any]:
     """Loads entries (tensors whole, objects unpickled) by their DCP keys, one ``dcp.load`` per directory."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
     by_directory: dict[str, dict[str, Any]] = defaultdict(dict)
+    metadata: dict[str, Any] = {}
     for entry in entries.values():
         by_directory[entry.directory][entry.key] = (None if entry.shape is None
                                                     else torch.empty(entry.shape, dtype=entry.dtype))
+        metadata[entry.directory] = entry.metadata
     loaded: dict[tuple[str, str], Any] = {}
     for directory, state_dict in by_directory.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # (DCP: "loading in a single process")
-            dcp.load(state_dict, storage_reader=FileSystemReader(directory), no_dist=True)
+            dcp.load(state_dict, storage_reader=_reader_class()(directory, metadata[directory]), no_dist=True)
         loaded.update({(directory, key): value for key, value in state_dict.items()})
     return {name: loaded[(entry.directory, entry.key)] for name, entry in entries.items()}
 
@@ -282,6 +307,11 @@ def _check_against(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bo
         raise ValueError(f"load_checkpoint: the DCP checkpoint {path} holds no optimizer state (a model-only save); "
                          "pass load_optimizer_states=False to load its weights with a fresh optimizer; nothing was "
                          "changed")
+    if checkpoint.indexed_state:
+        raise ValueError(f"load_checkpoint: the DCP checkpoint {path} holds optimizer state by parameter index "
+                         "(optimizer.state_dict() saved as it is), not by name: save it through torch.distributed."
+                         "checkpoint.state_dict.get_state_dict(model, optimizer), as torch's recipe and FSDP2 do, or "
+                         "pass load_optimizer_states=False; nothing was changed")
     for name, fields in checkpoint.state.items():
         if name not in ours:
             raise ValueError(f"load_checkpoint: the DCP checkpoint {path} has optimizer state for {name!r}, which is "
