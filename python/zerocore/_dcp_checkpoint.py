@@ -31,14 +31,17 @@ have stepped it (FSDP's own scheduler object is the script's, not in the engine)
 
 Every rank reads the metadata and checks it against the model (names, shapes, frozen or not, the files'
 sizes against the byte ranges the metadata names, so a truncated file is found before anything changes);
-the ranks agree on the verdict, then read one parameter at a time (its value and moments, whole) and keep
-their own shard's pieces, with no collective in DCP (``no_dist``). Objects in the checkpoint are unpickled,
-as DCP's own load does: load checkpoints you trust.
+the ranks agree on the verdict, then each reads only the rows of each trainable tensor (value and moments)
+that hold its own elements, as DCP reads a DTensor's local chunk, about 256 MiB per ``dcp.load`` with no
+collective in DCP (``no_dist``), and writes its pieces; frozen parameters are read whole on rank 0 and reach
+the others as a ``gathered(modifier_rank=0)`` write does, and buffers whole on every rank. Objects in the checkpoint are
+unpickled, as DCP's own load does: load checkpoints you trust.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import warnings
@@ -50,7 +53,8 @@ import torch
 
 from ._checkpoint_match import agree_on_reading
 from ._deferred_signals import deferred_interrupts
-from ._full_param_state import write_full_state
+from ._full_param_state import _locate, write_own
+from ._local_param_state import local_range
 from ._names import canonical, named_buffers, named_parameters
 
 if TYPE_CHECKING:
@@ -225,21 +229,66 @@ def _reader_class() -> type:
     return MetadataReadOnce
 
 
-def _load(entries: dict[str, _Entry]) -> dict[str, Any]:
-    """Loads entries (tensors whole, objects unpickled) by their DCP keys, one ``dcp.load`` per directory."""
+@functools.cache
+def _rows_planner_class() -> type:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import _create_read_items, create_read_items_for_chunk_list
+
+    class RowsPlanner(DefaultLoadPlanner):
+        """Reads rows ``[first, first + len(target))`` of a tensor into the target (the chunk a rank's range of
+        the flattened parameter lies in), as DCP reads a DTensor's local chunk; other keys whole."""
+
+        def __init__(self, first_rows: dict[str, int]) -> None:
+            super().__init__()
+            self.first_rows = first_rows
+
+        def create_local_plan(self) -> Any:
+            requests = []
+            for key, target in self.state_dict.items():
+                meta = self.metadata.state_dict_metadata[key]
+                if key in self.first_rows:
+                    offsets = torch.Size([self.first_rows[key]] + [0] * (target.dim() - 1))
+                    chunk = ChunkStorageMetadata(offsets=offsets, sizes=target.size())
+                    requests += create_read_items_for_chunk_list(key, meta, [chunk])
+                else:
+                    requests += _create_read_items(key, meta, target)
+            return LoadPlan(requests)
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            # the rows' target, whose own offsets the read items' destination offsets are relative to
+            return self.state_dict[index.fqn] if index.fqn in self.first_rows else super().lookup_tensor(index)
+
+    return RowsPlanner
+
+
+def _load(entries: dict[str, _Entry], rows: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Loads entries (tensors whole, or rows ``[first, stop)`` of those in ``rows``; objects unpickled) by their
+    DCP keys, one ``dcp.load`` per directory."""
     import torch.distributed.checkpoint as dcp
 
+    rows = rows or {}
     by_directory: dict[str, dict[str, Any]] = defaultdict(dict)
+    first_rows: dict[str, dict[str, int]] = defaultdict(dict)
     metadata: dict[str, Any] = {}
-    for entry in entries.values():
-        by_directory[entry.directory][entry.key] = (None if entry.shape is None
-                                                    else torch.empty(entry.shape, dtype=entry.dtype))
+    for name, entry in entries.items():
+        if entry.shape is None:
+            value = None
+        elif name in rows:
+            first, stop = rows[name]
+            value = torch.empty((stop - first, *entry.shape[1:]), dtype=entry.dtype)
+            first_rows[entry.directory][entry.key] = first
+        else:
+            value = torch.empty(entry.shape, dtype=entry.dtype)
+        by_directory[entry.directory][entry.key] = value
         metadata[entry.directory] = entry.metadata
     loaded: dict[tuple[str, str], Any] = {}
     for directory, state_dict in by_directory.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # (DCP: "loading in a single process")
-            dcp.load(state_dict, storage_reader=_reader_class()(directory, metadata[directory]), no_dist=True)
+            dcp.load(state_dict, storage_reader=_reader_class()(directory, metadata[directory]),
+                     planner=_rows_planner_class()(first_rows[directory]), no_dist=True)
         loaded.update({(directory, key): value for key, value in state_dict.items()})
     return {name: loaded[(entry.directory, entry.key)] for name, entry in entries.items()}
 
@@ -386,21 +435,74 @@ def load(engine: Engine, path: str, directories: list[str], load_optimizer_state
     return client
 
 
+_LOAD_BATCH_BYTES = 256 << 20  # what one dcp.load reads at most (unless one parameter is larger): each call has
+# a fixed cost (its plan over the whole metadata) that a parameter at a time paid per parameter
+
+
+@dataclass
+class _Rows:
+    """The rows of a trainable parameter that hold this rank's elements ``[start, stop)`` of it, flattened."""
+    first: int
+    stop: int
+    row: int  # elements per row
+
+    @property
+    def base(self) -> int:  # the flattened parameter's element at the rows' start
+        return self.first * self.row
+
+
+def _own_rows(param: Any) -> _Rows | None:
+    """None when this rank holds none of the parameter."""
+    start, stop = local_range(param)
+    if start == stop:
+        return None
+    row = math.prod(param.shape[1:]) if param.dim() > 1 else 1
+    return _Rows(start // row, -(-stop // row), row)
+
+
+def _batches(ours: dict[str, Any], checkpoint: _Checkpoint, optimizer_states: bool
+             ) -> list[tuple[dict[str, _Entry], dict[str, _Rows]]]:
+    """The rows of the trainable parameters' values (and moments) this rank holds, ``key/name`` -> entry, in
+    batches of about ``_LOAD_BATCH_BYTES``, in the engine's order."""
+    batches: list[tuple[dict[str, _Entry], dict[str, _Rows]]] = [({}, {})]
+    size = 0
+    for name, param in ours.items():
+        rows = _own_rows(param)
+        if rows is None:
+            continue
+        wanted = {"master": checkpoint.model[name]}
+        if optimizer_states:
+            wanted.update({key: entry for key, entry in checkpoint.state.get(name, {}).items() if key in _MOMENTS})
+        nbytes = sum((rows.stop - rows.first) * rows.row * e.dtype.itemsize for e in wanted.values())
+        if batches[-1][0] and size + nbytes > _LOAD_BATCH_BYTES:
+            batches.append(({}, {}))
+            size = 0
+        batches[-1][0].update({f"{key}/{name}": entry for key, entry in wanted.items()})
+        batches[-1][1].update({f"{key}/{name}": rows for key in wanted})
+        size += nbytes
+    return [batch for batch in batches if batch[0]]
+
+
 def _apply(engine: Engine, checkpoint: _Checkpoint, plan: _Plan, optimizer_states: bool, scheduler_states: bool,
            module_only: bool) -> None:
     from ._gathered import write_whole_in_groups
 
     ours = _trainable_names(engine)
     with torch.no_grad():
-        for name, param in ours.items():  # the same order on every rank
-            wanted = {"master": checkpoint.model[name]}
-            if optimizer_states:
-                wanted.update({key: entry for key, entry in checkpoint.state.get(name, {}).items() if key in _MOMENTS})
-            values = {key: value.float() for key, value in _load(wanted).items()}
-            if not module_only:
-                for key in _MOMENTS:
-                    values.setdefault(key, torch.zeros(param.shape))  # no state: it never got a gradient
-            write_full_state(param, values)
+        # this rank's elements only (the rows that hold them), as each rank reads its share of a DTensor
+        for batch, rows_of in _batches(ours, checkpoint, optimizer_states):
+            loaded = _load(batch, {key: (rows.first, rows.stop) for key, rows in rows_of.items()
+                                   if len(batch[key].shape) > 0})  # (a 0-dim tensor is read whole)
+            for name in dict.fromkeys(key.split("/", 1)[1] for key in batch):
+                located, rows = _locate(ours[name], "load_checkpoint"), rows_of[f"master/{name}"]
+                for key in ("master", *_MOMENTS):
+                    value = loaded.get(f"{key}/{name}")
+                    if value is None and (key == "master" or module_only):
+                        continue
+                    flat = (value.reshape(-1).float() if value is not None  # (no state: it never got a gradient)
+                            else torch.zeros((rows.stop - rows.first) * rows.row))
+                    write_own(located, key, flat.to(engine.device), rows.base)
+        engine.reload_params_from_shards()  # every rank: stages 1-2 gather the rest, stage 3 releases its units
         write_whole_in_groups(engine, [
             (param, lambda entry=checkpoint.model[name]: _load({"value": entry})["value"])
             for name, param in named_parameters(engine.module) if name not in ours and name in checkpoint.model])

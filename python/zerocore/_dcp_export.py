@@ -19,8 +19,9 @@ parameters and persistent buffers as saved; every trainable parameter has torch 
 that never got one has step 0 and zero moments, which continues as torch's "no state yet" does), since
 ``get_state_dict`` asks for state of every parameter; the param groups carry lr, betas, eps, weight_decay and
 ``decoupled_weight_decay`` (zerocore's ``adam_w_mode``) with the parameters' names. Written one tensor at a
-time (DCP's writer asks for each as it writes it: a planner assembles it then from the ranks' pieces), so the
-peak memory is a small multiple of the largest tensor. Counters, the loss scale, the scheduler's state and the
+time (DCP's writer asks for each as it writes it: a planner assembles it then from the ranks' pieces; and a
+file per tensor, as DCP's writer keeps every tensor of a file until the file is written), so the peak memory is
+a small multiple of the largest tensor. Counters, the loss scale, the scheduler's state and the
 client state are zerocore's and are not written (a script's own scheduler resumes from its own state).
 """
 
@@ -112,7 +113,9 @@ def to_dcp(checkpoint_dir: str, out_dir: str, tag: str | None = None, overwrite:
         os.makedirs(out_dir, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # (DCP: "saving in a single process")
-            dcp.save(placeholders, storage_writer=FileSystemWriter(out_dir), planner=_Planner(), no_dist=True)
+            # a file per tensor: DCP's writer holds every tensor of a file until the file is done
+            dcp.save(placeholders, storage_writer=FileSystemWriter(out_dir, single_file_per_rank=False),
+                     planner=_Planner(), no_dist=True)
     written = [".metadata", *sorted({info.relative_path for info in FileSystemReader(out_dir).read_metadata()
                                      .storage_data.values()})]
     for stale in set(previous) - set(written):  # only after the new output is complete (an old run's other ranks)
