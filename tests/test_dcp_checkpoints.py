@@ -192,7 +192,8 @@ def test_a_model_only_dcp_checkpoint_needs_load_optimizer_states_false(tmp_path)
 def single_process_fixture_worker(rank: int, world: int, directory: str, kind: str) -> None:
     """A DCP checkpoint saved by DCP from whole tensors in a single process (the format FSDP2 writes, one chunk
     per tensor): ``sgd``: a model trained with SGD with momentum (its state: momentum_buffer), by name;
-    ``indexed``: AdamW's ``optimizer.state_dict()`` as it is (state by parameter index)."""
+    ``indexed``: a DDP script's ``ddp.state_dict()`` and AdamW's ``optimizer.state_dict()`` as they are (state
+    by parameter index)."""
     import torch.distributed.checkpoint as dcp
 
     if rank != 0:
@@ -208,8 +209,9 @@ def single_process_fixture_worker(rank: int, world: int, directory: str, kind: s
         "state": {names[id(p)]: dict(s) for p, s in optimizer.state.items()},
         "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
                           "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]}
-    dcp.save({"model": model.state_dict(), "optim": state}, storage_writer=dcp.FileSystemWriter(directory),
-             no_dist=True)
+    # "indexed": as a DDP script saves it, ddp.state_dict() naming every tensor under DDP's "module."
+    weights = {f"module.{k}": v for k, v in model.state_dict().items()} if kind == "indexed" else model.state_dict()
+    dcp.save({"model": weights, "optim": state}, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
 
 
 def test_optimizer_state_that_is_not_adams_is_refused_by_name(tmp_path):
@@ -222,7 +224,8 @@ def test_optimizer_state_that_is_not_adams_is_refused_by_name(tmp_path):
 
 def test_optimizer_state_by_parameter_index_is_refused_naming_get_state_dict(tmp_path):
     """``optimizer.state_dict()`` saved as it is numbers the parameters: which is which is the script's
-    guess, so the optimizer state is refused (the weights load alone with load_optimizer_states=False)."""
+    guess, so the optimizer state is refused (the weights, under DDP's "module." names, load alone with
+    load_optimizer_states=False)."""
     directory = str(tmp_path / "indexed")
     run_ranks(single_process_fixture_worker, 1, directory, "indexed")
     for message, unchanged in run_ranks(refusal_worker, 2, directory, "none"):

@@ -180,6 +180,9 @@ def read(path: str, directories: list[str], trainable: set[str]) -> _Checkpoint:
             models[where[:-1]][canonical(str(where[-1]))] = entry
         else:
             client[where] = entry
+    for root, names in models.items():  # ddp.state_dict() saved as it is: DDP's wrapper names every tensor
+        if not trainable <= names.keys() and names and all(name.startswith("module.") for name in names):
+            models[root] = {name.removeprefix("module."): entry for name, entry in names.items()}
     covering = [root for root, names in models.items() if trainable <= names.keys()]
     if len(covering) != 1:
         if covering:
