@@ -31,13 +31,14 @@ def _config(case: str, stage: int, offload: str | None = None) -> dict:
     return config
 
 
-def load_worker(rank: int, world: int, case: str, stage: int, directory: str, offload: str | None) -> dict:
+def load_worker(rank: int, world: int, case: str, stage: int, directory: str, offload: str | None,
+                tag: str | None = None) -> dict:
     model = build_fixture_model()
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     groups = param_groups(model, CASES[case])
     engine = zerocore.initialize(model, _config(case, stage, offload),
                                  param_groups=groups if CASES[case]["groups"] else None)
-    path, client_state = engine.load_checkpoint(directory)
+    path, client_state = engine.load_checkpoint(directory, tag=tag)
     expected = load_file(os.path.join(directory, "expected.safetensors"))
     seen: dict = {"path": os.path.basename(path), "client_state": client_state,
                   "differ": states_differing(model, expected)}
@@ -73,22 +74,28 @@ def load_worker(rank: int, world: int, case: str, stage: int, directory: str, of
     return seen
 
 
-@pytest.mark.parametrize("case,world,stage,offload", [
-    ("stage1-fp32", 2, 1, None), ("stage1-fp32", 3, 3, None),
-    ("stage2-bf16-groups-warmup", 2, 2, None), ("stage2-bf16-groups-warmup", 3, 3, None),
-    ("stage2-bf16-offload", 2, 2, "cpu"), ("stage2-bf16-offload", 1, 1, None),
-    ("stage3-bf16", 2, 3, None), ("stage3-bf16", 3, 2, None),
-    ("stage3-fp32", 2, 3, None), ("stage3-fp32", 4, 1, None),
-    ("stage3-bf16-no-frozen", 2, 3, None), ("stage3-bf16-no-frozen", 2, 2, None),
-    ("stage2-fp16-overflow", 2, 2, None), ("stage2-fp16-overflow", 3, 3, None),
-    ("stage3-fp16-overflow", 2, 3, None), ("stage3-fp16-overflow", 1, 1, "cpu"),
+_UNIVERSAL = "global_step3_universal"  # ds_to_universal's conversion of the case's checkpoint (make_fixtures.py)
+
+
+@pytest.mark.parametrize("case,world,stage,offload,tag", [
+    ("stage1-fp32", 2, 1, None, None), ("stage1-fp32", 3, 3, None, None),
+    ("stage2-bf16-groups-warmup", 2, 2, None, None), ("stage2-bf16-groups-warmup", 3, 3, None, None),
+    ("stage2-bf16-offload", 2, 2, "cpu", None), ("stage2-bf16-offload", 1, 1, None, None),
+    ("stage3-bf16", 2, 3, None, None), ("stage3-bf16", 3, 2, None, None),
+    ("stage3-fp32", 2, 3, None, None), ("stage3-fp32", 4, 1, None, None),
+    ("stage3-bf16-no-frozen", 2, 3, None, None), ("stage3-bf16-no-frozen", 2, 2, None, None),
+    ("stage2-fp16-overflow", 2, 2, None, None), ("stage2-fp16-overflow", 3, 3, None, None),
+    ("stage3-fp16-overflow", 2, 3, None, None), ("stage3-fp16-overflow", 1, 1, "cpu", None),
+    # DeepSpeed's universal checkpoints: every parameter whole, its moments beside it
+    ("stage2-bf16-groups-warmup", 3, 3, None, _UNIVERSAL), ("stage2-bf16-groups-warmup", 1, 2, "cpu", _UNIVERSAL),
+    ("stage3-bf16", 2, 1, None, _UNIVERSAL), ("stage3-bf16", 3, 3, None, _UNIVERSAL),
 ])
-def test_a_deepspeed_checkpoint_loads_exactly_at_any_world_size_and_stage(case, world, stage, offload):
+def test_a_deepspeed_checkpoint_loads_exactly_at_any_world_size_and_stage(case, world, stage, offload, tag):
     directory = os.path.join(FIXTURES, case)
     with open(os.path.join(directory, "expected.json")) as f:
         facts = json.load(f)
-    for seen in run_ranks(load_worker, world, case, stage, directory, offload):
-        assert seen["path"] == "global_step3"
+    for seen in run_ranks(load_worker, world, case, stage, directory, offload, tag):
+        assert seen["path"] == (tag or "global_step3")
         assert seen["differ"] == [], seen["differ"]
         assert seen["frozen_kept"] and seen["params_are_masters"], seen
         assert seen["buffer"] == [3.0, 3.0, 3.0]
@@ -182,3 +189,27 @@ def test_a_range_of_no_elements_reads_as_an_empty_tensor():
     assert torch.equal(flat.read(1, 3), torch.tensor([1.0, 2.0, 0.0]))
     assert flat.read(2, 0).numel() == 0 and flat.read(5, 0).numel() == 0
     assert _Flat([]).read(0, 0).numel() == 0
+
+
+def universal_folder_worker(rank: int, world: int, directory: str) -> tuple[str, int, int, bool]:
+    model = build_fixture_model()
+    engine = zerocore.initialize(model, _config("stage3-bf16", 2), param_groups=param_groups(model, CASES["stage3-bf16"]))
+    path, _ = engine.load_checkpoint(directory)  # the conversion's folder itself, no tag
+    expected = load_file(os.path.join(os.path.dirname(directory), "expected.safetensors"))
+    same = states_differing(model, expected) == []
+    return os.path.basename(path), engine.global_steps, engine.optimizer_state.step_count, same
+
+
+def test_a_universal_checkpoint_loads_from_its_own_folder():
+    for name, global_steps, adam_steps, same in run_ranks(universal_folder_worker, 2,
+                                                          os.path.join(FIXTURES, "stage3-bf16", _UNIVERSAL)):
+        assert (name, global_steps, adam_steps, same) == (_UNIVERSAL, 3, 3, True)
+
+
+def test_a_universal_checkpoint_missing_a_parameter_file_is_refused(tmp_path):
+    copy_dir = tmp_path / "ds"
+    shutil.copytree(os.path.join(FIXTURES, "stage3-fp32"), copy_dir)
+    shutil.copytree(os.path.join(FIXTURES, "stage3-bf16", _UNIVERSAL), copy_dir / _UNIVERSAL)
+    os.remove(copy_dir / _UNIVERSAL / "zero" / "hidden.weight" / "fp32.pt")
+    for message in run_ranks(mismatch_free_worker, 2, str(copy_dir / _UNIVERSAL)):
+        assert "hidden.weight/fp32.pt is missing" in message and "incomplete" in message, message

@@ -18,7 +18,12 @@ the caller's ``client_state`` (its other top-level keys). The fp32 master and Ad
   padding was cut);
 * stage 3: every parameter is cut into ``ceil(numel / ranks)`` elements per rank, and rank r's pieces of all
   parameters lie one after another, in ``param_shapes`` order, across its sub-groups (``fp32_flat_groups``;
-  moments in ``optimizer_state_dict``, one entry per sub-group).
+  moments in ``optimizer_state_dict``, one entry per sub-group);
+* a universal checkpoint (``python -m deepspeed.checkpoint.ds_to_universal``'s output, what DeepSpeed loads
+  with ``"checkpoint": {"load_universal": true}``): every trainable parameter whole in
+  ``zero/<name>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt`` (and ``step.pt``; a ``{"param": tensor}``, or the
+  tensor itself from a stage-3 conversion), the optimizer's shared state in ``zero/optimizer_state.pt``, and
+  the model state files as the stage wrote them (frozen parameters, buffers, counters, scheduler).
 
 Every rank reads the files memory-mapped and assembles one parameter at a time (its master and moments, from
 the pages that hold it), then keeps its own shard's pieces (Note [Full parameter state]); the checkpoint's
@@ -30,7 +35,8 @@ LoRA) leaves the model's own frozen values, which the script loaded from the bas
 The files are pickles of DeepSpeed's objects (an enum, named tuples, its loss scaler): they are read without
 DeepSpeed installed, DeepSpeed's classes standing in as plain records. Unpickling runs code the file names, as
 DeepSpeed's own ``torch.load(weights_only=False)`` does: load checkpoints you trust. Not read: pipeline- or
-tensor-parallel checkpoints (``layer_*`` files, ``mp_rank_01``), MoE expert files, universal checkpoints.
+tensor-parallel checkpoints (``layer_*`` files, ``mp_rank_01``; their universal conversion, whole tensors, is),
+MoE expert files.
 """
 
 from __future__ import annotations
@@ -65,12 +71,20 @@ _DEEPSPEED_KEYS = frozenset({
     "checkpoint_parallel_dimensions", "universal_checkpoint_info", "ds_autoep_layers", "autoep_layers",
 })
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_STAGE3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+_UNIVERSAL_OPTIMIZER = "optimizer_state.pt"  # a universal checkpoint's zero/: what every rank's optimizer shared
 
 
 def is_deepspeed_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a DeepSpeed checkpoint directory (its ZeRO optimizer files), not a zerocore one."""
+    """Whether ``path`` is a DeepSpeed checkpoint directory (its ZeRO optimizer files, or a universal
+    checkpoint's ``zero/``), not a zerocore one."""
     return (os.path.isdir(path) and not os.path.exists(os.path.join(path, "index.json"))
-            and any(_OPTIM.match(name) for name in os.listdir(path)))
+            and (any(_OPTIM.match(name) for name in os.listdir(path)) or _is_universal(path)))
+
+
+def _is_universal(path: str) -> bool:
+    """DeepSpeed's universal checkpoint (``ds_to_universal``'s output, Note [DeepSpeed checkpoints])."""
+    return os.path.isfile(os.path.join(path, "zero", _UNIVERSAL_OPTIMIZER))
 
 
 # ---- reading DeepSpeed's pickles without DeepSpeed --------------------------------------------------------
@@ -153,6 +167,8 @@ class _Checkpoint:
 
 def read(path: str) -> _Checkpoint:
     """Reads and checks a DeepSpeed checkpoint directory (memory-mapped: parameters are assembled later)."""
+    if _is_universal(path):
+        return _read_universal(path)
     optim_files: dict[int, str] = {}
     for name in os.listdir(path):
         match = _OPTIM.match(name)
@@ -196,6 +212,44 @@ def read(path: str) -> _Checkpoint:
     return _Checkpoint(path, stage, model, trainable, frozen, flats, max(steps, default=0),
                        [{k: v for k, v in g.items() if k != "params"} for g in state.get("param_groups", [])],
                        _dynamic_loss_scaler(optims[0].get("loss_scaler"), model))
+
+
+def _read_universal(path: str) -> _Checkpoint:
+    """A universal checkpoint: every parameter's whole fp32 value and moments in ``zero/<name>/`` (Note
+    [DeepSpeed checkpoints]), the model state files as the stage wrote them."""
+    zero = os.path.join(path, "zero")
+    optim = _load(os.path.join(zero, _UNIVERSAL_OPTIMIZER))
+    stage = int(optim["zero_stage"])
+    if stage in (1, 2):
+        model_files = [os.path.join(path, "mp_rank_00_model_states.pt")]
+    else:
+        ranks = sorted(int(m.group(1)) for name in os.listdir(path) if (m := _STAGE3_MODEL.match(name)))
+        if ranks != list(range(len(ranks))) or not ranks:
+            raise ValueError(f"load_checkpoint: the universal DeepSpeed checkpoint {path} holds the stage-3 model "
+                             f"state files of ranks {ranks}: a rank's file is missing")
+        model_files = [os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in ranks]
+    for file in model_files:
+        if not os.path.isfile(file):
+            raise ValueError(f"load_checkpoint: {file} is missing (the universal DeepSpeed checkpoint is incomplete)")
+    models = [_load(file) for file in model_files]
+    model = models[0]
+    trainable: dict[str, tuple[torch.Size, Any]] = {}
+    for shapes in model["param_shapes"]:
+        for name, shape in dict(shapes).items():
+            folder = os.path.join(zero, name)
+            if not os.path.isfile(os.path.join(folder, "fp32.pt")):
+                raise ValueError(f"load_checkpoint: {folder}/fp32.pt is missing (the universal DeepSpeed checkpoint "
+                                 "is incomplete)")
+            trainable[name] = (torch.Size(shape), ("universal", folder))
+    steps = {_as_int(_load(os.path.join(folder, "step.pt"))) for _, (_, folder) in trainable.values()
+             if os.path.isfile(os.path.join(folder, "step.pt"))}
+    if not steps:  # (stage 3's conversion writes no step files: the optimizer's own state has them)
+        state = optim.get("base_optimizer_state") or optim.get("optimizer_state_dict") or {}
+        steps = {_as_int(s.get("step", 0)) for s in state.get("state", {}).values()}
+    return _Checkpoint(path, stage, model, trainable, _frozen_values(stage, model, models, trainable), {},
+                       max(steps, default=0),
+                       [{k: v for k, v in g.items() if k not in ("params", "step")} for g in optim.get("param_groups", [])],
+                       _dynamic_loss_scaler(optim.get("loss_scaler"), model))
 
 
 def _dynamic_loss_scaler(scaler: Any, model: dict[str, Any]) -> dict[str, float | int] | None:
@@ -295,6 +349,16 @@ def assemble(checkpoint: _Checkpoint, name: str, key: str) -> torch.Tensor:
     """One trainable parameter's whole ``key`` (master, exp_avg or exp_avg_sq) in fp32."""
     shape, where = checkpoint.trainable[name]
     numel = math.prod(shape)
+    if where[0] == "universal":
+        file = os.path.join(where[1], ("fp32" if key == "master" else key) + ".pt")
+        if key != "master" and not os.path.isfile(file):
+            return torch.zeros(shape)  # (no moments: the parameter never took an optimizer step)
+        value = _load(file)
+        value = value["param"] if isinstance(value, dict) else value  # (stage 3's conversion saves the tensor)
+        if not isinstance(value, torch.Tensor) or value.numel() != numel:
+            raise ValueError(f"load_checkpoint: {file} holds {getattr(value, 'shape', type(value).__name__)}, not the "
+                             f"{list(shape)} of {name!r} (a tensor-parallel slice, or padding)")
+        return value.float().reshape(shape)
     flats = checkpoint.flats[key]
     if where[0] == "flat":
         _, group, offset = where

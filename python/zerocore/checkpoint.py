@@ -307,6 +307,8 @@ def _deepspeed_checkpoint_dir(directory: str, tag: str | None) -> str | None:
     """The checkpoint's directory when it is DeepSpeed's (its ZeRO optimizer files, no zerocore index)."""
     from ._deepspeed_checkpoint import is_deepspeed_checkpoint
 
+    if tag is None and is_deepspeed_checkpoint(directory):  # the tag's directory itself (a universal one, say)
+        return directory
     try:
         path = tag_path(directory, resolve_tag(directory, tag))
     except (OSError, ValueError):
