@@ -213,3 +213,22 @@ def test_a_universal_checkpoint_missing_a_parameter_file_is_refused(tmp_path):
     os.remove(copy_dir / _UNIVERSAL / "zero" / "hidden.weight" / "fp32.pt")
     for message in run_ranks(mismatch_free_worker, 2, str(copy_dir / _UNIVERSAL)):
         assert "hidden.weight/fp32.pt is missing" in message and "incomplete" in message, message
+
+
+def load_universal_worker(rank: int, world: int, directory: str) -> str:
+    """DeepSpeed's config key: load_checkpoint without a tag follows latest_universal, as DeepSpeed does."""
+    config = {**_config("stage3-fp32", 3), "checkpoint": {"load_universal": True}}
+    engine = zerocore.initialize(build_fixture_model(), config)
+    try:
+        path, _ = engine.load_checkpoint(directory)
+    except (ValueError, OSError) as error:
+        return f"{type(error).__name__}: {error}"
+    return os.path.basename(path)
+
+
+def test_load_universal_follows_latest_universal_and_refuses_on_every_rank_without_it(tmp_path):
+    assert run_ranks(load_universal_worker, 2, os.path.join(FIXTURES, "stage3-bf16")) == [_UNIVERSAL] * 2
+    copy_dir = tmp_path / "ds"
+    shutil.copytree(os.path.join(FIXTURES, "stage3-fp32"), copy_dir)  # a plain checkpoint: no latest_universal
+    for message in run_ranks(load_universal_worker, 2, str(copy_dir)):
+        assert "latest_universal does not exist" in message, message

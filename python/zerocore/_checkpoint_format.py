@@ -70,11 +70,12 @@ def index_bytes(index: Mapping[str, Any]) -> bytes:
     return json.dumps({**index, _INDEX_CHECKSUM: _index_checksum(index)}, indent=1).encode()
 
 
-def resolve_tag(directory: str, tag: str | None) -> str:
-    """``tag``, or the one ``directory/latest`` names; checked to be a plain directory name."""
+def resolve_tag(directory: str, tag: str | None, pointer: str = "latest") -> str:
+    """``tag``, or the one ``directory/<pointer>`` names (``latest``; DeepSpeed's ``latest_universal``); checked
+    to be a plain directory name."""
     source = "checkpoint tag"
     if tag is None:
-        latest = os.path.join(directory, "latest")
+        latest = os.path.join(directory, pointer)
         if not os.path.exists(latest):
             raise FileNotFoundError(f"{latest} does not exist (no checkpoint was completed in {directory}); pass "
                                     "tag= to load a specific one")

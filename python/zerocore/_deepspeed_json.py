@@ -95,9 +95,11 @@ def _all_off(value: Any) -> bool:  # e.g. activation_checkpointing: every switch
 
 
 def _checkpoint_like_zerocore(value: Any) -> bool:  # tag_validation Warn/Fail: zerocore refuses differing tags
+    # (load_universal is read into ZeroConfig.load_universal: zerocore reads universal checkpoints)
     return (isinstance(value, Mapping) and set(value) <= {"tag_validation", "load_universal", "use_node_local_storage"}
             and _equals("Warn", "WARN", "Fail", "FAIL")(value.get("tag_validation", "Warn"))
-            and _all_off({k: v for k, v in value.items() if k != "tag_validation"}))
+            and isinstance(value.get("load_universal", False), bool)
+            and _all_off({k: v for k, v in value.items() if k not in ("tag_validation", "load_universal")}))
 
 
 # the stage-3 keys DeepSpeed reads with or without their "stage3_" prefix (_Z3), at their defaults or, for
@@ -247,9 +249,11 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
     if as_bool(aio.pop("use_gds", False), "aio.use_gds"):
         fail("aio.use_gds", "GPUDirect Storage is not supported: zerocore's NVMe I/O goes through (pinned) CPU "
              "memory; set it to false or remove it")
+    checkpoint = data.get("checkpoint")
+    load_universal = checkpoint.get("load_universal", False) if isinstance(checkpoint, Mapping) else False
     config = cls(optimizer=OptimizerConfig(type=opt_type, **opt_kwargs), bf16=bf16.get("enabled", False),
                  fp16=FP16Config(**fp16), zero_optimization=ZeroOptimizationConfig(**zero), scheduler=schedule,
-                 aio=AioConfig(**aio), **plain)
+                 aio=AioConfig(**aio), load_universal=load_universal is True, **plain)
     return config, unsupported
 
 
@@ -270,6 +274,7 @@ def to_deepspeed(config: ZeroConfig) -> dict[str, Any]:
         "fp16": dataclasses.asdict(config.fp16),
         "zero_optimization": zero,
         "steps_per_print": config.steps_per_print,
+        **({"checkpoint": {"load_universal": True}} if config.load_universal else {}),
         "aio": {"block_size": a.block_size, "queue_depth": a.queue_depth, "intra_op_parallelism": a.thread_count,
                 "single_submit": a.single_submit, "overlap_events": a.overlap_events},
     }

@@ -56,8 +56,8 @@ from ._checkpoint_cli import main, to_dcp, to_hf  # noqa: F401  (zerocore.checkp
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
                                  index_identity,
                                  open_file, piece_sources, read_index, resolve_tag, tag_path, write_durably)
-from ._checkpoint_match import (check_model, check_param_groups, check_untracked, global_steps, group_names,
-                                optimizer_steps, persistent_names, trainable_shapes)
+from ._checkpoint_match import (agree_on_reading, check_model, check_param_groups, check_untracked, global_steps,
+                                group_names, optimizer_steps, persistent_names, trainable_shapes)
 from ._checkpoint_untracked import load_untracked, read_untracked, untracked_state, write_untracked
 from ._dcp_checkpoint import dcp_directories
 from ._deferred_signals import deferred_interrupts
@@ -256,7 +256,10 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict[str, Any]]:
     """See :meth:`Engine.load_checkpoint`."""
-    deepspeed_dir = _deepspeed_checkpoint_dir(os.fspath(load_dir), tag)
+    try:
+        deepspeed_dir = _deepspeed_checkpoint_dir(os.fspath(load_dir), tag, engine.config.load_universal)
+    except (OSError, ValueError) as error:  # (no latest_universal here): the one verdict exchange the DeepSpeed
+        agree_on_reading(engine, error, "the checkpoint")  # reader's ranks issue, so they all raise together
     if deepspeed_dir is not None:  # Note [DeepSpeed checkpoints]
         from ._deepspeed_checkpoint import load as load_deepspeed
 
@@ -303,12 +306,16 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str], tag: str |
     return staged.path, json_state.decode(index["client_state"])
 
 
-def _deepspeed_checkpoint_dir(directory: str, tag: str | None) -> str | None:
-    """The checkpoint's directory when it is DeepSpeed's (its ZeRO optimizer files, no zerocore index)."""
+def _deepspeed_checkpoint_dir(directory: str, tag: str | None, universal: bool) -> str | None:
+    """The checkpoint's directory when it is DeepSpeed's (its ZeRO optimizer files, no zerocore index);
+    ``universal`` (the config's ``checkpoint.load_universal``): without a tag, the one ``latest_universal``
+    names, as DeepSpeed resolves it."""
     from ._deepspeed_checkpoint import is_deepspeed_checkpoint
 
     if tag is None and is_deepspeed_checkpoint(directory):  # the tag's directory itself (a universal one, say)
         return directory
+    if tag is None and universal:  # raises when the pointer is missing, as DeepSpeed's load would
+        return tag_path(directory, resolve_tag(directory, None, "latest_universal"))
     try:
         path = tag_path(directory, resolve_tag(directory, tag))
     except (OSError, ValueError):

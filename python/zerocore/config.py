@@ -273,6 +273,8 @@ class ZeroConfig:
             (``gradient_accumulation_steps`` among them was already settled by ``from_deepspeed``; it is listed
             so ``to_deepspeed`` writes ``"auto"`` back).
         aio: the asynchronous file I/O engine's settings (DeepSpeed ``aio``).
+        load_universal: DeepSpeed ``checkpoint.load_universal``: ``load_checkpoint`` without a tag follows
+            ``latest_universal`` (which DeepSpeed's ``ds_to_universal`` writes) instead of ``latest``.
 
     Raises:
         ValueError: naming the key path of the first invalid value, or bf16 and fp16 both enabled.
@@ -292,6 +294,7 @@ class ZeroConfig:
     scheduler: SchedulerConfig | None = None
     auto_batch_sizes: tuple[str, ...] = ()
     aio: AioConfig = field(default_factory=AioConfig)
+    load_universal: bool = False
 
     def __post_init__(self) -> None:
         for name, cls in (("optimizer", OptimizerConfig), ("fp16", FP16Config),
@@ -307,6 +310,7 @@ class ZeroConfig:
                 object.__setattr__(self, name, as_int(value, name, 1))
         object.__setattr__(self, "gradient_clipping", as_float(self.gradient_clipping, "gradient_clipping", 0.0))
         object.__setattr__(self, "bf16", as_bool(self.bf16, "bf16.enabled"))
+        object.__setattr__(self, "load_universal", as_bool(self.load_universal, "checkpoint.load_universal"))
         if self.communication_data_type is not None:
             dtype = as_choice(self.communication_data_type, "communication_data_type", {k: k for k in _COMM_DTYPES})
             object.__setattr__(self, "communication_data_type", dtype)
