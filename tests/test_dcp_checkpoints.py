@@ -237,7 +237,7 @@ def test_optimizer_state_by_parameter_index_is_refused_naming_get_state_dict(tmp
 
 # ---- the other way: python -m zerocore.checkpoint to-dcp (Note [DCP export]) ------------------------------
 
-def train_and_save_worker(rank: int, world: int, directory: str, stage: int) -> bytes:
+def train_and_save_worker(rank: int, world: int, directory: str, stage: int, exclude_frozen: bool = False) -> bytes:
     """zerocore trains the fixture model (two param groups, tied, frozen and unused parameters, a buffer) two
     steps and saves; returns its state and, after one more step on both fixture batches, its masters."""
     model = build_fixture_model()
@@ -248,7 +248,7 @@ def train_and_save_worker(rank: int, world: int, directory: str, stage: int) -> 
         engine.step()
         with torch.no_grad():
             model.seen += 1
-    engine.save_checkpoint(directory)
+    engine.save_checkpoint(directory, exclude_frozen_parameters=exclude_frozen)
     saved = {f"{key}/{name}": value for name, param in model.named_parameters() if param.requires_grad
              for key, value in (("master", zerocore.safe_get_full_fp32_param(param)),
                                 ("exp_avg", zerocore.safe_get_full_optimizer_state(param, "exp_avg")),
@@ -345,3 +345,32 @@ def test_to_dcp_refuses_to_overwrite_or_to_write_into_the_checkpoint(tmp_path):
         to_dcp(checkpoint, out)
     written = to_dcp(checkpoint, out, overwrite=True)
     assert written[0] == ".metadata" and sorted(written) == sorted(os.listdir(out))  # the old run's file is gone
+
+
+def test_to_dcp_of_a_checkpoint_without_frozen_parameters_loads_over_the_base_model(tmp_path):
+    """A LoRA run's checkpoint (exclude_frozen_parameters): the output holds no frozen parameters, and torch's
+    recipe with allow_partial_load keeps the base model's own, as the docstring says."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from zerocore.checkpoint import to_dcp
+
+    checkpoint, out = str(tmp_path / "ckpt"), str(tmp_path / "dcp")
+    ours = torch.load(io.BytesIO(run_ranks(train_and_save_worker, 2, checkpoint, 3, True)[0]))
+    to_dcp(checkpoint, out)
+    model = build_fixture_model()
+    base = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW(param_groups(model, CASES["tutorial-fp32-groups"]), **ADAMW)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with pytest.raises(dcp.api.CheckpointException) as refused:  # strict: the frozen parameters are not in it
+        dcp.load(state, checkpoint_id=out, no_dist=True)
+    assert "Missing key in checkpoint state_dict: model.frozen" in str(refused.value.failures)
+    dcp.load(state, checkpoint_id=out, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(param.detach(), ours["saved"][f"master/{name}"]), name
+        else:
+            assert torch.equal(param.detach(), base[name]), name

@@ -22,7 +22,10 @@ that never got one has step 0 and zero moments, which continues as torch's "no s
 time (DCP's writer asks for each as it writes it: a planner assembles it then from the ranks' pieces; and a
 file per tensor, as DCP's writer keeps every tensor of a file until the file is written), so the peak memory is
 a small multiple of the largest tensor. Counters, the loss scale, the scheduler's state and the
-client state are zerocore's and are not written (a script's own scheduler resumes from its own state).
+client state are zerocore's and are not written (a script's own scheduler resumes from its own state). A
+checkpoint saved with ``exclude_frozen_parameters`` (a LoRA run) holds no frozen parameters, so neither does
+the output: load it over the base model with ``dcp.load(..., planner=DefaultLoadPlanner(allow_partial_load=
+True))``, which leaves the model's own frozen values.
 """
 
 from __future__ import annotations
