@@ -374,3 +374,19 @@ def test_to_dcp_of_a_checkpoint_without_frozen_parameters_loads_over_the_base_mo
             assert torch.equal(param.detach(), ours["saved"][f"master/{name}"]), name
         else:
             assert torch.equal(param.detach(), base[name]), name
+
+
+def test_info_describes_a_dcp_checkpoint_and_a_deepspeed_one(capsys):
+    """``python -m zerocore.checkpoint info`` on the formats load_checkpoint reads, instead of "index.json is
+    missing"."""
+    from zerocore.checkpoint import main
+
+    assert main(["info", os.path.join(FIXTURES, "torchtitan-bf16")]) == 0
+    out = capsys.readouterr().out
+    assert "a torch.distributed.checkpoint (DCP) checkpoint; engine.load_checkpoint reads it" in out, out
+    assert "tensors under <top>: 10" in out and "tensors under optimizer (optimizer state): 12" in out, out
+    assert "train_state.step" in out, out
+    deepspeed = os.path.join(os.path.dirname(FIXTURES), "deepspeed", "stage3-bf16")
+    assert main(["info", deepspeed, "--tag", "global_step3_universal"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage 3 universal checkpoint of 2 ranks" in out and "steps: global 3, optimizer 3" in out, out

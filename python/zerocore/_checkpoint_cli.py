@@ -111,9 +111,18 @@ def check_out_dir(out_dir: str, checkpoint_paths: list[str]) -> None:
 
 # ---- command line -----------------------------------------------------------------------------------------
 def _info(path: str, tag: str | None) -> None:
+    from ._dcp_checkpoint import dcp_directories
+    from ._dcp_checkpoint import describe as describe_dcp
+    from ._deepspeed_checkpoint import describe as describe_deepspeed
+    from ._deepspeed_checkpoint import is_deepspeed_checkpoint
+
     if tag is not None or os.path.exists(os.path.join(path, "latest")):
         tag = resolve_tag(path, tag)  # latest's content is checked as a tag is: "../../etc" is not followed
     directory = tag_path(path, tag) if tag else path
+    if is_deepspeed_checkpoint(directory) or dcp_directories(directory) is not None:  # the formats a load reads
+        dcp = dcp_directories(directory)
+        print("\n".join(describe_dcp(directory, dcp) if dcp is not None else describe_deepspeed(directory)))
+        return
     index = read_index(directory)
     total = sum(sum(s["numel"] for s in r["shards"]) for r in index["ranks"])
     held = "buffers (frozen parameters excluded)" if index.get("frozen_excluded") else "buffers/frozen tensors"
@@ -130,7 +139,7 @@ def _info(path: str, tag: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zerocore.checkpoint", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="print what a checkpoint holds")
+    info = sub.add_parser("info", help="print what a checkpoint holds (zerocore's, DeepSpeed's or a DCP one)")
     info.add_argument("checkpoint_dir")
     info.add_argument("--tag")
     hf = sub.add_parser("to-hf", help="write the model as Hugging Face safetensors, one tensor at a time")

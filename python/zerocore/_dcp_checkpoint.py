@@ -266,6 +266,42 @@ def _rows_planner_class() -> type:
     return RowsPlanner
 
 
+def describe(path: str, directories: list[str]) -> list[str]:
+    """``python -m zerocore.checkpoint info`` for a DCP checkpoint: per directory, its tensors by container
+    (the model's, the optimizer's) and its objects, without reading any data."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    lines = [f"{path}: a torch.distributed.checkpoint (DCP) checkpoint; engine.load_checkpoint reads it (Note [DCP "
+             "checkpoints])"]
+    for directory in directories:
+        metadata = _read_metadata(directory)
+        planner = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        tensors: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        objects: list[str] = []
+        wheres = {key: tuple(planner.get(key, (key,))) for key in metadata.state_dict_metadata}
+        roots = {root for where in wheres.values() if (root := _optimizer_root(where)) is not None}
+        optimizers = {"/".join(map(str, root)) or "<top>" for root in roots}
+        for key, meta in metadata.state_dict_metadata.items():
+            where = wheres[key]
+            root = next((r for r in roots if where[:len(r)] == r), None)
+            if isinstance(meta, TensorStorageMetadata):
+                container = (("/".join(map(str, root)) or "<top>") + " (optimizer state)" if root is not None
+                             else "/".join(map(str, where[:-1])) or "<top>")
+                tensors[container][0] += 1
+                tensors[container][1] += math.prod(meta.size) * meta.properties.dtype.itemsize
+            else:
+                objects.append(".".join(map(str, where)))
+        files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+        lines.append(f"{directory}: {len(files)} data files; optimizer state under "
+                     f"{sorted(optimizers) or 'none (a model-only save)'}")
+        for container, (count, nbytes) in sorted(tensors.items()):
+            lines.append(f"  tensors under {container}: {count} ({nbytes / 1e6:.1f} MB)")
+        shown = [o for o in objects if ".param_groups." not in f".{o}."]
+        listed = ", ".join(shown[:8]) + (" ..." if len(shown) > 8 else "") if shown else "param groups"
+        lines.append(f"  objects: {len(objects)} ({listed})")
+    return lines
+
+
 def _load(entries: dict[str, _Entry], rows: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """Loads entries (tensors whole, or rows ``[first, stop)`` of those in ``rows``; objects unpickled) by their
     DCP keys, one ``dcp.load`` per directory."""

@@ -252,6 +252,22 @@ def _read_universal(path: str) -> _Checkpoint:
                        _dynamic_loss_scaler(optim.get("loss_scaler"), model))
 
 
+def describe(path: str) -> list[str]:
+    """``python -m zerocore.checkpoint info`` for a DeepSpeed checkpoint (read and checked as a load reads it)."""
+    checkpoint = read(path)
+    model = checkpoint.model
+    kind = "universal " if _is_universal(path) else ""
+    lines = [f"{path}: a DeepSpeed {model.get('ds_version', '')} ZeRO stage {checkpoint.stage} {kind}checkpoint of "
+             f"{model.get('dp_world_size', '?')} ranks; engine.load_checkpoint reads it (Note [DeepSpeed checkpoints])",
+             f"steps: global {model.get('global_steps')}, optimizer {checkpoint.optimizer_step}, skipped "
+             f"{model.get('skipped_steps', 0)}; loss scaler: {checkpoint.loss_scaler or 'static'}; lr per group: "
+             f"{[g.get('lr') for g in checkpoint.param_groups]}",
+             f"{len(checkpoint.trainable)} trainable parameters, {len(checkpoint.frozen)} frozen or tied; client_state keys: "
+             f"{sorted(k for k in model if k not in _DEEPSPEED_KEYS)}"]
+    lines += [f"  {name} {list(shape)}" for name, (shape, _) in checkpoint.trainable.items()]
+    return lines
+
+
 def _dynamic_loss_scaler(scaler: Any, model: dict[str, Any]) -> dict[str, float | int] | None:
     """DeepSpeed's ``DynamicLossScaler`` as zerocore's LossScaler state (the same rule, the same counters), or
     None for a static scaler: bf16 and fp32 runs save one of scale 1, which must not become an fp16 run's
