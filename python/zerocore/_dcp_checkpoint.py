@@ -94,7 +94,6 @@ class _Entry:
 class _Checkpoint:
     path: str
     model: dict[str, _Entry]  # name -> the model's tensor (parameters and buffers)
-    model_root: Path
     has_optimizer: bool = False
     state: dict[str, dict[str, _Entry]] = field(default_factory=lambda: defaultdict(dict))  # name -> field -> entry
     hyper: dict[str, dict[str, _Entry]] = field(default_factory=lambda: defaultdict(dict))  # name -> hyperparameter
@@ -200,7 +199,7 @@ def read(path: str, directories: list[str], trainable: set[str]) -> _Checkpoint:
             warnings.warn(f"load_checkpoint: the DCP checkpoint {path} also holds tensors under "
                           f"{'/'.join(map(str, other)) or '<top>'} ({len(names)}), which are not loaded",
                           RuntimeWarning, stacklevel=4)
-    checkpoint = _Checkpoint(path, models[root], root, optimizer is not None, state, client=client)
+    checkpoint = _Checkpoint(path, models[root], optimizer is not None, state, client=client)
     if nested_groups:
         names_of = _load_objects([group["params"] for group in nested_groups.values() if "params" in group])
         # optimizer.state_dict() saved as it is numbers the parameters (its state keys are those numbers):
