@@ -25,9 +25,10 @@ the caller's ``client_state`` (its other top-level keys). The fp32 master and Ad
   tensor itself from a stage-3 conversion), the optimizer's shared state in ``zero/optimizer_state.pt``, and
   the model state files as the stage wrote them (frozen parameters, buffers, counters, scheduler).
 
-Every rank reads the files memory-mapped and assembles one parameter at a time (its master and moments, from
-the pages that hold it), then keeps its own shard's pieces (Note [Full parameter state]); the checkpoint's
-world size need not be this run's. Everything is read and checked against the model (names, shapes, frozen or
+Every rank reads the files memory-mapped and, one parameter at a time, only the elements its own shards hold
+(its master and moments, from the pages that hold them: a rank reading every parameter whole would read the
+checkpoint world-size times over), writes them into its pieces, and the parameters are gathered from the
+shards afterwards, as after a step; the checkpoint's world size need not be this run's. Everything is read and checked against the model (names, shapes, frozen or
 not) on every rank before anything changes, and the ranks agree on it, as for zerocore's own checkpoints. A
 checkpoint saved without its frozen parameters (DeepSpeed's ``exclude_frozen_parameters=True``, usual for
 LoRA) leaves the model's own frozen values, which the script loaded from the base model before ``initialize``.
@@ -57,7 +58,8 @@ import torch
 
 from ._checkpoint_match import agree_on_reading, is_count
 from ._deferred_signals import deferred_interrupts
-from ._full_param_state import write_full_state
+from ._full_param_state import _locate, write_own
+from ._local_param_state import local_range
 from ._names import canonical, named_buffers, named_parameters
 
 if TYPE_CHECKING:
@@ -361,26 +363,31 @@ def _frozen_values(stage: int, model: dict[str, Any], models: list[dict[str, Any
             for name, shape in (model.get("frozen_param_shapes") or {}).items()}
 
 
-def assemble(checkpoint: _Checkpoint, name: str, key: str) -> torch.Tensor:
-    """One trainable parameter's whole ``key`` (master, exp_avg or exp_avg_sq) in fp32."""
+def assemble(checkpoint: _Checkpoint, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of one trainable parameter's flattened ``key`` (master, exp_avg or exp_avg_sq)
+    in fp32, reading only the pages that hold them (the files are memory-mapped)."""
     shape, where = checkpoint.trainable[name]
     numel = math.prod(shape)
     if where[0] == "universal":
         file = os.path.join(where[1], ("fp32" if key == "master" else key) + ".pt")
         if key != "master" and not os.path.isfile(file):
-            return torch.zeros(shape)  # (no moments: the parameter never took an optimizer step)
+            return torch.zeros(stop - start)  # (no moments: the parameter never took an optimizer step)
         value = _load(file)
         value = value["param"] if isinstance(value, dict) else value  # (stage 3's conversion saves the tensor)
         if not isinstance(value, torch.Tensor) or value.numel() != numel:
             raise ValueError(f"load_checkpoint: {file} holds {getattr(value, 'shape', type(value).__name__)}, not the "
                              f"{list(shape)} of {name!r} (a tensor-parallel slice, or padding)")
-        return value.float().reshape(shape)
+        return value.reshape(-1)[start:stop].float()
     flats = checkpoint.flats[key]
     if where[0] == "flat":
         _, group, offset = where
-        return flats[group].read(offset, numel).float().view(shape)
-    _, offset, per_rank = where
-    return torch.cat([flat.read(offset, per_rank) for flat in flats])[:numel].float().view(shape)
+        return flats[group].read(offset + start, stop - start).float()
+    _, offset, per_rank = where  # rank r's piece is elements [r * per_rank, (r + 1) * per_rank), padded
+    pieces = []
+    for rank in range(start // per_rank, -(-stop // per_rank)) if per_rank else ():
+        lo, hi = max(start, rank * per_rank), min(stop, (rank + 1) * per_rank)
+        pieces.append(flats[rank].read(offset + lo - rank * per_rank, hi - lo))
+    return torch.cat(pieces).float() if pieces else torch.zeros(0)
 
 
 # ---- applying it -----------------------------------------------------------------------------------------
@@ -444,13 +451,19 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, sche
 
     theirs = {canonical(name): name for name in checkpoint.trainable}
     with torch.no_grad():
-        for name, param in _trainable_names(engine).items():  # the same order on every rank
-            values = {"master": assemble(checkpoint, theirs[name], "master")}
-            if not module_only:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    values[key] = (assemble(checkpoint, theirs[name], key) if optimizer_states
-                                   else torch.zeros(param.shape))
-            write_full_state(param, values)
+        # this rank's elements only: every rank reading every parameter whole would read world-size times the
+        # checkpoint (the pages of a memory-mapped file are read when touched)
+        for name, param in _trainable_names(engine).items():
+            start, stop = local_range(param)
+            if start == stop:
+                continue
+            located = _locate(param, "load_checkpoint")
+            keys = ["master"] if module_only else ["master", "exp_avg", "exp_avg_sq"]
+            for key in keys:
+                value = (assemble(checkpoint, theirs[name], key, start, stop) if key == "master" or optimizer_states
+                         else torch.zeros(stop - start))
+                write_own(located, key, value.to(engine.device), start)
+        engine.reload_params_from_shards()  # every rank: stages 1-2 gather the rest, stage 3 releases its units
         frozen = {canonical(n): v for n, v in checkpoint.frozen.items()}
         ours = _trainable_names(engine)
         write_whole_in_groups(engine, [(p, frozen[n].value) for n, p in named_parameters(engine.module)
