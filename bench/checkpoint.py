@@ -10,7 +10,8 @@ same data, on ``--world`` Gloo ranks:
   fsyncs its files, its default); then the zerocore engine's ``load_checkpoint`` of that DCP checkpoint (a run
   moving from DDP or FSDP mid-training, Note [DCP checkpoints]), timed as the zerocore load;
 * DeepSpeed ZeRO-2 (fp32, ``AdamW(fused=True)`` client optimizer, built as in ``_peers.py``)
-  ``engine.save_checkpoint`` / ``engine.load_checkpoint``, when ``import deepspeed`` works. DeepSpeed does
+  ``engine.save_checkpoint`` / ``engine.load_checkpoint``, when ``import deepspeed`` works, then the zerocore
+  engine's ``load_checkpoint`` of that DeepSpeed checkpoint (Note [DeepSpeed checkpoints]). DeepSpeed does
   not fsync what it writes; its save is shown without and with an fsync of its files (by the rank that
   wrote each), the latter being what zerocore's and DCP's saves include;
 * consolidation of the last round's checkpoints into one fp32 safetensors file, each tool's command line run
@@ -108,7 +109,7 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any], root: str, rounds: in
     if with_dcp:
         keys += ["dcp_save", "dcp_load", "zc_load_dcp", "zc_load_dcp_landed"]
     if with_ds:
-        keys += ["ds_save", "ds_save_fsync", "ds_load"]
+        keys += ["ds_save", "ds_save_fsync", "ds_load", "zc_load_ds", "zc_load_ds_landed"]
     out: dict[str, Any] = {k: [] for k in keys}
     out["resident_after_evict"] = []
     x, y = batch(cfg, 0, rank)
@@ -205,6 +206,8 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any], root: str, rounds: in
             cold(dsdir)
             with contextlib.redirect_stdout(sys.stderr):
                 timed("ds_load", ds.load_checkpoint, dsdir)
+            cold(dsdir)  # the same checkpoint into the zerocore engine: a run moving from DeepSpeed mid-training
+            timed("zc_load_ds", engine.load_checkpoint, dsdir, then=("zc_load_ds_landed", engine.land_param_gathers))
 
         dist.barrier()
         if rank == 0:
@@ -343,7 +346,10 @@ def main() -> None:
     if with_ds:
         rows_spec += [("DeepSpeed ZeRO-2 save_checkpoint (no fsync)", "ds_save", "ds", "save"),
                       ("DeepSpeed ZeRO-2 save_checkpoint + fsync", "ds_save_fsync", "ds", "save"),
-                      (f"DeepSpeed ZeRO-2 load_checkpoint ({read_label})", "ds_load", "ds", "load")]
+                      (f"DeepSpeed ZeRO-2 load_checkpoint ({read_label})", "ds_load", "ds", "load"),
+                      (f"zerocore load_checkpoint of that DeepSpeed checkpoint ({read_label})", "zc_load_ds", "ds",
+                       "load"),
+                      (f"  + parameters landed ({read_label})", "zc_load_ds_landed", "ds", "load")]
     peer = {"save": {"dcp": "dcp_save", "ds": "ds_save_fsync"}, "load": {"dcp": "dcp_load", "ds": "ds_load"}}
     table = []
     for label, key, size_key, kind in rows_spec:
