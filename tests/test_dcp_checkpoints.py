@@ -390,3 +390,24 @@ def test_info_describes_a_dcp_checkpoint_and_a_deepspeed_one(capsys):
     assert main(["info", deepspeed, "--tag", "global_step3_universal"]) == 0
     out = capsys.readouterr().out
     assert "ZeRO stage 3 universal checkpoint of 2 ranks" in out and "steps: global 3, optimizer 3" in out, out
+
+
+def test_a_folder_of_dcp_checkpoints_needs_a_tag(tmp_path):
+    """torchtitan keeps step-N folders side by side: without a tag, which one is meant is not a guess to make;
+    with tag= the one named loads."""
+    for step in ("step-2", "step-3"):
+        shutil.copytree(os.path.join(FIXTURES, "tutorial-fp32-groups"), tmp_path / step)
+    for message, unchanged in run_ranks(refusal_worker, 2, str(tmp_path), "none"):
+        assert "holds several DCP checkpoints with optimizer state (step-2, step-3): pass tag=" in message, message
+        assert unchanged
+    for path in run_ranks(tagged_load_worker, 2, str(tmp_path), "step-3"):
+        assert path == str(tmp_path / "step-3")
+
+
+def tagged_load_worker(rank: int, world: int, directory: str, tag: str) -> str:
+    model = build_fixture_model()
+    engine = zerocore.initialize(model, _config("tutorial-fp32-groups", 2),
+                                 param_groups=param_groups(model, CASES["tutorial-fp32-groups"]))
+    path, _ = engine.load_checkpoint(directory, tag=tag)
+    engine.close()
+    return path

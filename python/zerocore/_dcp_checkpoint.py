@@ -150,6 +150,11 @@ def read(path: str, directories: list[str], trainable: set[str]) -> _Checkpoint:
             where = tuple(planner.get(key, (key,)))
             entries.append((where, _Entry(directory, key, meta.size if tensor else None,
                                           meta.properties.dtype if tensor else None, metadata)))
+    holders = sorted({entry.directory for where, entry in entries if _optimizer_root(where) is not None})
+    if len(holders) > 1:  # a folder of checkpoints (torchtitan's step-N), not one split in two (Accelerate's)
+        names = ", ".join(os.path.relpath(d, path) for d in holders)
+        raise ValueError(f"load_checkpoint: {path} holds several DCP checkpoints with optimizer state ({names}): "
+                         "pass tag= to load one of them; nothing was changed")
     optimizers = {root for where, _ in entries if (root := _optimizer_root(where)) is not None}
     if len(optimizers) > 1:
         raise ValueError(f"load_checkpoint: the DCP checkpoint {path} holds {len(optimizers)} optimizers (under "
