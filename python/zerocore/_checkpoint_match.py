@@ -110,6 +110,12 @@ def check_untracked(ours: dict[str, torch.Tensor], index: Mapping[str, Any], mod
             raise ValueError(f"{name!r}: shape {theirs[name]['shape']} in the checkpoint, {list(tensor.shape)} here")
 
 
+def trainable_params(engine: Engine) -> dict[str, Any]:
+    """The trainable parameters by the names the engine's buffers (and their optimizer shards) hold them under,
+    in the buffers' order: the order every rank writes them in at a load."""
+    return {name: param for buffer in engine.buffers for name, param in zip(buffer.names, buffer.params)}
+
+
 def trainable_shapes(engine: Engine) -> dict[str, tuple[int, ...]]:
     """The trainable parameters' names (as the optimizer state's pieces name them) and global shapes."""
     trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}

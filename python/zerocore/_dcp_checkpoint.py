@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._checkpoint_match import agree_on_reading
+from ._checkpoint_match import agree_on_reading, group_names, trainable_params
 from ._deferred_signals import deferred_interrupts
 from ._full_param_state import _locate, write_own
 from ._local_param_state import local_range
@@ -353,10 +353,6 @@ def _nested(client: dict[Path, Any]) -> dict[str, Any]:
     return out
 
 
-def _trainable_names(engine: Engine) -> dict[str, Any]:
-    return {name: param for buffer in engine.buffers for name, param in zip(buffer.names, buffer.params)}
-
-
 @dataclass
 class _Plan:
     """What the load writes, decided (and checked) before anything changes."""
@@ -367,7 +363,7 @@ class _Plan:
 
 def _check_against(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool) -> _Plan:
     path = checkpoint.path
-    ours = _trainable_names(engine)
+    ours = trainable_params(engine)
     known = {name for name, _ in named_parameters(engine.module, remove_duplicate=False)}  # (tied: every name)
     known |= {name for name, _ in named_buffers(engine.module, remove_duplicate=False)}
     extra = sorted(set(checkpoint.model) - known)
@@ -440,8 +436,7 @@ def _check_against(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bo
                 f"{'decoupled (AdamW)' if saved else 'L2 (torch.optim.Adam)'} weight decay, this engine's optimizer "
                 f"applies it {'decoupled' if decoupled else 'as L2'}: configure "
                 f"{'type AdamW' if saved else 'type Adam with adam_w_mode false'}; nothing was changed")
-    for index, group in enumerate(engine.optimizer.param_groups):
-        names = [name for name, param in ours.items() if any(param is p for p in group["params"])]
+    for index, names in enumerate(group_names(engine)):
         seen = {}
         for name in names:
             values = {key: hyper[f"{name}/{key}"] for key in _HYPERPARAMETERS if f"{name}/{key}" in hyper}
@@ -463,7 +458,7 @@ def load(engine: Engine, path: str, directories: list[str], load_optimizer_state
     optimizer_states = load_optimizer_states and not load_module_only
     checkpoint, plan, client, problem = None, None, None, None
     try:
-        checkpoint = read(path, directories, set(_trainable_names(engine)))
+        checkpoint = read(path, directories, set(trainable_params(engine)))
         plan = _check_against(engine, checkpoint, optimizer_states)
         client = _nested(dict(zip(checkpoint.client, _load_objects(list(checkpoint.client.values())))))
     except (OSError, ValueError) as error:
@@ -530,7 +525,7 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, plan: _Plan, optimizer_state
            module_only: bool) -> None:
     from ._gathered import write_whole_in_groups
 
-    ours = _trainable_names(engine)
+    ours = trainable_params(engine)
     with torch.no_grad():
         # this rank's elements only (the rows that hold them), as each rank reads its share of a DTensor
         for batch, rows_of in _batches(ours, checkpoint, optimizer_states):

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._checkpoint_match import agree_on_reading, is_count
+from ._checkpoint_match import agree_on_reading, is_count, trainable_params
 from ._deferred_signals import deferred_interrupts
 from ._full_param_state import _locate, write_own
 from ._local_param_state import local_range
@@ -192,16 +192,7 @@ def read(path: str) -> _Checkpoint:
     count = max(counts) if isinstance(counts, (list, tuple)) else int(counts)
     if count != world:
         raise ValueError(f"load_checkpoint: {path} was written by {count} ranks but holds {world} optimizer files")
-    if stage in (1, 2):
-        model_files = [os.path.join(path, "mp_rank_00_model_states.pt")]
-    elif stage == 3:
-        model_files = [os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world)]
-    else:
-        raise ValueError(f"load_checkpoint: {path} is a ZeRO stage {stage} DeepSpeed checkpoint; stages 1-3 load")
-    for file in model_files:
-        if not os.path.isfile(file):
-            raise ValueError(f"load_checkpoint: {file} is missing (the DeepSpeed checkpoint is incomplete)")
-    models = [_load(file) for file in model_files]
+    models = _model_states(path, stage, world, "")
     model = models[0]
     groups = [dict(g) for g in model["param_shapes"]]
     if stage in (1, 2):
@@ -216,24 +207,35 @@ def read(path: str) -> _Checkpoint:
                        _dynamic_loss_scaler(optims[0].get("loss_scaler"), model))
 
 
+def _model_states(path: str, stage: int, world: int, kind: str) -> list[dict[str, Any]]:
+    """The model state files as a stage writes them (one at stages 1-2, one per rank at stage 3), read."""
+    if stage in (1, 2):
+        files = [os.path.join(path, "mp_rank_00_model_states.pt")]
+    elif stage == 3:
+        files = [os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world)]
+    else:
+        raise ValueError(f"load_checkpoint: {path} is a ZeRO stage {stage} {kind}DeepSpeed checkpoint; stages 1-3 "
+                         "load")
+    for file in files:
+        if not os.path.isfile(file):
+            raise ValueError(f"load_checkpoint: {file} is missing (the {kind}DeepSpeed checkpoint is incomplete)")
+    return [_load(file) for file in files]
+
+
 def _read_universal(path: str) -> _Checkpoint:
     """A universal checkpoint: every parameter's whole fp32 value and moments in ``zero/<name>/`` (Note
     [DeepSpeed checkpoints]), the model state files as the stage wrote them."""
     zero = os.path.join(path, "zero")
     optim = _load(os.path.join(zero, _UNIVERSAL_OPTIMIZER))
     stage = int(optim["zero_stage"])
-    if stage in (1, 2):
-        model_files = [os.path.join(path, "mp_rank_00_model_states.pt")]
-    else:
+    world = 1
+    if stage == 3:  # (the conversion keeps no optimizer file per rank: the model state files say how many ranks)
         ranks = sorted(int(m.group(1)) for name in os.listdir(path) if (m := _STAGE3_MODEL.match(name)))
         if ranks != list(range(len(ranks))) or not ranks:
             raise ValueError(f"load_checkpoint: the universal DeepSpeed checkpoint {path} holds the stage-3 model "
                              f"state files of ranks {ranks}: a rank's file is missing")
-        model_files = [os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in ranks]
-    for file in model_files:
-        if not os.path.isfile(file):
-            raise ValueError(f"load_checkpoint: {file} is missing (the universal DeepSpeed checkpoint is incomplete)")
-    models = [_load(file) for file in model_files]
+        world = len(ranks)
+    models = _model_states(path, stage, world, "universal ")
     model = models[0]
     trainable: dict[str, tuple[torch.Size, Any]] = {}
     for shapes in model["param_shapes"]:
@@ -412,12 +414,8 @@ def load(engine: Engine, path: str, load_optimizer_states: bool, load_lr_schedul
     return {k: v for k, v in checkpoint.model.items() if k not in _DEEPSPEED_KEYS}
 
 
-def _trainable_names(engine: Engine) -> dict[str, Any]:
-    return {name: param for buffer in engine.buffers for name, param in zip(buffer.names, buffer.params)}
-
-
 def _check_against(engine: Engine, checkpoint: _Checkpoint) -> None:
-    ours = _trainable_names(engine)
+    ours = trainable_params(engine)
     theirs = {canonical(name): name for name in checkpoint.trainable}
     missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
     if missing or extra:
@@ -453,7 +451,7 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, sche
     with torch.no_grad():
         # this rank's elements only: every rank reading every parameter whole would read world-size times the
         # checkpoint (the pages of a memory-mapped file are read when touched)
-        for name, param in _trainable_names(engine).items():
+        for name, param in trainable_params(engine).items():
             start, stop = local_range(param)
             if start == stop:
                 continue
@@ -465,7 +463,7 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, sche
                 write_own(located, key, value.to(engine.device), start)
         engine.reload_params_from_shards()  # every rank: stages 1-2 gather the rest, stage 3 releases its units
         frozen = {canonical(n): v for n, v in checkpoint.frozen.items()}
-        ours = _trainable_names(engine)
+        ours = trainable_params(engine)
         write_whole_in_groups(engine, [(p, frozen[n].value) for n, p in named_parameters(engine.module)
                                        if n not in ours and n in frozen])
         module = checkpoint.model["module"]
