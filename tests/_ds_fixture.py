@@ -80,3 +80,25 @@ def states_differing(model: nn.Module, expected: dict[str, torch.Tensor]) -> lis
             if not torch.equal(value, expected.get(f"{key}/{name}", torch.zeros_like(value))):
                 differ.append(f"{key}/{name}")
     return differ
+
+
+def deepspeed_full_moment(engine, param: torch.Tensor, key: str) -> torch.Tensor:
+    """A parameter's whole Adam moment ``key`` from a live DeepSpeed engine: deepspeed.utils'
+    safe_get_full_optimizer_state, but at stages 1-2 through DeepSpeed's fragment addresses by hand: DeepSpeed
+    0.19.8's raises on the rank whose last partition of a param group is shorter than its moments (it keeps no
+    moment fragment there), and the other ranks then hang in its all-reduce. A collective."""
+    import torch.distributed as dist
+
+    if hasattr(param, "ds_id"):
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        return safe_get_full_optimizer_state(param, key).detach().float().clone()
+    full = torch.zeros(param.numel())
+    mapping = param._hp_mapping
+    if mapping is not None:
+        flat = engine.optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
+        moment = engine.optimizer.optimizer.state[flat][key]
+        hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+        full[lp.start : lp.start + lp.numel] = moment.narrow(0, hp.start, hp.numel)
+    dist.all_reduce(full)
+    return full.view(param.shape)

@@ -1,6 +1,7 @@
 """``python -m zerocore.checkpoint``: ``info`` (what a checkpoint holds), ``to-hf`` (:func:`to_hf`: the
-model as Hugging Face safetensors) and ``to-dcp`` (:func:`to_dcp`: model and AdamW state as a DCP directory
-FSDP2 resumes from); each reads a checkpoint directory without an engine or a process group."""
+model as Hugging Face safetensors), ``to-dcp`` (:func:`to_dcp`: model and AdamW state as a DCP directory
+FSDP2 resumes from) and ``to-deepspeed`` (:func:`to_deepspeed`: a DeepSpeed universal checkpoint); each reads a
+checkpoint directory without an engine or a process group."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from . import _safetensors_io as stio
 from ._checkpoint_format import read_index, resolve_tag, tag_path, write_durably
 from ._dcp_export import to_dcp
+from ._deepspeed_export import to_deepspeed
 from ._saved_tensors import SavedTensors
 
 # --help's description: the first line of checkpoint.py's docstring, as when main() was defined there.
@@ -116,8 +118,10 @@ def _info(path: str, tag: str | None) -> None:
     from ._deepspeed_checkpoint import describe as describe_deepspeed
     from ._deepspeed_checkpoint import is_deepspeed_checkpoint
 
-    if tag is not None or os.path.exists(os.path.join(path, "latest")):
-        tag = resolve_tag(path, tag)  # latest's content is checked as a tag is: "../../etc" is not followed
+    # DeepSpeed's universal checkpoints (to-deepspeed's output too) are named by latest_universal alone
+    pointer = "latest_universal" if not os.path.exists(os.path.join(path, "latest")) else "latest"
+    if tag is not None or os.path.exists(os.path.join(path, pointer)):
+        tag = resolve_tag(path, tag, pointer)  # the pointer's content is checked as a tag is: "../../etc" is not followed
     directory = tag_path(path, tag) if tag else path
     if is_deepspeed_checkpoint(directory) or dcp_directories(directory) is not None:  # the formats a load reads
         dcp = dcp_directories(directory)
@@ -157,10 +161,26 @@ def main(argv: list[str] | None = None) -> int:
     to_dcp_parser.add_argument("--tag")
     to_dcp_parser.add_argument("--overwrite", action="store_true",
                                help="replace a previous DCP checkpoint in OUT_DIR (.metadata, *.distcp)")
+    to_ds = sub.add_parser("to-deepspeed", help="write a DeepSpeed universal checkpoint (OUT_DIR/global_step<N>, "
+                                                "OUT_DIR/latest_universal) that DeepSpeed resumes from at any world "
+                                                "size and stage")
+    to_ds.add_argument("checkpoint_dir")
+    to_ds.add_argument("out_dir")
+    to_ds.add_argument("--tag")
+    to_ds.add_argument("--overwrite", action="store_true", help="replace OUT_DIR/global_step<N> if it exists")
+    to_ds.add_argument("--group-steps", action="store_true",
+                       help="continue parameters that took fewer optimizer steps than their group (they got no "
+                            "gradient in some) at the group's step, which DeepSpeed keeps for all of them")
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
             _info(args.checkpoint_dir, args.tag)
+        elif args.command == "to-deepspeed":
+            written = to_deepspeed(args.checkpoint_dir, args.out_dir, args.tag, args.overwrite, args.group_steps)
+            print(f"wrote {len(written)} files under {args.out_dir} (tag {written[-2].split('/')[0]}, named by "
+                  "latest_universal). DeepSpeed resumes from it with \"checkpoint\": {\"load_universal\": true} in its "
+                  f"config and engine.load_checkpoint({args.out_dir!r}); buffers and frozen parameters come from the "
+                  "model the script builds (Note [DeepSpeed export])")
         elif args.command == "to-dcp":
             written = to_dcp(args.checkpoint_dir, args.out_dir, args.tag, args.overwrite)
             print("wrote " + ", ".join(os.path.join(args.out_dir, name) for name in written))

@@ -35,7 +35,8 @@ The stages 1-2 parameter all-gathers that follow a load are left in flight, as a
 
 This module moves state between an engine and a checkpoint (``save_checkpoint``, ``load_checkpoint``);
 _checkpoint_format.py reads and writes the directory itself, and _checkpoint_cli.py is
-``python -m zerocore.checkpoint`` (``info``, ``to-hf``, ``to-dcp``) and :func:`to_hf`, :func:`to_dcp`, importable from here.
+``python -m zerocore.checkpoint`` (``info``, ``to-hf``, ``to-dcp``, ``to-deepspeed``) and :func:`to_hf`, :func:`to_dcp`,
+:func:`to_deepspeed`, importable from here.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import torch
 
 from . import _json_state as json_state
 from . import _safetensors_io as stio
-from ._checkpoint_cli import main, to_dcp, to_hf  # noqa: F401  (zerocore.checkpoint.to_hf / to_dcp, the CLI)
+from ._checkpoint_cli import main, to_dcp, to_deepspeed, to_hf  # noqa: F401  (zerocore.checkpoint.to_*, the CLI)
 from ._checkpoint_format import (CHECKPOINT_IO, FORMAT, check_tag, covering, fsync_dir, fsync_file, index_bytes,
                                  index_identity,
                                  open_file, piece_sources, read_index, resolve_tag, tag_path, write_durably)
@@ -62,7 +63,7 @@ from ._checkpoint_untracked import load_untracked, read_untracked, untracked_sta
 from ._dcp_checkpoint import dcp_directories
 from ._deferred_signals import deferred_interrupts
 from ._model_checks import all_gather_json
-from ._names import tied_aliases
+from ._names import named_buffers, tied_aliases
 from .lr_schedules import apply_current_values
 
 if TYPE_CHECKING:
@@ -224,6 +225,7 @@ def _write_index(engine: Engine, tmp: str, model_checksums: Any, untracked: dict
                  shapes: Mapping[str, Any], persistent: set[str], everyone: list[Any], client: Any, scheduler: Any,
                  frozen_excluded: bool) -> None:
     """Rank 0: the JSON index naming every rank's file and the model file (buffers, frozen parameters)."""
+    buffers = {name for name, _ in named_buffers(engine.module, remove_duplicate=False)}
     index = {
         "format": FORMAT,
         "zerocore_version": _version(),
@@ -231,8 +233,9 @@ def _write_index(engine: Engine, tmp: str, model_checksums: Any, untracked: dict
         "stage": engine.stage,
         "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
         "params": {name: list(shape) for name, shape in shapes.items()},
+        # "buffer": a buffer, not a frozen parameter (exports tell them apart without the model: to-deepspeed)
         "untracked": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
-                          "persistent": k in persistent} for k, v in untracked.items()},
+                          "persistent": k in persistent, "buffer": k in buffers} for k, v in untracked.items()},
         "model_file": {"file": "model.safetensors", "checksums": model_checksums},
         "frozen_excluded": frozen_excluded,  # a load keeps the model's own frozen parameters
         "tied": tied_aliases(engine.module),  # the names a tied parameter also has (exports write them: to-dcp)
