@@ -17,8 +17,11 @@ same data, on ``--world`` Gloo ranks:
 * consolidation of the last round's checkpoints into one fp32 safetensors file, each tool's command line run
   as a child process: ``python -m zerocore.checkpoint to-hf CKPT OUT`` against DeepSpeed's
   ``python CKPT/zero_to_fp32.py CKPT OUT --safe_serialization`` (both with their default 5 GB shard size, so
-  one file here), and ``python -m zerocore.checkpoint to-dcp CKPT OUT`` (the model and the AdamW state as a
-  DCP directory FSDP2 resumes from), with the child's wall time and peak RSS (``os.wait4`` in a fresh wrapper process, see
+  one file here), ``python -m zerocore.checkpoint to-dcp CKPT OUT`` (the model and the AdamW state as a
+  DCP directory FSDP2 resumes from), and ``python -m zerocore.checkpoint to-deepspeed CKPT OUT`` (a DeepSpeed
+  universal checkpoint) against DeepSpeed's ``python -m deepspeed.checkpoint.ds_to_universal --input_folder
+  CKPT/<tag> --output_folder OUT --inject_missing_state`` (the same universal form, from DeepSpeed's own
+  checkpoint), with the child's wall time and peak RSS (``os.wait4`` in a fresh wrapper process, see
   ``_rss.py``). The peak RSS of the same command with ``--help`` (the interpreter and the tool's imports) is
   reported next to it, and so are the model's largest tensor and total fp32 bytes, to read "peak RSS above
   the imports" against. Both children inherit ``OMP_NUM_THREADS=1`` from the rank runner.
@@ -229,10 +232,18 @@ def _consolidate(root: str, rounds: int, warm: bool, with_ds: bool) -> dict[str,
     ds = os.path.join(root, f"ds{rounds - 1}")
     log = os.path.join(root, "child.log")
     commands = {"zc_hf": ([sys.executable, "-m", "zerocore.checkpoint", "to-hf", zc], zc),
-                "zc_dcp": ([sys.executable, "-m", "zerocore.checkpoint", "to-dcp", zc], zc)}
+                "zc_dcp": ([sys.executable, "-m", "zerocore.checkpoint", "to-dcp", zc], zc),
+                "zc_ds": ([sys.executable, "-m", "zerocore.checkpoint", "to-deepspeed", zc], zc)}
     if with_ds:
         commands["ds_fp32"] = ([sys.executable, os.path.join(ds, "zero_to_fp32.py"), ds], ds)
-    extra = {"zc_hf": [], "zc_dcp": [], "ds_fp32": ["--safe_serialization"]}
+        with open(os.path.join(ds, "latest")) as f:
+            tag = os.path.join(ds, f.read().strip())
+        commands["ds_univ"] = ([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag,
+                                "--output_folder"], ds)
+    extra = {"zc_hf": [], "zc_dcp": [], "zc_ds": [], "ds_fp32": ["--safe_serialization"],
+             "ds_univ": ["--inject_missing_state"]}
+    # the same command with --help: the interpreter and the tool's imports, nothing converted
+    helps = {"zc_hf": 5, "zc_dcp": 5, "zc_ds": 5, "ds_fp32": 2, "ds_univ": 3}
     fields = ("seconds", "peak_rss_bytes", "peak_anon_bytes", "peak_file_bytes")
     res: dict[str, Any] = {k: {f: [] for f in fields + ("resident_after_evict",)} for k in commands}
 
@@ -258,7 +269,7 @@ def _consolidate(root: str, rounds: int, warm: bool, with_ds: bool) -> dict[str,
             res[key]["out_bytes"] = _dir_bytes(dst)
             res[key]["out_files"] = sorted(os.listdir(dst))
     for key, (cmd, _) in commands.items():  # the interpreter and the tool's imports, nothing converted
-        res[key]["imports"] = run(cmd[:-1] + ["--help"] if key.startswith("zc_") else cmd[:2] + ["--help"])
+        res[key]["imports"] = run(cmd[:helps[key]] + ["--help"])
     if with_ds:
         res["same_tensors"] = _compare(os.path.join(root, "zc_hf.out"), os.path.join(root, "ds_fp32.out"))
     return res
@@ -362,9 +373,11 @@ def main() -> None:
         table.append(row)
 
     consolidation = []
-    labels = {"zc_hf": "zerocore to-hf", "zc_dcp": "zerocore to-dcp",
-              "ds_fp32": "DeepSpeed zero_to_fp32.py --safe_serialization"}
-    for key in ("zc_hf", "zc_dcp", "ds_fp32"):
+    labels = {"zc_hf": "zerocore to-hf", "zc_dcp": "zerocore to-dcp", "zc_ds": "zerocore to-deepspeed",
+              "ds_fp32": "DeepSpeed zero_to_fp32.py --safe_serialization",
+              "ds_univ": "DeepSpeed ds_to_universal --inject_missing_state"}
+    peer_of = {"zc_hf": "ds_fp32", "zc_ds": "ds_univ"}  # (to-dcp writes the moments too: no peer converts the same)
+    for key in ("zc_hf", "zc_dcp", "zc_ds", "ds_fp32", "ds_univ"):
         if key not in hf:
             continue
         h, imports = hf[key], hf[key]["imports"]
@@ -375,8 +388,8 @@ def main() -> None:
                "anon above imports MiB": (anon - imports["peak_anon_bytes"]) / 2**20,
                "file-backed peak MiB": max(h["peak_file_bytes"]) / 2**20,
                "output MB": h["out_bytes"] / 1e6, "files": ", ".join(h["out_files"])}
-        # (to-dcp writes the moments too: no peer converts the same)
-        row["x DeepSpeed"] = median(hf["ds_fp32"]["seconds"]) / secs if with_ds and key != "zc_dcp" else None
+        rival = peer_of.get(key)
+        row["x DeepSpeed"] = median(hf[rival]["seconds"]) / secs if with_ds and rival else None
         consolidation.append(row)
     model_note = {"largest_tensor_MiB": max(tensor_bytes) / 2**20, "model_fp32_MiB": sum(tensor_bytes) / 2**20}
     notes = []
