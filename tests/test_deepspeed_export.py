@@ -103,9 +103,10 @@ def resume_worker(rank: int, world: int, directory: str, stage: int, expected: d
 def test_the_export_loads_back_into_zerocore_exactly(source, tmp_path, world, stage):
     out = str(tmp_path / "ds")
     written = to_deepspeed(source, out)
-    assert written[-1] == "latest_universal"
-    with open(os.path.join(out, "latest_universal")) as f:
-        assert f.read() == "global_step3"
+    assert written[-2:] == ["latest", "latest_universal"]
+    for pointer in ("latest", "latest_universal"):
+        with open(os.path.join(out, pointer)) as f:
+            assert f.read() == "global_step3"
     expected, lr = _saved(source)
     exported = [torch.load(io.BytesIO(b), weights_only=False) for b in run_ranks(resume_worker, world, out, stage, expected, True)]
     own = [torch.load(io.BytesIO(b), weights_only=False) for b in run_ranks(resume_worker, world, source, stage, expected, False)]
@@ -175,6 +176,25 @@ def test_deepspeed_resumes_from_the_export(source, tmp_path, world, stage, bf16)
             assert float((theirs - ours).norm() / ours.norm()) < (5e-2 if bf16 else 1e-4), name
 
 
+def forgotten_universal_worker(rank: int, world: int, directory: str) -> str:
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+    import deepspeed
+
+    model = build_fixture_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, _GROUPS), config=_config(2))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        engine.load_checkpoint(directory)
+    return "raised"
+
+
+def test_deepspeed_without_load_universal_fails_instead_of_starting_afresh(source, tmp_path):
+    """Without ``latest`` DeepSpeed's load_checkpoint would return None and train from scratch."""
+    pytest.importorskip("deepspeed")
+    out = str(tmp_path / "ds")
+    to_deepspeed(source, out)
+    assert run_ranks(forgotten_universal_worker, 1, out) == ["raised"]
+
+
 def test_a_parameter_whose_step_lags_its_group_is_refused_unless_accepted(tmp_path):
     source = str(tmp_path / "zerocore")
     run_ranks(train_worker, 2, source, 1)  # hidden.bias takes step 1 only
@@ -198,8 +218,8 @@ def test_the_command_line_refuses_an_existing_tag_and_an_output_inside_the_check
         main(["to-deepspeed", source, out])
     assert "already exists" in capsys.readouterr().err and os.stat(marker).st_mtime_ns == mtime
     assert main(["to-deepspeed", source, out, "--overwrite"]) == 0
-    assert sorted(os.listdir(out)) == ["global_step3", "latest_universal"]  # no temporary directory left
-    assert main(["info", out]) == 0  # found through latest_universal
+    assert sorted(os.listdir(out)) == ["global_step3", "latest", "latest_universal"]  # no temporary directory left
+    assert main(["info", out]) == 0
     assert "global_step3: a DeepSpeed" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["to-deepspeed", source, os.path.join(source, "global_step3", "ds")])

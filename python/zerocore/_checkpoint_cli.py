@@ -118,7 +118,7 @@ def _info(path: str, tag: str | None) -> None:
     from ._deepspeed_checkpoint import describe as describe_deepspeed
     from ._deepspeed_checkpoint import is_deepspeed_checkpoint
 
-    # DeepSpeed's universal checkpoints (to-deepspeed's output too) are named by latest_universal alone
+    # DeepSpeed's universal checkpoints (ds_to_universal's output) are named by latest_universal alone
     pointer = "latest_universal" if not os.path.exists(os.path.join(path, "latest")) else "latest"
     if tag is not None or os.path.exists(os.path.join(path, pointer)):
         tag = resolve_tag(path, tag, pointer)  # the pointer's content is checked as a tag is: "../../etc" is not followed
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             _info(args.checkpoint_dir, args.tag)
         elif args.command == "to-deepspeed":
             written = to_deepspeed(args.checkpoint_dir, args.out_dir, args.tag, args.overwrite, args.group_steps)
-            print(f"wrote {len(written)} files under {args.out_dir} (tag {written[-2].split('/')[0]}, named by "
+            print(f"wrote {len(written)} files under {args.out_dir} (tag {written[0].split('/')[0]}, named by "
                   "latest_universal). DeepSpeed resumes from it with \"checkpoint\": {\"load_universal\": true} in its "
                   f"config and engine.load_checkpoint({args.out_dir!r}); buffers and frozen parameters come from the "
                   "model the script builds (Note [DeepSpeed export])")

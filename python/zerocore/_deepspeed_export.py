@@ -8,7 +8,9 @@ DeepSpeed's own checkpoints store flat partitions laid out by its optimizer (ali
 the saving run's world size), which a loading run must match exactly; its universal format
 (``ds_to_universal``'s output) stores every trainable parameter whole, and DeepSpeed cuts its own partitions
 from it at load, whatever the stage and world size. So that is what is written, under ``OUT/global_step<N>``
-with ``OUT/latest_universal`` naming it:
+with ``OUT/latest_universal`` naming it (and ``OUT/latest``: a DeepSpeed config that forgets ``load_universal``
+then fails on the missing weights instead of returning None from ``load_checkpoint``, which a script that does
+not check it would take for a fresh start):
 
 * ``zero/<name>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``: the fp32 master and Adam's moments, each
   ``{"param": tensor, "cat_dim": 0}``; ``step.pt``: the step count, an int;
@@ -35,10 +37,12 @@ took a step (zero moments) is written with its group's step: DeepSpeed continues
 parameters. One that took some steps but not all has no exact DeepSpeed form (its bias correction would
 change), so it is refused, naming it, unless ``group_steps=True`` (``--group-steps``) accepts its group's step.
 The lr scheduler's state is torch's with DeepSpeed's ``last_batch_iteration`` added (zerocore's schedules are
-DeepSpeed's: Note [DeepSpeed schedule timing]), so a DeepSpeed schedule and a torch one both resume.
+DeepSpeed's: Note [DeepSpeed schedule timing]), so a DeepSpeed schedule and a torch one both resume. An fp16
+run's dynamic loss scale is not written (DeepSpeed keeps it as a pickled object of its own classes): DeepSpeed
+starts from its config's initial scale, skipping a step or a few until it is back down.
 
 One tensor in memory at a time (assembled from the ranks' pieces, written, dropped); the directory is written
-beside its place and renamed into it, then ``latest_universal`` is replaced, so an interrupted export leaves
+beside its place and renamed into it, then the pointers are replaced, so an interrupted export leaves
 no partial checkpoint under the tag.
 """
 
@@ -152,8 +156,8 @@ def _model_states(index: Mapping[str, Any], steps: int) -> dict[str, Any]:
 def to_deepspeed(checkpoint_dir: str, out_dir: str, tag: str | None = None, overwrite: bool = False,
                  group_steps: bool = False) -> list[str]:
     """Writes the checkpoint as a DeepSpeed universal checkpoint under ``out_dir/global_step<N>`` and points
-    ``out_dir/latest_universal`` at it (Note [DeepSpeed export]); returns the paths written, relative to
-    ``out_dir``. DeepSpeed loads it with ``"checkpoint": {"load_universal": true}`` at any world size and stage.
+    ``out_dir/latest_universal`` and ``out_dir/latest`` at it (Note [DeepSpeed export]); returns the paths
+    written, relative to ``out_dir``. DeepSpeed loads it with ``"checkpoint": {"load_universal": true}`` at any world size and stage.
     ``out_dir`` may not be, hold or lie inside the checkpoint; an existing ``global_step<N>`` there is replaced
     only with ``overwrite=True``. Parameters that took fewer steps than their group are refused unless
     ``group_steps=True``. Every refusal comes before anything is written."""
@@ -211,5 +215,8 @@ def to_deepspeed(checkpoint_dir: str, out_dir: str, tag: str | None = None, over
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    # latest too: a DeepSpeed config without load_universal then fails on the missing weights; without it,
+    # DeepSpeed's load_checkpoint returns None and the run would start from scratch unless the script checks
+    write_durably(os.path.join(out_dir, "latest"), name.encode())
     write_durably(os.path.join(out_dir, "latest_universal"), name.encode())
-    return [*written, "latest_universal"]
+    return [*written, "latest", "latest_universal"]
