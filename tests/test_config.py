@@ -30,6 +30,7 @@ FULL = {
              "hysteresis": 3, "min_loss_scale": 0.5},
     "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e8,
                           "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": False,
+                          "allgather_partitions": False,
                           "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 1e8,
                           "stage3_param_persistence_threshold": 1e4, "sub_group_size": 1e8,
                           "offload_optimizer": {"device": "NVMe", "nvme_path": "/local_nvme", "pin_memory": False,
@@ -95,6 +96,7 @@ def test_full_round_trip(tmp_path):
     assert c.fp16 == FP16Config(True, 0.0, 12, 500, 3, 0.5)
     assert c.zero_optimization == ZeroOptimizationConfig(
         3, 50_000_000, 200_000_000, False, True, False, 0, 100_000_000, 10_000, sub_group_size=100_000_000,
+        allgather_partitions=False,
         offload_optimizer=OffloadOptimizerConfig("nvme", "/local_nvme", False, 8, True, 1.0),
         offload_param=OffloadParamConfig("cpu", "/local_nvme/params", False, 6, 20_000_000, 0))
     assert c.aio == AioConfig(block_size=262144, queue_depth=32, thread_count=4, single_submit=True,
@@ -389,7 +391,9 @@ LIKE_ZEROCORE = {
     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": False},
                           "stage3_gather_16bit_weights_on_model_save": True, "stage3_max_reuse_distance": 1e9,
                           "round_robin_gradients": False, "allgather_partitions": True,
-                          "ignore_unused_parameters": True, "sub_group_size": 1e9},
+                          "ignore_unused_parameters": True, "sub_group_size": 1e9,
+                          # any threshold: zerocore fetches whole blocks, never a module inside one alone
+                          "stage3_module_granularity_threshold": 16},
 }
 
 
@@ -401,6 +405,8 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
     # a value other than what zerocore does is still named, whichever key carries it
     for path, value in [("wandb", {"enabled": True}), ("gradient_predivide_factor", 2.0),
                         ("zero_optimization.stage3_max_reuse_distance", 1000),
+                        ("zero_optimization.stage3_module_granularity_threshold", -1),
+                        ("zero_optimization.module_granularity_threshold", "16"),
                         ("zero_optimization.round_robin_gradients", True),
                         ("zero_optimization.ignore_unused_parameters", 1),  # a number is not a boolean
                         ("checkpoint", {"tag_validation": "Ignore"}), ("data_types", {"grad_accum_dtype": "bf16"}),

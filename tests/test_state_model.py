@@ -211,6 +211,19 @@ def test_bucket_sizes_reduce_scatter_and_overlap_comm_are_honoured(stage):
     with pytest.raises(ValueError, match="reduce_scatter=false"):
         zerocore.initialize(build("mlp"), _config(stage, reduce_scatter=False),
                             comm_algorithms={"reduce_scatter": "native"})
+    # DeepSpeed's allgather_partitions=false: the updated parameters come as one broadcast per rank (and train
+    # as DDP does: the worker compares)
+    broadcasts = run_ranks(comm_keys_worker, 2, stage, {"allgather_partitions": False})[0]
+    assert broadcasts["algorithms"]["all_gather"] == "broadcast"
+    assert default["algorithms"]["all_gather"] != "broadcast"
+    with pytest.raises(ValueError, match="allgather_partitions=false"):
+        zerocore.initialize(build("mlp"), _config(stage, allgather_partitions=False),
+                            comm_algorithms={"all_gather": "native"})
+
+
+def test_allgather_partitions_is_ignored_at_stage_3_as_deepspeed_does():
+    default = run_ranks(comm_keys_worker, 2, 3, {})[0]
+    assert run_ranks(comm_keys_worker, 2, 3, {"allgather_partitions": False})[0]["algorithms"] == default["algorithms"]
 
 
 def test_engine_lifecycle_holds_no_stage_branches():

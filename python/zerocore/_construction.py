@@ -90,7 +90,8 @@ def default_process_group(device: torch.device) -> dist.ProcessGroup:
 
 def comm_algorithms_for(explicit: Mapping[str, str] | None, config: ZeroConfig) -> tuple[str, str]:
     """(reduce_scatter, all_gather) algorithm names: the caller's, else the config's ``reduce_scatter``
-    (False means all-reduce), else the per-backend choice ("auto")."""
+    (False means all-reduce) and, at stages 1-2, ``allgather_partitions`` (False means broadcasts), else the
+    per-backend choice ("auto")."""
     algorithms = dict(explicit or {})
     unknown = set(algorithms) - {"reduce_scatter", "all_gather"}
     if unknown:
@@ -101,7 +102,13 @@ def comm_algorithms_for(explicit: Mapping[str, str] | None, config: ZeroConfig) 
             raise ValueError(f"zero_optimization.reduce_scatter=false asks for all-reduce, but comm_algorithms "
                              f"asks for reduce_scatter={reduce_scatter!r}; drop one of them")
         reduce_scatter = "all_reduce"
-    return reduce_scatter, algorithms.get("all_gather", "auto")
+    all_gather = algorithms.get("all_gather", "auto")
+    if not config.zero_optimization.allgather_partitions and config.zero_optimization.stage < 3:
+        if all_gather not in ("auto", "broadcast"):
+            raise ValueError(f"zero_optimization.allgather_partitions=false asks for broadcasts, but comm_algorithms "
+                             f"asks for all_gather={all_gather!r}; drop one of them")
+        all_gather = "broadcast"
+    return reduce_scatter, all_gather
 
 
 def wire_dtype(config: ZeroConfig, world: int, algorithm_widens: bool) -> torch.dtype:

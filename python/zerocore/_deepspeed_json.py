@@ -54,7 +54,7 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
                                              "param_persistence_threshold")},
         frozenset(),
         frozenset((
-            "load_from_fp32_weights elastic_checkpoint allgather_partitions use_multi_rank_bucket_allreduce "
+            "load_from_fp32_weights elastic_checkpoint use_multi_rank_bucket_allreduce "
             "ignore_unused_parameters legacy_stage1 round_robin_gradients zeropp_loco_param "
             "mics_shard_size mics_hierarchical_params_gather memory_efficient_linear pipeline_loading_checkpoint "
             "override_module_apply log_trace_cache_warnings stage3_gather_fp16_weights_on_model_save zenflow "
@@ -105,8 +105,15 @@ def _checkpoint_like_zerocore(value: Any) -> bool:  # tag_validation Warn/Fail: 
 # the stage-3 keys DeepSpeed reads with or without their "stage3_" prefix (_Z3), at their defaults or, for
 # gather_16bit_weights_on_model_save, at what save_16bit_model always does here
 _Z3_LIKE_ZEROCORE = {"max_reuse_distance": 10**9, "gather_16bit_weights_on_model_save": True,
-                     "module_granularity_threshold": 0, "use_all_reduce_for_fetch_params": False,
-                     "allgather_sequential": False}
+                     "use_all_reduce_for_fetch_params": False, "allgather_sequential": False}
+
+
+def _granularity_like_zerocore(value: Any) -> bool:
+    """DeepSpeed's module_granularity_threshold makes modules of few parameters per descendant leaves, fetched
+    whole with their children instead of by a hook each. zerocore fetches whole units (a model's repeated
+    blocks: Note [Stage 3 units]) and never a module inside one on its own, so any threshold asks for what it
+    does."""
+    return type(value) in (int, float) and value >= 0 and float(value).is_integer()
 
 
 _LIKE_ZEROCORE: dict[str, Any] = {
@@ -134,13 +141,15 @@ _LIKE_ZEROCORE: dict[str, Any] = {
     "bf16.bf16_master_weights_and_grads": _equals(False),
     "bf16.bf16_optimizer_states": _equals(False),
     **{"zero_optimization." + key: _equals(value) for key, value in (
-        ("load_from_fp32_weights", True), ("elastic_checkpoint", False), ("allgather_partitions", True),
+        ("load_from_fp32_weights", True), ("elastic_checkpoint", False),
         ("use_multi_rank_bucket_allreduce", True), ("ignore_unused_parameters", True), ("legacy_stage1", False),
         ("round_robin_gradients", False), ("zeropp_loco_param", None), ("mics_shard_size", -1),
         ("mics_hierarchical_params_gather", False), ("memory_efficient_linear", True),
         ("pipeline_loading_checkpoint", False), ("log_trace_cache_warnings", False), ("zenflow", None),
         ("stage3_gather_fp16_weights_on_model_save", True))},
     **{f"zero_optimization.{prefix}{key}": _equals(value) for key, value in _Z3_LIKE_ZEROCORE.items()
+       for prefix in ("", "stage3_")},
+    **{f"zero_optimization.{prefix}module_granularity_threshold": _granularity_like_zerocore
        for prefix in ("", "stage3_")},
     "zero_optimization.offload_optimizer.pipeline_read": _equals(False),
     "zero_optimization.offload_optimizer.pipeline_write": _equals(False),

@@ -169,6 +169,9 @@ class ZeroOptimizationConfig:
         zero_quantization_group_size: elements per quantization scale of qwZ and qgZ (zerocore's; even, >= 2).
         zero_node_size: ranks per node for qgZ (zerocore's; default the ``LOCAL_WORLD_SIZE`` torchrun sets,
             else one node); lets one machine act as several nodes.
+        allgather_partitions: stages 1-2: all-gather the updated parameters after the step; False gathers them
+            as one broadcast per rank instead, the ``"broadcast"`` algorithm of Note [Collective algorithms]
+            (DeepSpeed's meaning). Stage 3 ignores it, as DeepSpeed does.
 
     Raises:
         ValueError: naming the key path of the first invalid value.
@@ -192,6 +195,7 @@ class ZeroOptimizationConfig:
     zero_quantized_gradients: bool = False
     zero_quantization_group_size: int = 256
     zero_node_size: int | None = None
+    allgather_partitions: bool = True  # (last: positional construction keeps its meaning)
 
     def __post_init__(self) -> None:
         p = "zero_optimization."
@@ -207,7 +211,7 @@ class ZeroOptimizationConfig:
             if getattr(self, name) is not None or name not in _UNSET_MEANS_CHOSEN:
                 # Element counts reach the C++ core as int64: a larger one must fail here, by name.
                 object.__setattr__(self, name, as_int(getattr(self, name), p + name, minimum, INT64_MAX))
-        for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter"):
+        for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions"):
             object.__setattr__(self, name, as_bool(getattr(self, name), p + name))
         if not self.contiguous_gradients:
             fail(p + "contiguous_gradients", "zerocore always copies gradients into contiguous buckets as they "
