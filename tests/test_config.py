@@ -422,6 +422,24 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
         assert path in str(info.value), (path, str(info.value))
 
 
+@pytest.mark.parametrize("precision,accum", [({}, "fp32"), ({"bf16": {"enabled": True}}, "bf16"),
+                                             ({"fp16": {"enabled": True}}, "FP16"), ({}, None)])
+def test_grad_accum_dtype_of_the_compute_dtype_is_what_zerocore_does(precision, accum):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZeroConfig.from_deepspeed({**precision, "data_types": {"grad_accum_dtype": accum}})
+
+
+def test_grad_accum_dtype_other_than_the_compute_dtype_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"data_types\.grad_accum_dtype \('fp32': zerocore accumulates in the compute "
+                                         r"dtype, bf16 here\)"):
+        ZeroConfig.from_deepspeed({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
+    with pytest.raises(ValueError, match=r"data_types\.grad_accum_dtype: expected one of"):
+        ZeroConfig.from_deepspeed({"data_types": {"grad_accum_dtype": "int8"}})
+    with pytest.raises(ValueError, match=r"data_types\.other: unknown key"):
+        ZeroConfig.from_deepspeed({"data_types": {"other": 1}})
+
+
 def test_unsupported_keys_strict():
     with pytest.raises(ValueError, match="not supported yet") as info:
         ZeroConfig.from_deepspeed(UNSUPPORTED)

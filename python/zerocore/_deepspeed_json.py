@@ -30,12 +30,13 @@ _ZEROCORE_ONLY = frozenset({"zero_quantization_group_size", "zero_node_size"})  
 _Z3 = ("max_reuse_distance model_persistence_threshold gather_16bit_weights_on_model_save "
        "module_granularity_threshold use_all_reduce_for_fetch_params allgather_sequential").split()
 _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozenset[str]]] = {
-    "": (frozenset(f.name for f in dataclasses.fields(ZeroConfig)) - {"auto_batch_sizes"}, {"bfloat16": "bf16"},
+    "": ((frozenset(f.name for f in dataclasses.fields(ZeroConfig)) - {"auto_batch_sizes"}) | {"data_types"},
+         {"bfloat16": "bf16"},
          frozenset({"wall_clock_breakdown"}), frozenset((
              "activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger amp "
              "zero_allow_untested_optimizer zero_force_ds_cpu_optimizer elasticity autotuning prescale_gradients "
              "gradient_predivide_factor sparse_gradients sparse_attention pipeline data_efficiency "
-             "curriculum_learning compression_training checkpoint nebula data_types memory_breakdown "
+             "curriculum_learning compression_training checkpoint nebula memory_breakdown "
              "dump_state disable_allgather torch_autocast compile hybrid_engine eigenvalue progressive_layer_drop "
              "quantize_training weight_quantization seq_parallel_communication_data_type dataloader_drop_last "
              "tensor_parallel").split())),
@@ -64,6 +65,7 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
         frozenset({"pipeline_read", "pipeline_write", "super_offload", "cpuadam_cores_perc"})),
     "zero_optimization.offload_param": (
         frozenset(f.name for f in dataclasses.fields(OffloadParamConfig)), {}, frozenset(), frozenset()),
+    "data_types": (frozenset({"grad_accum_dtype"}), {}, frozenset(), frozenset()),
     "aio": (frozenset(f.name for f in dataclasses.fields(AioConfig)) | {"use_gds"},
             {"intra_op_parallelism": "thread_count"}, frozenset(), frozenset()),
 }
@@ -133,7 +135,6 @@ _LIKE_ZEROCORE: dict[str, Any] = {
     "dataloader_drop_last": _equals(False),
     "seq_parallel_communication_data_type": _equals("fp32"),
     "checkpoint": _checkpoint_like_zerocore,
-    "data_types": lambda value: isinstance(value, Mapping) and all(v is None for v in value.values()),
     "optimizer.legacy_fusion": _equals(False),
     "optimizer.params.torch_adam": _equals(True, False),  # the same Adam, another implementation
     "optimizer.params.amsgrad": _equals(False),
@@ -207,6 +208,19 @@ def _load_json(path: str | os.PathLike[str]) -> Any:
                              "path of a DeepSpeed JSON config") from e
 
 
+def _check_grad_accum_dtype(value: Any, fp16: Mapping[str, Any], bf16: Mapping[str, Any], unsupported: list[str]) -> None:
+    """``data_types.grad_accum_dtype``: zerocore accumulates gradients across micro-steps in the compute dtype (the
+    gradient buffer at stage 1, the gradient shard at stages 2-3), so that dtype, or null (DeepSpeed's default),
+    is accepted; another one asks for what zerocore does not do yet."""
+    if value is None:
+        return
+    name = as_choice(value, "data_types.grad_accum_dtype", {k: k for k in ("fp32", "fp16", "bf16")})
+    compute = "bf16" if bf16.get("enabled") is True else "fp16" if fp16.get("enabled") is True else "fp32"
+    if name != compute:
+        unsupported.append(f"data_types.grad_accum_dtype ({name!r}: zerocore accumulates in the compute dtype, "
+                           f"{compute} here)")
+
+
 def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mapping[str, Any], *, strict: bool,
                    hidden_size: int | None) -> tuple[ZeroConfig, list[str]]:
     """See :meth:`ZeroConfig.from_deepspeed`; also returns the unsupported keys that were ignored
@@ -228,6 +242,8 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
                for name in ("offload_optimizer", "offload_param")
                if zero.get(name) is not None and zero.get(name) is not False}  # null / false: no offload
     aio = {} if top.get("aio") is None else _section(top["aio"], "aio", unsupported)
+    data_types = {} if top.get("data_types") is None else _section(top["data_types"], "data_types", unsupported)
+    _check_grad_accum_dtype(data_types.get("grad_accum_dtype"), fp16, bf16, unsupported)
     scheduler = top.get("scheduler")
     if scheduler is not None:
         scheduler = _section(scheduler, "scheduler", unsupported)
@@ -241,7 +257,7 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
         raise ValueError(f"DeepSpeed keys not supported yet by zerocore: {', '.join(unsupported)}; remove them, "
                          "or pass strict=False to ignore them with a warning")
     plain = {k: v for k, v in top.items()
-             if k not in ("optimizer", "fp16", "bf16", "zero_optimization", "scheduler", "aio")}
+             if k not in ("optimizer", "fp16", "bf16", "zero_optimization", "scheduler", "aio", "data_types")}
     fill_auto(plain=plain, optimizer=optimizer, params=params, fp16=fp16, bf16=bf16, zero=zero,
               scheduler=scheduler, hidden_size=hidden_size)
 
