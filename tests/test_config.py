@@ -167,8 +167,8 @@ BAD = [  # (DeepSpeed dict, key path named in the error, a fragment of the accep
     (ds(zero_optimization={"reduce_scatter": "no"}), "zero_optimization.reduce_scatter", "true or false"),
     (ds(zero_optimization={"stage3_prefetch_bucket_size": -1}), "zero_optimization.stage3_prefetch_bucket_size",
      ">= 0"),
-    (ds(zero_optimization={"stage3_max_live_parameters": 0}), "zero_optimization.stage3_max_live_parameters",
-     ">= 1"),
+    (ds(zero_optimization={"stage3_max_live_parameters": -1}), "zero_optimization.stage3_max_live_parameters",
+     ">= 0"),
     (ds(zero_optimization={"stage3_param_persistence_threshold": -5}),
      "zero_optimization.stage3_param_persistence_threshold", ">= 0"),
     (ds(zero_optimization=True), "zero_optimization", "JSON object"),
@@ -231,10 +231,12 @@ BAD = [  # (DeepSpeed dict, key path named in the error, a fragment of the accep
     (ds(zero_optimization={"offload_optimizer": "none"}), "zero_optimization.offload_optimizer", "JSON object"),
     (ds(zero_optimization={"offload_optimizer": True}), "zero_optimization.offload_optimizer", "JSON object"),
     (ds(zero_optimization={"stage": 3, "offload_param": ["cpu"]}), "zero_optimization.offload_param", "JSON object"),
-    (ds(zero_optimization={"sub_group_size": 0}), "zero_optimization.sub_group_size", ">= 1"),
+    (ds(zero_optimization={"sub_group_size": -1}), "zero_optimization.sub_group_size", ">= 0"),
+    (ds(zero_optimization={"sub_group_size": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}),
+     "zero_optimization.sub_group_size", "sub-group per parameter"),
     (ds(zero_optimization={"sub_group_size": 1.5}), "zero_optimization.sub_group_size", "integral"),
-    (ds(zero_optimization={"sub_group_size": "1e9"}), "zero_optimization.sub_group_size", ">= 1"),
-    (ds(zero_optimization={"sub_group_size": True}), "zero_optimization.sub_group_size", ">= 1"),
+    (ds(zero_optimization={"sub_group_size": "1e9"}), "zero_optimization.sub_group_size", ">= 0"),
+    (ds(zero_optimization={"sub_group_size": True}), "zero_optimization.sub_group_size", ">= 0"),
     (ds(zero_optimization={"sub_group_size": 2**63}), "zero_optimization.sub_group_size", "<= "),
     (ds(zero_optimization={"cpu_offload": "true"}), "zero_optimization.cpu_offload", "true or false"),
     (ds(zero_optimization={"cpu_offload_param": 1}), "zero_optimization.cpu_offload_param", "true or false"),
@@ -290,7 +292,8 @@ def test_bad_value_names_key_path(config, path, accepted):
      "zero_optimization.offload_param"),
     (lambda: ZeroOptimizationConfig(offload_optimizer={"device": "cpu"}), "zero_optimization.offload_optimizer"),
     (lambda: ZeroOptimizationConfig(stage=3, offload_param=None), "zero_optimization.offload_param"),
-    (lambda: ZeroOptimizationConfig(sub_group_size=0), "zero_optimization.sub_group_size"),
+    (lambda: ZeroOptimizationConfig(sub_group_size=0, offload_optimizer=OffloadOptimizerConfig("nvme", "/nvme")),
+     "zero_optimization.sub_group_size"),
     (lambda: AioConfig(block_size=4095), "aio.block_size"),
     (lambda: AioConfig(thread_count=0), "aio.intra_op_parallelism"),
     (lambda: ZeroConfig(aio={"block_size": 4096}), "aio"),
@@ -313,6 +316,24 @@ def test_optimizer_types_and_deepspeed_defaults():
     assert opt({"params": {"betas": (0.5, 0.6)}}).betas == (0.5, 0.6)
     assert OptimizerConfig(betas=[0.5, 0.6], lr=1).betas == (0.5, 0.6)
     assert type(OptimizerConfig(lr=1).lr) is float
+
+
+def test_auto_where_deepspeed_reads_its_default_is_absent():
+    """DeepSpeed's zero_optimization models read "auto" as the default and the Trainer fills in only the bucket
+    sizes: OpenRLHF's configs leave these "auto" (its get_train_ds_config)."""
+    config = ds(zero_optimization={"stage": 3, "offload_param": {"device": "none"},
+                                   "offload_optimizer": {"device": "cpu", "pin_memory": "auto"},
+                                   "sub_group_size": "auto", "stage3_max_live_parameters": "auto",
+                                   "stage3_max_reuse_distance": "auto", "allgather_bucket_size": "auto",
+                                   "zero_hpz_partition_size": 1, "zero_quantized_weights": False},
+                data_types={"grad_accum_dtype": None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero = ZeroConfig.from_deepspeed(config).zero_optimization
+    default = ZeroOptimizationConfig(stage=3)
+    assert (zero.sub_group_size, zero.stage3_max_live_parameters, zero.allgather_bucket_size) == (
+        default.sub_group_size, default.stage3_max_live_parameters, default.allgather_bucket_size)
+    assert zero.offload_optimizer.pin_memory == OffloadOptimizerConfig(device="cpu").pin_memory
 
 
 def test_auto_placeholder_rejected():
@@ -404,7 +425,7 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
     assert (c.optimizer.lr, c.fp16.enabled, c.zero_optimization.stage) == (1e-4, True, 3)
     # a value other than what zerocore does is still named, whichever key carries it
     for path, value in [("wandb", {"enabled": True}), ("gradient_predivide_factor", 2.0),
-                        ("zero_optimization.stage3_max_reuse_distance", 1000),
+                        ("zero_optimization.stage3_max_reuse_distance", -1),
                         ("zero_optimization.stage3_module_granularity_threshold", -1),
                         ("zero_optimization.module_granularity_threshold", "16"),
                         ("zero_optimization.round_robin_gradients", True),
@@ -420,6 +441,25 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
         with pytest.raises(ValueError, match="not supported yet") as info:
             ZeroConfig.from_deepspeed(config)
         assert path in str(info.value), (path, str(info.value))
+
+
+def test_axolotls_zero3_config_loads():
+    """axolotl's deepspeed_configs/zero3.json, its "auto" values as the Trainer fills them: DeepSpeed's zeros for
+    sub_group_size (a sub-group per parameter: nothing without NVMe offload), stage3_max_live_parameters (no
+    prefetching) and stage3_max_reuse_distance (release at once)."""
+    config = {"zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
+                                    "reduce_bucket_size": 1e6, "stage3_prefetch_bucket_size": 1e6,
+                                    "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 0,
+                                    "stage3_max_reuse_distance": 0, "stage3_gather_16bit_weights_on_model_save": True},
+              "bf16": {"enabled": True}, "fp16": {"enabled": False, "auto_cast": False, "loss_scale": 0,
+                                                  "initial_scale_power": 32, "loss_scale_window": 1000,
+                                                  "hysteresis": 2, "min_loss_scale": 1},
+              "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": 2,
+              "wall_clock_breakdown": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero = ZeroConfig.from_deepspeed(config).zero_optimization
+    assert (zero.sub_group_size, zero.stage3_max_live_parameters) == (0, 0)
 
 
 @pytest.mark.parametrize("precision,accum", [({}, "fp32"), ({"bf16": {"enabled": True}}, "bf16"),

@@ -272,6 +272,11 @@ def test_unset_prefetch_gathers_one_unit_ahead_and_a_set_budget_is_honoured():
         assert elements["unset"][kind] == elements["whole"][kind]
     for name, value in unset["params"].items():
         assert value == whole["params"][name], name
+    # DeepSpeed's stage3_max_live_parameters 0 (axolotl's zero3.json): nothing is prefetched, each block is
+    # gathered when it runs (the root stays, the forward's last block is kept for the backward), same training
+    none = run_ranks(prefetch_worker, 2, {"stage3_max_live_parameters": 0})[0]
+    assert none["peak"] == none["root"] + none["block"] < unset["peak"], none
+    assert none["params"] == unset["params"]
 
 
 def order_change_worker(rank: int, world: int) -> int:

@@ -13,11 +13,11 @@ import dataclasses
 import difflib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._config_values import as_bool, as_choice, fail
-from ._hf_auto import fill_auto
+from ._hf_auto import FROM_HIDDEN, fill_auto
 from ._offload_config import LEGACY_OFFLOAD, AioConfig, OffloadOptimizerConfig, OffloadParamConfig, offload_configs
 from ._scheduler_config import SchedulerConfig
 from .config import OPTIMIZER_TYPES, FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
@@ -106,16 +106,23 @@ def _checkpoint_like_zerocore(value: Any) -> bool:  # tag_validation Warn/Fail: 
 
 # the stage-3 keys DeepSpeed reads with or without their "stage3_" prefix (_Z3), at their defaults or, for
 # gather_16bit_weights_on_model_save, at what save_16bit_model always does here
-_Z3_LIKE_ZEROCORE = {"max_reuse_distance": 10**9, "gather_16bit_weights_on_model_save": True,
-                     "use_all_reduce_for_fetch_params": False, "allgather_sequential": False}
+_Z3_LIKE_ZEROCORE = {"gather_16bit_weights_on_model_save": True, "use_all_reduce_for_fetch_params": False,
+                     "allgather_sequential": False}
 
 
-def _granularity_like_zerocore(value: Any) -> bool:
-    """DeepSpeed's module_granularity_threshold makes modules of few parameters per descendant leaves, fetched
-    whole with their children instead of by a hook each. zerocore fetches whole units (a model's repeated
-    blocks: Note [Stage 3 units]) and never a module inside one on its own, so any threshold asks for what it
-    does."""
-    return type(value) in (int, float) and value >= 0 and float(value).is_integer()
+def _count(value: Any) -> bool:
+    """A whole number >= 0 (a JSON float such as 1e9 included), or "auto" (DeepSpeed's default, as below)."""
+    return value == "auto" or (type(value) in (int, float) and value >= 0 and float(value).is_integer())
+
+
+# Stage-3 tuning keys whose every value asks for what zerocore does:
+# * module_granularity_threshold makes modules of few parameters per descendant leaves, fetched whole with
+#   their children instead of by a hook each; zerocore fetches whole units (a model's repeated blocks: Note
+#   [Stage 3 units]) and never a module inside one on its own;
+# * max_reuse_distance keeps a fetched parameter that is used again within that many elements; zerocore's
+#   release rule is its own (Note [Stage 3 gather and release]: a unit is released after its forward, the
+#   forward's last one kept for the backward), and either only trades memory for gathers, never values.
+_Z3_ANY_COUNT = ("module_granularity_threshold", "max_reuse_distance")
 
 
 _LIKE_ZEROCORE: dict[str, Any] = {
@@ -150,8 +157,7 @@ _LIKE_ZEROCORE: dict[str, Any] = {
         ("stage3_gather_fp16_weights_on_model_save", True))},
     **{f"zero_optimization.{prefix}{key}": _equals(value) for key, value in _Z3_LIKE_ZEROCORE.items()
        for prefix in ("", "stage3_")},
-    **{f"zero_optimization.{prefix}module_granularity_threshold": _granularity_like_zerocore
-       for prefix in ("", "stage3_")},
+    **{f"zero_optimization.{prefix}{key}": _count for key in _Z3_ANY_COUNT for prefix in ("", "stage3_")},
     "zero_optimization.offload_optimizer.pipeline_read": _equals(False),
     "zero_optimization.offload_optimizer.pipeline_write": _equals(False),
     "zero_optimization.offload_optimizer.super_offload": _equals(False),
@@ -208,6 +214,15 @@ def _load_json(path: str | os.PathLike[str]) -> Any:
                              "path of a DeepSpeed JSON config") from e
 
 
+def _without_auto(section: dict[str, Any], keep: Sequence[str] = ()) -> dict[str, Any]:
+    """The section without its "auto" values but those in ``keep``: DeepSpeed's config models (the
+    zero_optimization section and its offload sections) read "auto" as their default, and the Hugging Face
+    Trainer fills in only the bucket sizes there (Note [Hugging Face "auto" values]), so a config that leaves
+    sub_group_size or stage3_max_live_parameters "auto" (OpenRLHF's) trains at DeepSpeed's defaults; here the
+    key counts as absent. ``stage`` is kept, to be refused: "auto" there would be DeepSpeed's stage 0."""
+    return {key: value for key, value in section.items() if value != "auto" or key in keep}
+
+
 def _check_grad_accum_dtype(value: Any, fp16: Mapping[str, Any], bf16: Mapping[str, Any], unsupported: list[str]) -> None:
     """``data_types.grad_accum_dtype``: zerocore accumulates gradients across micro-steps in the compute dtype (the
     gradient buffer at stage 1, the gradient shard at stages 2-3), so that dtype, or null (DeepSpeed's default),
@@ -237,8 +252,9 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
     params = _section(optimizer.get("params", {}), "optimizer.params", unsupported)
     fp16 = _section(top.get("fp16", {}), "fp16", unsupported)
     bf16 = _section(top.get("bf16", {}), "bf16", unsupported)
-    zero = _section(top.get("zero_optimization", {}), "zero_optimization", unsupported)
-    offload = {name: _section(zero[name], f"zero_optimization.{name}", unsupported)
+    zero = _without_auto(_section(top.get("zero_optimization", {}), "zero_optimization", unsupported),
+                         keep=("stage", *FROM_HIDDEN))
+    offload = {name: _without_auto(_section(zero[name], f"zero_optimization.{name}", unsupported))
                for name in ("offload_optimizer", "offload_param")
                if zero.get(name) is not None and zero.get(name) is not False}  # null / false: no offload
     aio = {} if top.get("aio") is None else _section(top["aio"], "aio", unsupported)

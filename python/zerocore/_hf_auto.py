@@ -11,7 +11,9 @@ int(0.9 hidden^2), ``stage3_param_persistence_threshold`` = 10 hidden (hidden: t
 world size by DeepSpeed's rule (an ``"auto"`` counts as absent; ``gradient_accumulation_steps`` is 1 when
 only one batch size is given); ``scheduler.params.warmup_min_lr`` = 0 and ``warmup_max_lr`` = the optimizer's
 lr. The rest come from the user's ``TrainingArguments``, which zerocore does not see: one ``ValueError`` names
-every such key and the training argument it stands for.
+every such key and the training argument it stands for. Any other ``"auto"`` in ``zero_optimization`` (and its
+offload sections) the Trainer leaves as it is, and DeepSpeed's config models read it as the key's default: there
+it counts as absent (_deepspeed_json.py), but for ``stage``, whose DeepSpeed default is no ZeRO at all.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ _TRAINING_ARGUMENTS = {
     "scheduler.params.total_num_steps": "max_steps (the number of training steps the Trainer computes)",
 }
 # "auto" bucket sizes the Trainer derives from the model's hidden size h.
-_FROM_HIDDEN = {"reduce_bucket_size": ("h^2", lambda h: h * h),
+FROM_HIDDEN = {"reduce_bucket_size": ("h^2", lambda h: h * h),
                 "stage3_prefetch_bucket_size": ("0.9 h^2", lambda h: int(0.9 * h * h)),
                 "stage3_param_persistence_threshold": ("10 h", lambda h: 10 * h)}
 
@@ -85,7 +87,7 @@ def fill_auto(*, plain: dict[str, Any], optimizer: dict[str, Any], params: dict[
                             f"{source}; zerocore does not see the training arguments, so give the value")
 
     # From the model's hidden size, as the Trainer does.
-    for name, (formula, derive) in _FROM_HIDDEN.items():
+    for name, (formula, derive) in FROM_HIDDEN.items():
         if _is_auto(zero.get(name)):
             if hidden_size is None:
                 problems.append(

@@ -147,10 +147,12 @@ class ZeroOptimizationConfig:
             left of the budget is still fetched). None (unset): one unit
             ahead, as FSDP prefetches and as DeepSpeed's 5e7 default does on models whose blocks exceed 5e7
             elements (hidden size >= 2048); ``comm_report()["buckets"]`` says which budget was used and why.
-        stage3_max_live_parameters: stage 3: gathered parameter elements kept per GPU (>= 1).
+        stage3_max_live_parameters: stage 3: gathered parameter elements prefetching keeps per GPU (>= 0; 0:
+            no prefetching, each unit gathered when it runs).
         stage3_param_persistence_threshold: stage 3: parameters with fewer elements stay unpartitioned (>= 0).
-        sub_group_size: elements per optimizer sub-group, the tile the optimizer step (and its offload) works
-            through at a time (>= 1; DeepSpeed's default 1e9).
+        sub_group_size: elements per optimizer sub-group, the tile the NVMe-offloaded optimizer step works
+            through at a time (>= 1; DeepSpeed's default 1e9). DeepSpeed's 0 (a sub-group per parameter) is
+            accepted where it changes nothing here, without ``offload_optimizer: nvme``.
         offload_optimizer: optimizer-state offload (:class:`OffloadOptimizerConfig`); also set by DeepSpeed's
             deprecated ``cpu_offload: true`` (device ``"cpu"``).
         offload_param: parameter offload, stage 3 only (:class:`OffloadParamConfig`); also set by DeepSpeed's
@@ -206,7 +208,7 @@ class ZeroOptimizationConfig:
             fail(p + "stage", f"accepted values are 1, 2, 3, got {self.stage!r}{why}")
         object.__setattr__(self, "stage", int(self.stage))
         minimums = {"reduce_bucket_size": 1, "allgather_bucket_size": 1, "stage3_prefetch_bucket_size": 0,
-                    "stage3_max_live_parameters": 1, "stage3_param_persistence_threshold": 0}
+                    "stage3_max_live_parameters": 0, "stage3_param_persistence_threshold": 0}
         for name, minimum in minimums.items():
             if getattr(self, name) is not None or name not in _UNSET_MEANS_CHOSEN:
                 # Element counts reach the C++ core as int64: a larger one must fail here, by name.
@@ -216,11 +218,15 @@ class ZeroOptimizationConfig:
         if not self.contiguous_gradients:
             fail(p + "contiguous_gradients", "zerocore always copies gradients into contiguous buckets as they "
                  "are produced; only true is accepted (remove the key or set it to true)")
-        object.__setattr__(self, "sub_group_size", as_int(self.sub_group_size, p + "sub_group_size", 1, INT64_MAX))
+        object.__setattr__(self, "sub_group_size", as_int(self.sub_group_size, p + "sub_group_size", 0, INT64_MAX))
         for name, cls in (("offload_optimizer", OffloadOptimizerConfig), ("offload_param", OffloadParamConfig)):
             if not isinstance(getattr(self, name), cls):
                 fail(p + name, f"expected an {cls.__name__}, got {type(getattr(self, name)).__name__} "
                      "(use ZeroConfig.from_deepspeed to read a DeepSpeed dict)")
+        if self.sub_group_size == 0 and self.offload_optimizer.device == "nvme":
+            fail(p + "sub_group_size", "0 is DeepSpeed's sub-group per parameter; zerocore's NVMe-offloaded step "
+                 "works through sub-groups of a number of elements: give one (DeepSpeed's default is 1e9; "
+                 "python -m zerocore.doctor says what fits)")
         if self.offload_param.device != "none" and self.stage < 3:
             fail(p + "offload_param", f"parameter offload needs stage 3 (device is {self.offload_param.device!r}, "
                  f"zero_optimization.stage is {self.stage}); use stage 3, or device 'none'")
