@@ -411,7 +411,8 @@ LIKE_ZEROCORE = {
     "fp16": {"enabled": True, "fp16_master_weights_and_grads": False},
     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": False},
                           "stage3_gather_16bit_weights_on_model_save": True, "stage3_max_reuse_distance": 1e9,
-                          "round_robin_gradients": False, "allgather_partitions": True,
+                          "round_robin_gradients": True, "allgather_partitions": True, "elastic_checkpoint": True,
+                          "memory_efficient_linear": False, "use_multi_rank_bucket_allreduce": False,
                           "ignore_unused_parameters": True, "sub_group_size": 1e9,
                           # any threshold: zerocore fetches whole blocks, never a module inside one alone
                           "stage3_module_granularity_threshold": 16},
@@ -428,7 +429,8 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
                         ("zero_optimization.stage3_max_reuse_distance", -1),
                         ("zero_optimization.stage3_module_granularity_threshold", -1),
                         ("zero_optimization.module_granularity_threshold", "16"),
-                        ("zero_optimization.round_robin_gradients", True),
+                        ("zero_optimization.load_from_fp32_weights", False),
+                        ("zero_optimization.round_robin_gradients", "yes"),  # either boolean, nothing else
                         ("zero_optimization.ignore_unused_parameters", 1),  # a number is not a boolean
                         ("checkpoint", {"tag_validation": "Ignore"}), ("data_types", {"grad_accum_dtype": "bf16"}),
                         ("activation_checkpointing", {"number_checkpoints": 4})]:

@@ -148,11 +148,16 @@ _LIKE_ZEROCORE: dict[str, Any] = {
     "fp16.fp16_master_weights_and_grads": _equals(False),
     "bf16.bf16_master_weights_and_grads": _equals(False),
     "bf16.bf16_optimizer_states": _equals(False),
+    # Either value asks for what zerocore does: every checkpoint reshards at load (elastic_checkpoint); the
+    # offloaded copies are each rank's own shard already (round_robin_gradients spreads DeepSpeed's); the
+    # reduction is zerocore's own, the sums the same (use_multi_rank_bucket_allreduce); stage 3 runs the model's
+    # own linear layers, what DeepSpeed's memory_efficient_linear replaces (false asks for them, true only saves
+    # DeepSpeed's activation memory).
+    **{"zero_optimization." + key: _equals(True, False) for key in (
+        "elastic_checkpoint", "round_robin_gradients", "use_multi_rank_bucket_allreduce", "memory_efficient_linear")},
     **{"zero_optimization." + key: _equals(value) for key, value in (
-        ("load_from_fp32_weights", True), ("elastic_checkpoint", False),
-        ("use_multi_rank_bucket_allreduce", True), ("ignore_unused_parameters", True), ("legacy_stage1", False),
-        ("round_robin_gradients", False), ("zeropp_loco_param", None), ("mics_shard_size", -1),
-        ("mics_hierarchical_params_gather", False), ("memory_efficient_linear", True),
+        ("load_from_fp32_weights", True), ("ignore_unused_parameters", True), ("legacy_stage1", False),
+        ("zeropp_loco_param", None), ("mics_shard_size", -1), ("mics_hierarchical_params_gather", False),
         ("pipeline_loading_checkpoint", False), ("log_trace_cache_warnings", False), ("zenflow", None),
         ("stage3_gather_fp16_weights_on_model_save", True))},
     **{f"zero_optimization.{prefix}{key}": _equals(value) for key, value in _Z3_LIKE_ZEROCORE.items()
