@@ -200,7 +200,7 @@ def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
     return out
 
 
-def _load_json(path: str | os.PathLike[str]) -> Any:
+def load_json(path: str | os.PathLike[str]) -> Any:
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in pairs:
@@ -246,7 +246,7 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
     """See :meth:`ZeroConfig.from_deepspeed`; also returns the unsupported keys that were ignored
     (``strict=False``), for the caller's warning."""
     if isinstance(source, (str, os.PathLike)):
-        data = _load_json(source)
+        data = load_json(source)
     elif isinstance(source, Mapping):
         data = source
     else:

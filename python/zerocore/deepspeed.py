@@ -1,0 +1,178 @@
+"""``deepspeed.initialize`` for zerocore: a training script written for DeepSpeed switches with one line,
+``import zerocore.deepspeed as deepspeed``.
+
+Note [DeepSpeed's initialize]
+-----------------------------
+``initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+lr_scheduler=None, ..., config=None, config_params=None)`` returns DeepSpeed's four values, ``(engine, optimizer,
+training_dataloader, lr_scheduler)``, built by :func:`zerocore.initialize`:
+
+* the config comes from ``config`` (a dict or a JSON path), ``config_params``, or ``args.deepspeed_config``, as
+  DeepSpeed takes it; two different ones are refused, as DeepSpeed refuses them;
+* ``model_parameters``: the parameters or torch-style param groups to train, as DeepSpeed takes them;
+* ``optimizer``: a torch ``Adam``/``AdamW`` (or DeepSpeed's ``FusedAdam``/``DeepSpeedCPUAdam``) that has not
+  stepped, or a callable building one from the parameters, becomes the engine's own sharded Adam with the same param groups and hyperparameters (decoupled
+  weight decay or L2 as the optimizer has it), as the Hugging Face Trainer hands its optimizer to DeepSpeed. Any
+  other optimizer (SGD, amsgrad, maximize) is refused by name: the engine's update is its fused Adam. A config
+  with its own ``optimizer`` section and an optimizer argument is refused, as DeepSpeed refuses it;
+* ``lr_scheduler``: a callable taking the engine's optimizer and returning a torch scheduler (what the Hugging
+  Face Trainer passes), which ``engine.step()`` steps after every applied step. A scheduler already built on
+  another optimizer is refused: it would move that optimizer's lr, not the engine's. One in both the config and
+  the argument is refused;
+* ``training_data``: a ``torch.utils.data.Dataset`` becomes a ``DataLoader`` of ``train_micro_batch_size_per_gpu``
+  samples per batch over this rank's part of it (a ``DistributedSampler`` at its defaults, shuffled, as
+  DeepSpeed's loader has it; ``dataloader_drop_last`` drops the last incomplete batch), with ``collate_fn``; else
+  None.
+
+``mpu``, ``mesh_param`` (model parallelism) and ``dist_init_required=False`` without a process group are
+refused; ``distributed_port`` is torchrun's business (``MASTER_PORT``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._config_values import as_bool
+from ._deepspeed_json import load_json
+from .engine import Engine
+from .engine import initialize as _initialize
+
+__all__ = ["initialize"]
+
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _config_of(args: Any, config: Any, config_params: Any) -> Any:
+    given = [c for c in (config, config_params) if c is not None]
+    if len(given) == 2 and given[0] is not given[1]:
+        raise ValueError("deepspeed.initialize: config and config_params are both given; pass one")
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    chosen = given[0] if given else None
+    if from_args is not None and chosen is not None:
+        raise ValueError("deepspeed.initialize: a config is given both in args.deepspeed_config and as an argument "
+                         "(DeepSpeed refuses this too); pass one")
+    chosen = chosen if chosen is not None else from_args
+    if chosen is None:
+        raise ValueError("deepspeed.initialize: no DeepSpeed config: pass config= (a dict or a JSON path), "
+                         "config_params=, or args with a deepspeed_config attribute")
+    return chosen
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, (str, os.PathLike)):
+        return dict(load_json(config))  # (a key given twice, or not JSON, is named as zerocore.initialize names it)
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise TypeError(f"deepspeed.initialize: config must be a dict or a JSON file path, got {type(config).__name__}")
+
+
+def _groups_of(model_parameters: Any) -> list[dict[str, Any]] | None:
+    """DeepSpeed's model_parameters as param groups: an iterable of parameters is one group."""
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if all(isinstance(item, torch.Tensor) for item in items):
+        return [{"params": items}]
+    if all(isinstance(item, Mapping) for item in items):
+        return [dict(item) for item in items]
+    raise TypeError("deepspeed.initialize: model_parameters must be parameters or param-group dicts, not a mix")
+
+
+def _adam_groups(optimizer: Any) -> tuple[str, list[dict[str, Any]]]:
+    """The optimizer type and param groups of a client Adam/AdamW (Note [DeepSpeed's initialize])."""
+    name = type(optimizer).__name__
+    deepspeed_adam = name in ("FusedAdam", "DeepSpeedCPUAdam") and hasattr(optimizer, "adam_w_mode")
+    if not (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or deepspeed_adam):
+        raise TypeError(f"deepspeed.initialize: optimizer is a {name}; the engine's update is its sharded fused "
+                        "Adam/AdamW, so only a torch Adam or AdamW (or DeepSpeed's FusedAdam / DeepSpeedCPUAdam) is "
+                        "taken over. Give Adam's settings in the config's optimizer section instead")
+    if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(f"deepspeed.initialize: the {name} passed has already stepped (it holds moments); the engine "
+                         "starts its own state, so pass an optimizer that has not stepped")
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(f"deepspeed.initialize: optimizer.param_groups[{index}] has {flag}=True, which the "
+                                 "engine's Adam does not do")
+        if deepspeed_adam:
+            decoupled = bool(optimizer.adam_w_mode)
+        else:
+            decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+        entry = {key: (tuple(group[key]) if key == "betas" else group[key]) for key in _ADAM_KEYS}
+        entry.update(params=list(group["params"]), adamw_mode=decoupled)
+        if "bias_correction" in group:
+            entry["bias_correction"] = bool(group["bias_correction"])
+        groups.append(entry)
+    return ("AdamW" if all(g["adamw_mode"] for g in groups) else "Adam"), groups
+
+
+def _data_loader(engine: Engine, training_data: Any, collate_fn: Callable[..., Any] | None,
+                 drop_last: bool) -> torch.utils.data.DataLoader:
+    batch = engine.config.train_micro_batch_size_per_gpu
+    if batch is None:
+        raise ValueError("deepspeed.initialize: training_data needs train_micro_batch_size_per_gpu (or the batch sizes "
+                         "it is derived from) in the config")
+    # DeepSpeed's DeepSpeedDataLoader: a DistributedSampler at its defaults (shuffled with seed 0)
+    sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=engine.world_size, rank=engine.rank,
+                                                  drop_last=drop_last)
+    return torch.utils.data.DataLoader(training_data, batch_size=batch, sampler=sampler, collate_fn=collate_fn,
+                                       drop_last=drop_last)
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Any = None,
+               lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Callable[..., Any] | None = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None
+               ) -> tuple[Engine, Any, torch.utils.data.DataLoader | None, Any]:
+    """DeepSpeed's ``initialize``, returning ``(engine, optimizer, training_dataloader, lr_scheduler)`` (Note
+    [DeepSpeed's initialize])."""
+    del distributed_port  # (torchrun's MASTER_PORT)
+    if model is None:
+        raise ValueError("deepspeed.initialize: model is required")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("deepspeed.initialize: model parallelism (mpu, mesh_param) is not supported by zerocore: it "
+                         "shards data-parallel state only")
+    if dist_init_required is False and not dist.is_initialized():
+        raise ValueError("deepspeed.initialize: dist_init_required=False, but no process group is initialized")
+    ds_config = _as_dict(_config_of(args, config, config_params))
+    groups = _groups_of(model_parameters)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+        # DeepSpeed's other form: a callable building the optimizer from the parameters
+        optimizer = optimizer(groups if groups is not None else [p for p in model.parameters() if p.requires_grad])
+    if optimizer is not None:
+        if "optimizer" in ds_config:
+            raise ValueError("deepspeed.initialize: an optimizer is given both in the config and as an argument "
+                             "(DeepSpeed refuses this too); pass one")
+        kind, groups = _adam_groups(optimizer)
+        first = groups[0] if groups else {}
+        ds_config["optimizer"] = {"type": kind, "params": {key: (list(first[key]) if key == "betas" else first[key])
+                                                           for key in _ADAM_KEYS if key in first}}
+    scheduler_factory = None
+    if lr_scheduler is not None:
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise TypeError("deepspeed.initialize: lr_scheduler is a scheduler already built on another optimizer, "
+                            "whose lr it would move; pass a callable that builds it on the engine's optimizer "
+                            "(lambda optimizer: get_linear_schedule_with_warmup(optimizer, ...)), as the Hugging Face "
+                            "Trainer does, or a scheduler section in the config")
+        if not callable(lr_scheduler):
+            raise TypeError(f"deepspeed.initialize: lr_scheduler must be a callable (optimizer -> scheduler), got "
+                            f"{type(lr_scheduler).__name__}")
+        if "scheduler" in ds_config:
+            raise ValueError("deepspeed.initialize: a scheduler is given both in the config and as lr_scheduler; "
+                             "pass one")
+        scheduler_factory = lr_scheduler
+    # the data loader's, which only this function builds (the engine itself reads no data)
+    drop_last = as_bool(ds_config.pop("dataloader_drop_last", False), "dataloader_drop_last")
+    engine = _initialize(model, ds_config, param_groups=groups)
+    if scheduler_factory is not None:
+        engine.lr_scheduler = scheduler_factory(engine.optimizer)
+    loader = None if training_data is None else _data_loader(engine, training_data, collate_fn, drop_last)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

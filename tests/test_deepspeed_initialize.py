@@ -1,0 +1,154 @@
+"""``import zerocore.deepspeed as deepspeed``: DeepSpeed's ``initialize`` (Note [DeepSpeed's initialize] in
+python/zerocore/deepspeed.py). A script written for DeepSpeed, passing its own AdamW and a scheduler factory as
+the Hugging Face Trainer does, trains as zerocore.initialize with the same settings in the config, and as DDP
+with torch's AdamW."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import warnings
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zerocore
+import zerocore.deepspeed as deepspeed
+from _dist import run_ranks
+from _models import build
+
+pytestmark = pytest.mark.timeout(300)
+
+_BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
+
+
+def _groups(model: torch.nn.Module) -> list[dict]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    plain = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}]
+
+
+def _dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    return torch.utils.data.TensorDataset(torch.randn(64, 12, generator=g), torch.randn(64, 5, generator=g))
+
+
+def _warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+
+
+def script_worker(rank: int, world: int, how: str) -> bytes:
+    """The same training three ways: a DeepSpeed-style script on zerocore.deepspeed, zerocore.initialize with the
+    settings in the config, and DDP with torch's AdamW; returns the parameters after 4 steps and the batches seen."""
+    torch.manual_seed(0)
+    model = build("mlp")
+    if how == "deepspeed":
+        optimizer = torch.optim.AdamW(_groups(model), lr=1e-2, betas=(0.8, 0.99), eps=1e-7)
+        engine, engine_optimizer, loader, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, training_data=_dataset(), lr_scheduler=_warmup, config=_BASE)
+        assert engine_optimizer is engine.optimizer and scheduler is engine.lr_scheduler
+    elif how == "zerocore":
+        config = {**_BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.8, 0.99], "eps": 1e-7}}}
+        engine = zerocore.initialize(model, config, param_groups=_groups(model))
+        engine.lr_scheduler = _warmup(engine.optimizer)
+        sampler = torch.utils.data.DistributedSampler(_dataset(), num_replicas=world, rank=rank)
+        loader = torch.utils.data.DataLoader(_dataset(), batch_size=4, sampler=sampler)
+    else:
+        engine = DDP(model)
+        optimizer = torch.optim.AdamW(_groups(model), lr=1e-2, betas=(0.8, 0.99), eps=1e-7, foreach=False)
+        scheduler = _warmup(optimizer)
+        sampler = torch.utils.data.DistributedSampler(_dataset(), num_replicas=world, rank=rank)
+        loader = torch.utils.data.DataLoader(_dataset(), batch_size=4, sampler=sampler)
+    seen = []
+    for step, (x, y) in zip(range(4), loader):
+        seen.append(x[:, 0].tolist())
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        if how == "ddp":
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+        else:
+            engine.backward(loss)
+            engine.step()
+    params = {n: p.detach().clone() for n, p in (model.named_parameters())} if how == "ddp" else \
+        {n: zerocore.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    lr = [g["lr"] for g in (optimizer if how == "ddp" else engine.optimizer).param_groups]
+    buffer = io.BytesIO()  # (tensors through the result queue: serialized)
+    torch.save({"params": params, "seen": seen, "lr": lr}, buffer)
+    return buffer.getvalue()
+
+
+def _run(how: str) -> list[dict]:
+    return [torch.load(io.BytesIO(b), weights_only=False) for b in run_ranks(script_worker, 2, how)]
+
+
+def test_a_deepspeed_script_trains_as_zerocore_and_ddp():
+    ds, zc, ddp = _run("deepspeed"), _run("zerocore"), _run("ddp")
+    for rank in range(2):
+        assert ds[rank]["seen"] == zc[rank]["seen"] == ddp[rank]["seen"]  # DeepSpeed's sampler: each rank its part
+        assert ds[rank]["lr"] == zc[rank]["lr"] == pytest.approx(ddp[rank]["lr"])  # the warmup stepped alike
+        for name, value in zc[rank]["params"].items():
+            assert torch.equal(ds[rank]["params"][name], value), name
+            assert torch.allclose(value, ddp[rank]["params"][name], rtol=1e-5, atol=1e-6), name
+    assert ds[0]["seen"] != ds[1]["seen"]
+
+
+def test_an_optimizer_callable_is_called_with_the_parameters():
+    model = build("mlp")
+    made = []
+
+    def adam(params):
+        made.append(torch.optim.Adam(params, lr=3e-3, weight_decay=0.01))  # L2, as torch's Adam has it
+        return made[-1]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=adam, config=_BASE)
+    assert len(made) == 1
+    group = engine.optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["adamw_mode"]) == (3e-3, 0.01, False)
+    engine.close()
+
+
+def config_worker(rank: int, world: int, path: str) -> tuple:
+    model = build("mlp")
+    args = argparse.Namespace(deepspeed_config=path, local_rank=rank)
+    engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model,
+                                                                model_parameters=model.parameters())
+    return engine.stage, type(optimizer).__name__, loader, scheduler, len(engine.optimizer.param_groups)
+
+
+def test_the_config_comes_from_args_deepspeed_config_as_in_deepspeed(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**_BASE, "zero_optimization": {"stage": 3},
+                                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}))
+    stage, optimizer, loader, scheduler, groups = run_ranks(config_worker, 2, str(path))[0]
+    assert (stage, optimizer, loader, scheduler, groups) == (3, "ZeroOptimizer", None, None, 1)
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"optimizer": "sgd"}, "optimizer is a SGD"),
+    ({"optimizer": "amsgrad"}, "amsgrad=True"),
+    ({"optimizer": "adamw", "config": {**_BASE, "optimizer": {"type": "AdamW"}}}, "both in the config and as an arg"),
+    ({"lr_scheduler": "instance"}, "already built on another optimizer"),
+    ({"lr_scheduler": _warmup, "config": {**_BASE, "scheduler": {"type": "WarmupLR", "params": {}}}}, "both in the"),
+    ({"config": None}, "no DeepSpeed config"),
+    ({"mpu": object()}, "model parallelism"),
+])
+def test_what_the_engine_does_not_do_is_refused_by_name(kwargs, error):
+    model = build("mlp")
+    client = {"sgd": torch.optim.SGD(model.parameters(), lr=0.1),
+              "amsgrad": torch.optim.AdamW(model.parameters(), amsgrad=True),
+              "adamw": torch.optim.AdamW(model.parameters())}
+    if kwargs.get("optimizer") in client:
+        kwargs = {**kwargs, "optimizer": client[kwargs["optimizer"]]}
+    if kwargs.get("lr_scheduler") == "instance":
+        kwargs = {**kwargs, "lr_scheduler": _warmup(torch.optim.AdamW(model.parameters()))}
+    kwargs = {"config": _BASE, **kwargs}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises((ValueError, TypeError), match=error):
+            deepspeed.initialize(model=model, **kwargs)
