@@ -44,10 +44,12 @@ def script_worker(rank: int, world: int, how: str) -> bytes:
     settings in the config, and DDP with torch's AdamW; returns the parameters after 4 steps and the batches seen."""
     torch.manual_seed(0)
     model = build("mlp")
-    if how == "deepspeed":
+    if how.startswith("deepspeed"):
         optimizer = torch.optim.AdamW(_groups(model), lr=1e-2, betas=(0.8, 0.99), eps=1e-7)
+        # the Hugging Face Trainer's way (a callable), or a script's (a scheduler built on its own optimizer)
+        scheduler = _warmup if how == "deepspeed" else _warmup(optimizer)
         engine, engine_optimizer, loader, scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, training_data=_dataset(), lr_scheduler=_warmup, config=_BASE)
+            model=model, optimizer=optimizer, training_data=_dataset(), lr_scheduler=scheduler, config=_BASE)
         assert engine_optimizer is engine.optimizer and scheduler is engine.lr_scheduler
     elif how == "zerocore":
         config = {**_BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.8, 0.99], "eps": 1e-7}}}
@@ -62,6 +64,7 @@ def script_worker(rank: int, world: int, how: str) -> bytes:
         sampler = torch.utils.data.DistributedSampler(_dataset(), num_replicas=world, rank=rank)
         loader = torch.utils.data.DataLoader(_dataset(), batch_size=4, sampler=sampler)
     seen = []
+    warnings.simplefilter("error", UserWarning)  # (torch's "lr_scheduler.step() before optimizer.step()" too)
     for step, (x, y) in zip(range(4), loader):
         seen.append(x[:, 0].tolist())
         loss = torch.nn.functional.mse_loss(engine(x), y)
@@ -87,7 +90,10 @@ def _run(how: str) -> list[dict]:
 
 def test_a_deepspeed_script_trains_as_zerocore_and_ddp():
     ds, zc, ddp = _run("deepspeed"), _run("zerocore"), _run("ddp")
+    rebound = _run("deepspeed_instance")
     for rank in range(2):
+        assert rebound[rank]["lr"] == ds[rank]["lr"]
+        assert all(torch.equal(rebound[rank]["params"][n], v) for n, v in ds[rank]["params"].items())
         assert ds[rank]["seen"] == zc[rank]["seen"] == ddp[rank]["seen"]  # DeepSpeed's sampler: each rank its part
         assert ds[rank]["lr"] == zc[rank]["lr"] == pytest.approx(ddp[rank]["lr"])  # the warmup stepped alike
         for name, value in zc[rank]["params"].items():
@@ -133,7 +139,7 @@ def test_the_config_comes_from_args_deepspeed_config_as_in_deepspeed(tmp_path):
     ({"optimizer": "sgd"}, "optimizer is a SGD"),
     ({"optimizer": "amsgrad"}, "amsgrad=True"),
     ({"optimizer": "adamw", "config": {**_BASE, "optimizer": {"type": "AdamW"}}}, "both in the config and as an arg"),
-    ({"lr_scheduler": "instance"}, "already built on another optimizer"),
+    ({"lr_scheduler": "instance"}, "not the one passed as optimizer="),
     ({"lr_scheduler": _warmup, "config": {**_BASE, "scheduler": {"type": "WarmupLR", "params": {}}}}, "both in the"),
     ({"config": None}, "no DeepSpeed config"),
     ({"mpu": object()}, "model parallelism"),

@@ -16,9 +16,10 @@ training_dataloader, lr_scheduler)``, built by :func:`zerocore.initialize`:
   other optimizer (SGD, amsgrad, maximize) is refused by name: the engine's update is its fused Adam. A config
   with its own ``optimizer`` section and an optimizer argument is refused, as DeepSpeed refuses it;
 * ``lr_scheduler``: a callable taking the engine's optimizer and returning a torch scheduler (what the Hugging
-  Face Trainer passes), which ``engine.step()`` steps after every applied step. A scheduler already built on
-  another optimizer is refused: it would move that optimizer's lr, not the engine's. One in both the config and
-  the argument is refused;
+  Face Trainer passes), or a scheduler built on the optimizer passed as ``optimizer=`` (what scripts written for
+  DeepSpeed pass), which then moves the engine's lr instead; ``engine.step()`` steps it after every applied step.
+  A scheduler built on any other optimizer is refused: it would move that optimizer's lr, not the engine's. One
+  in both the config and the argument is refused;
 * ``training_data``: a ``torch.utils.data.Dataset`` becomes a ``DataLoader`` of ``train_micro_batch_size_per_gpu``
   samples per batch over this rank's part of it (a ``DistributedSampler`` at its defaults, shuffled, as
   DeepSpeed's loader has it; ``dataloader_drop_last`` drops the last incomplete batch), with ``collate_fn``; else
@@ -126,6 +127,20 @@ def _data_loader(engine: Engine, training_data: Any, collate_fn: Callable[..., A
                                        drop_last=drop_last)
 
 
+def _rebind(scheduler: torch.optim.lr_scheduler.LRScheduler, engine: Engine) -> torch.optim.lr_scheduler.LRScheduler:
+    """A scheduler built on the client optimizer moves the engine's lr instead: the engine's groups are that
+    optimizer's, lr included, as its construction left them. torch marks an optimizer's ``step`` when a scheduler
+    is built on it (to warn about a scheduler stepped first); a scheduler of factor 1 built on the engine's
+    optimizer marks it the same way and changes no lr."""
+    if len(scheduler.base_lrs) != len(engine.optimizer.param_groups):
+        raise ValueError(f"deepspeed.initialize: lr_scheduler schedules {len(scheduler.base_lrs)} param groups, the "
+                         f"engine has {len(engine.optimizer.param_groups)}")
+    scheduler.optimizer = engine.optimizer
+    if not hasattr(engine.optimizer.step, "_wrapped_by_lr_sched"):
+        torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda _: 1.0)
+    return scheduler
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Iterable[Any] | None = None, training_data: Any = None,
                lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
@@ -156,13 +171,16 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         ds_config["optimizer"] = {"type": kind, "params": {key: (list(first[key]) if key == "betas" else first[key])
                                                            for key in _ADAM_KEYS if key in first}}
     scheduler_factory = None
+    client_optimizer = optimizer
     if lr_scheduler is not None:
         if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-            raise TypeError("deepspeed.initialize: lr_scheduler is a scheduler already built on another optimizer, "
-                            "whose lr it would move; pass a callable that builds it on the engine's optimizer "
-                            "(lambda optimizer: get_linear_schedule_with_warmup(optimizer, ...)), as the Hugging Face "
-                            "Trainer does, or a scheduler section in the config")
-        if not callable(lr_scheduler):
+            if client_optimizer is None or lr_scheduler.optimizer is not client_optimizer:
+                raise TypeError("deepspeed.initialize: lr_scheduler is a scheduler built on an optimizer that is not "
+                                "the one passed as optimizer=, whose lr it would move; pass a callable that builds it "
+                                "on the engine's optimizer (lambda optimizer: get_linear_schedule_with_warmup("
+                                "optimizer, ...)), as the Hugging Face Trainer does, or a scheduler section in the "
+                                "config")
+        elif not callable(lr_scheduler):
             raise TypeError(f"deepspeed.initialize: lr_scheduler must be a callable (optimizer -> scheduler), got "
                             f"{type(lr_scheduler).__name__}")
         if "scheduler" in ds_config:
@@ -173,6 +191,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     drop_last = as_bool(ds_config.pop("dataloader_drop_last", False), "dataloader_drop_last")
     engine = _initialize(model, ds_config, param_groups=groups)
     if scheduler_factory is not None:
-        engine.lr_scheduler = scheduler_factory(engine.optimizer)
+        engine.lr_scheduler = (_rebind(scheduler_factory, engine) if isinstance(
+            scheduler_factory, torch.optim.lr_scheduler.LRScheduler) else scheduler_factory(engine.optimizer))
     loader = None if training_data is None else _data_loader(engine, training_data, collate_fn, drop_last)
     return engine, engine.optimizer, loader, engine.lr_scheduler
