@@ -1,25 +1,30 @@
 """``import zerocore.deepspeed as deepspeed``: DeepSpeed's ``initialize`` (Note [DeepSpeed's initialize] in
 python/zerocore/deepspeed.py). A script written for DeepSpeed, passing its own AdamW and a scheduler factory as
 the Hugging Face Trainer does, trains as zerocore.initialize with the same settings in the config, and as DDP
-with torch's AdamW."""
+with torch's AdamW; the script that wrote tests/fixtures/deepspeed under DeepSpeed reaches DeepSpeed's weights."""
 
 from __future__ import annotations
 
 import argparse
 import io
 import json
+import os
 import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerocore
 import zerocore.deepspeed as deepspeed
 from _dist import run_ranks
+from _ds_fixture import CASES, build_fixture_model, fixture_batch, fixture_loss, param_groups
 from _models import build
 
 pytestmark = pytest.mark.timeout(300)
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "deepspeed")
 
 _BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
 
@@ -158,3 +163,38 @@ def test_what_the_engine_does_not_do_is_refused_by_name(kwargs, error):
         warnings.simplefilter("ignore")
         with pytest.raises((ValueError, TypeError), match=error):
             deepspeed.initialize(model=model, **kwargs)
+
+
+def fixture_script_worker(rank: int, world: int, name: str) -> bytes:
+    """The loop tests/fixtures/deepspeed/make_fixtures.py ran under DeepSpeed, on zerocore.deepspeed."""
+    case = CASES[name]
+    model = build_fixture_model()
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+              **case["deepspeed"]}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    for step in range(3):
+        tokens, target = fixture_batch(step, rank)
+        engine.backward(fixture_loss(engine(tokens), target) * case.get("boost", {}).get(step, 1.0))
+        engine.step()
+    masters = {n: zerocore.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+    buffer = io.BytesIO()
+    torch.save({"masters": masters, "skipped": engine.skipped_steps}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("name,tolerance", [("stage1-fp32", 1e-5), ("stage3-fp32", 1e-5),
+                                            ("stage2-bf16-groups-warmup", 1e-2), ("stage2-fp16-overflow", 2e-3)])
+def test_deepspeeds_own_script_switched_by_one_import_reaches_deepspeeds_weights(name, tolerance):
+    """DeepSpeed 0.19.8 ran this script to write the fixtures and saved its fp32 masters after the 3 steps; the
+    same script with ``import zerocore.deepspeed as deepspeed`` lands on them within rounding (bf16: the
+    gradients' rounding; fp16: its first step skipped for the overflow, as DeepSpeed's was). The unused layer is
+    left out: DeepSpeed decays a parameter that got no gradient, zerocore leaves it (Note [Parameters without
+    gradients])."""
+    result = torch.load(io.BytesIO(run_ranks(fixture_script_worker, 2, name)[0]), weights_only=False)
+    expected = load_file(os.path.join(FIXTURES, name, "expected.safetensors"))
+    with open(os.path.join(FIXTURES, name, "expected.json")) as f:
+        assert result["skipped"] == json.load(f).get("skipped_steps", 0)
+    for param, value in result["masters"].items():
+        if not param.startswith("unused."):
+            theirs = expected[f"master/{param}"]
+            assert float((value - theirs).norm() / theirs.norm()) < tolerance, param
