@@ -198,3 +198,58 @@ def test_deepspeeds_own_script_switched_by_one_import_reaches_deepspeeds_weights
         if not param.startswith("unused."):
             theirs = expected[f"master/{param}"]
             assert float((value - theirs).norm() / theirs.norm()) < tolerance, param
+
+
+def gathered_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = build("mlp")
+    outside = build("mlp")  # no engine's: DeepSpeed's GatheredParameters passes such parameters over
+    with deepspeed.zero.GatheredParameters(outside.parameters(), modifier_rank=0):
+        pass
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config={**_BASE, "zero_optimization": {"stage": 3}})
+    weight = next(model.parameters())
+    with deepspeed.zero.GatheredParameters(weight, modifier_rank=0):
+        shape = list(weight.shape)
+        with torch.no_grad():
+            weight.fill_(float(rank + 1))  # rank 0's write is kept, as DeepSpeed keeps it
+    kept = zerocore.safe_get_full_fp32_param(weight).unique().tolist()
+    with deepspeed.zero.GatheredParameters(weight, enabled=False):
+        disabled_numel = weight.numel()  # (the global shape either way: a sharded parameter reports it)
+    engine.close()
+    return {"shape": shape, "kept": kept, "disabled_numel": disabled_numel}
+
+
+def test_zero_gathered_parameters_is_zerocores_gathered():
+    for result in run_ranks(gathered_worker, 2):
+        assert result["kept"] == [1.0] and result["shape"] == [24, 12] and result["disabled_numel"] == 24 * 12
+
+
+def test_zero_init_is_refused_unless_it_asks_for_nothing():
+    with pytest.raises(RuntimeError, match="torch.device\\('meta'\\)"):
+        deepspeed.zero.Init(config_dict_or_path=_BASE)
+    with deepspeed.zero.Init(config_dict_or_path=_BASE, enabled=False):
+        model = build("mlp")
+    with deepspeed.zero.Init(module=model):
+        pass
+    assert next(model.parameters()).device.type == "cpu"
+
+
+def test_add_config_arguments_and_init_distributed(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_BASE))
+    args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(
+        ["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.deepspeed and args.deepspeed_config == str(path)
+    # one process, not under torchrun: a group of one on the given port (a fresh interpreter: this one may hold one)
+    from _dist import free_port
+
+    code = ("import torch.distributed as dist, zerocore.deepspeed as ds; ds.init_distributed(distributed_port="
+            f"{free_port()}); ds.init_distributed(); print(dist.get_world_size(), dist.get_rank(), dist.get_backend())")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "0", "gloo"]

@@ -27,10 +27,16 @@ training_dataloader, lr_scheduler)``, built by :func:`zerocore.initialize`:
 
 ``mpu``, ``mesh_param`` (model parallelism) and ``dist_init_required=False`` without a process group are
 refused; ``distributed_port`` is torchrun's business (``MASTER_PORT``).
+
+Also DeepSpeed's ``init_distributed`` (the default process group from torchrun's environment, unless one exists),
+``add_config_arguments`` (``--deepspeed``, ``--deepspeed_config``), and ``zero`` (``zero.GatheredParameters``;
+``zero.Init``: zero.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -39,21 +45,60 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._config_values import as_bool
-from ._deepspeed_json import load_json
-from .engine import Engine
-from .engine import initialize as _initialize
+from .._config_values import as_bool
+from .._deepspeed_json import load_json
+from ..engine import Engine
+from ..engine import initialize as _initialize
+from . import zero
 
-__all__ = ["initialize"]
+__all__ = ["add_config_arguments", "init_distributed", "initialize", "zero"]
 
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's: ``--deepspeed`` and ``--deepspeed_config`` (``initialize(args=...)`` reads the latter), and
+    their old names ``--deepscale`` / ``--deepscale_config``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="train with DeepSpeed's settings")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed JSON config")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout: datetime.timedelta | None = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
+                     world_size: int = -1) -> None:
+    """DeepSpeed's: the default process group (NCCL where CUDA is, else Gloo) from torchrun's environment, or
+    ``rank``/``world_size``/``init_method``; one process alone when none of them is set. Does nothing when a group
+    exists."""
+    del auto_mpi_discovery, verbose, config
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise ValueError("deepspeed.init_distributed: dist_init_required=False, but no process group is initialized")
+    if rank < 0 and "RANK" not in os.environ and init_method is None:  # a single process, not under torchrun
+        rank, world_size = 0, 1
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if rank >= 0:
+        kwargs["rank"] = rank
+    if world_size > 0:
+        kwargs["world_size"] = world_size
+    dist.init_process_group(dist_backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+                            init_method=init_method, **kwargs)
 
 
 def _config_of(args: Any, config: Any, config_params: Any) -> Any:
     given = [c for c in (config, config_params) if c is not None]
     if len(given) == 2 and given[0] is not given[1]:
         raise ValueError("deepspeed.initialize: config and config_params are both given; pass one")
-    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    from_args = None
+    if args is not None:  # (--deepscale_config: the old name DeepSpeed still reads)
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     chosen = given[0] if given else None
     if from_args is not None and chosen is not None:
         raise ValueError("deepspeed.initialize: a config is given both in args.deepspeed_config and as an argument "
