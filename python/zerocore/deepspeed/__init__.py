@@ -215,11 +215,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         first = groups[0] if groups else {}
         ds_config["optimizer"] = {"type": kind, "params": {key: (list(first[key]) if key == "betas" else first[key])
                                                            for key in _ADAM_KEYS if key in first}}
-    scheduler_factory = None
-    client_optimizer = optimizer
     if lr_scheduler is not None:
         if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-            if client_optimizer is None or lr_scheduler.optimizer is not client_optimizer:
+            if optimizer is None or lr_scheduler.optimizer is not optimizer:
                 raise TypeError("deepspeed.initialize: lr_scheduler is a scheduler built on an optimizer that is not "
                                 "the one passed as optimizer=, whose lr it would move; pass a callable that builds it "
                                 "on the engine's optimizer (lambda optimizer: get_linear_schedule_with_warmup("
@@ -231,12 +229,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         if "scheduler" in ds_config:
             raise ValueError("deepspeed.initialize: a scheduler is given both in the config and as lr_scheduler; "
                              "pass one")
-        scheduler_factory = lr_scheduler
     # the data loader's, which only this function builds (the engine itself reads no data)
     drop_last = as_bool(ds_config.pop("dataloader_drop_last", False), "dataloader_drop_last")
     engine = _initialize(model, ds_config, param_groups=groups)
-    if scheduler_factory is not None:
-        engine.lr_scheduler = (_rebind(scheduler_factory, engine) if isinstance(
-            scheduler_factory, torch.optim.lr_scheduler.LRScheduler) else scheduler_factory(engine.optimizer))
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        engine.lr_scheduler = _rebind(lr_scheduler, engine)
+    elif lr_scheduler is not None:
+        engine.lr_scheduler = lr_scheduler(engine.optimizer)
     loader = None if training_data is None else _data_loader(engine, training_data, collate_fn, drop_last)
     return engine, engine.optimizer, loader, engine.lr_scheduler
