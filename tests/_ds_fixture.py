@@ -3,6 +3,8 @@ by the script that writes them with DeepSpeed and the tests that load them into 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -61,6 +63,23 @@ def fixture_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fixture_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def run_fixture_script(deepspeed: Any, name: str, rank: int) -> tuple[Any, nn.Module]:
+    """The training make_fixtures.py ran under DeepSpeed for case ``name``: three steps on this rank's batches,
+    through ``deepspeed.initialize`` of the module given (DeepSpeed's own, or ``zerocore.deepspeed``); returns the
+    engine and the model."""
+    case = CASES[name]
+    model = build_fixture_model()
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+              **case["deepspeed"]}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    for step in range(3):
+        tokens, target = fixture_batch(step, rank)
+        engine.backward(fixture_loss(engine(tokens), target) * case.get("boost", {}).get(step, 1.0))
+        engine.step()
+        model.seen += 1  # a buffer the checkpoint carries
+    return engine, model
 
 
 def states_differing(model: nn.Module, expected: dict[str, torch.Tensor]) -> list[str]:

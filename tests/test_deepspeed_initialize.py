@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import zerocore
 import zerocore.deepspeed as deepspeed
 from _dist import run_ranks
-from _ds_fixture import CASES, build_fixture_model, fixture_batch, fixture_loss, param_groups
+from _ds_fixture import run_fixture_script
 from _models import build
 
 pytestmark = pytest.mark.timeout(300)
@@ -167,15 +167,7 @@ def test_what_the_engine_does_not_do_is_refused_by_name(kwargs, error):
 
 def fixture_script_worker(rank: int, world: int, name: str) -> bytes:
     """The loop tests/fixtures/deepspeed/make_fixtures.py ran under DeepSpeed, on zerocore.deepspeed."""
-    case = CASES[name]
-    model = build_fixture_model()
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-              **case["deepspeed"]}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, case), config=config)
-    for step in range(3):
-        tokens, target = fixture_batch(step, rank)
-        engine.backward(fixture_loss(engine(tokens), target) * case.get("boost", {}).get(step, 1.0))
-        engine.step()
+    engine, model = run_fixture_script(deepspeed, name, rank)
     masters = {n: zerocore.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters() if p.requires_grad}
     buffer = io.BytesIO()
     torch.save({"masters": masters, "skipped": engine.skipped_steps}, buffer)
