@@ -56,6 +56,7 @@ from ._deferred_signals import deferred_interrupts
 from ._full_param_state import _locate, write_own
 from ._local_param_state import local_range
 from ._names import canonical, named_buffers, named_parameters
+from .optimizer import ADAM_HYPERPARAMETERS
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -63,7 +64,6 @@ if TYPE_CHECKING:
 _METADATA = ".metadata"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _ADAM_STATE = frozenset({*_MOMENTS, "step"})
-_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 _FLAT_STATE = re.compile(r"^state\.(.+)\.([A-Za-z_]\w*)$")  # torchtitan: state.<fqn>.<field>
 _FLAT_GROUP = re.compile(r"^param_groups\.(.+)\.([A-Za-z_]\w*)$")  # torchtitan: param_groups.<fqn>.<field>
 Path = tuple[Any, ...]
@@ -420,7 +420,7 @@ def _check_against(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bo
     plan.optimizer_step = max(plan.steps.values(), default=0)
     hyper = _load({f"{name}/{key}": entry for name, fields in checkpoint.hyper.items() if name in ours
                    for key, entry in fields.items()
-                   if key in (*_HYPERPARAMETERS, "amsgrad", "maximize", "decoupled_weight_decay")})
+                   if key in (*ADAM_HYPERPARAMETERS, "amsgrad", "maximize", "decoupled_weight_decay")})
     decoupled = engine.config.optimizer.adamw_mode
     for name in ours:
         for flag in ("amsgrad", "maximize"):
@@ -439,7 +439,7 @@ def _check_against(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bo
     for index, names in enumerate(group_names(engine)):
         seen = {}
         for name in names:
-            values = {key: hyper[f"{name}/{key}"] for key in _HYPERPARAMETERS if f"{name}/{key}" in hyper}
+            values = {key: hyper[f"{name}/{key}"] for key in ADAM_HYPERPARAMETERS if f"{name}/{key}" in hyper}
             if values:
                 seen[name] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
         distinct = {tuple(sorted(v.items())) for v in seen.values()}

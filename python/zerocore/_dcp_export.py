@@ -39,9 +39,7 @@ import torch
 
 from ._checkpoint_format import read_index, resolve_tag, tag_path
 from ._saved_tensors import SavedTensors
-
-# torch's Adam/AdamW param-group keys zerocore's groups map to (the rest take torch's defaults at load)
-_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+from .optimizer import ADAM_HYPERPARAMETERS
 
 
 def _previous_output(out_dir: str) -> list[str]:
@@ -99,7 +97,7 @@ def to_dcp(checkpoint_dir: str, out_dir: str, tag: str | None = None, overwrite:
         groups = []
         for group, names in zip(index["param_groups"], index["param_group_names"]):
             torch_group = {**defaults, **{key: (tuple(group[key]) if key == "betas" else group[key])
-                                          for key in _GROUP_KEYS if key in group}}
+                                          for key in ADAM_HYPERPARAMETERS if key in group}}
             torch_group["decoupled_weight_decay"] = bool(group.get("adamw_mode", True))
             torch_group["params"] = list(names)
             groups.append(torch_group)

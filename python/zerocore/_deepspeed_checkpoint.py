@@ -61,6 +61,7 @@ from ._deferred_signals import deferred_interrupts
 from ._full_param_state import _locate, write_own
 from ._local_param_state import local_range
 from ._names import canonical, named_buffers, named_parameters
+from .optimizer import ADAM_HYPERPARAMETERS
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -481,7 +482,7 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, sche
                             samples if is_count(samples) else None)
     if optimizer_states:
         for group, saved in zip(engine.optimizer.param_groups, checkpoint.param_groups):
-            for key in ("lr", "betas", "eps", "weight_decay"):
+            for key in ADAM_HYPERPARAMETERS:
                 if key in saved:
                     group[key] = tuple(saved[key]) if key == "betas" else saved[key]
         # the scale and the counters that decide when it next grows, shrinks or spends its hysteresis, so the

@@ -60,11 +60,11 @@ from . import _json_state as json_state
 from ._checkpoint_format import fsync_dir, read_index, resolve_tag, tag_path, write_durably
 from ._checkpoint_match import global_steps, optimizer_steps
 from ._saved_tensors import SavedTensors
+from .optimizer import ADAM_HYPERPARAMETERS
 
 # The DeepSpeed version whose universal loader this output was checked against (stage 1's loader asserts a
 # version at least 0.3.17 is named).
 _FORMAT_VERSION = "0.19.8"
-_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")  # what DeepSpeed's Adam groups take from zerocore's
 # the model state file's keys (a client_state key among them would be shadowed by DeepSpeed's own)
 _RESERVED = frozenset({"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                        "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
@@ -108,7 +108,7 @@ def _scheduler_state(index: Mapping[str, Any]) -> Any:
 def _param_groups(index: Mapping[str, Any]) -> list[dict[str, Any]]:
     groups, first = [], 0
     for group, names in zip(index["param_groups"], index["param_group_names"]):
-        entry = {key: (tuple(group[key]) if key == "betas" else group[key]) for key in _GROUP_KEYS if key in group}
+        entry = {key: (tuple(group[key]) if key == "betas" else group[key]) for key in ADAM_HYPERPARAMETERS if key in group}
         entry["params"] = list(range(first, first + len(names)))
         first += len(names)
         groups.append(entry)

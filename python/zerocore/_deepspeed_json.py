@@ -20,7 +20,7 @@ from ._config_values import as_bool, as_choice, fail
 from ._hf_auto import FROM_HIDDEN, fill_auto
 from ._offload_config import LEGACY_OFFLOAD, AioConfig, OffloadOptimizerConfig, OffloadParamConfig, offload_configs
 from ._scheduler_config import SchedulerConfig
-from .config import OPTIMIZER_TYPES, FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
+from .config import DEEPSPEED_DTYPES, OPTIMIZER_TYPES, FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
 
 # weight_decay when a DeepSpeed JSON leaves it out, per optimizer type.
 _DEFAULT_WEIGHT_DECAY = {"Adam": 0.0, "AdamW": 0.0}  # DeepSpeed builds FusedAdam, whose default is 0.0
@@ -234,7 +234,7 @@ def _check_grad_accum_dtype(value: Any, fp16: Mapping[str, Any], bf16: Mapping[s
     is accepted; another one asks for what zerocore does not do yet."""
     if value is None:
         return
-    name = as_choice(value, "data_types.grad_accum_dtype", {k: k for k in ("fp32", "fp16", "bf16")})
+    name = as_choice(value, "data_types.grad_accum_dtype", {k: k for k in DEEPSPEED_DTYPES})
     compute = "bf16" if bf16.get("enabled") is True else "fp16" if fp16.get("enabled") is True else "fp32"
     if name != compute:
         unsupported.append(f"data_types.grad_accum_dtype ({name!r}: zerocore accumulates in the compute dtype, "

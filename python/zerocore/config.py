@@ -36,7 +36,8 @@ __all__ = ["OptimizerConfig", "FP16Config", "OffloadOptimizerConfig", "OffloadPa
 OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW"}
 # sizes that may be left unset: the engine then chooses one for the model (python/zerocore/_buckets.py)
 _UNSET_MEANS_CHOSEN = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
-_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# DeepSpeed's dtype names (communication_data_type, data_types.grad_accum_dtype)
+DEEPSPEED_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -322,7 +323,7 @@ class ZeroConfig:
         object.__setattr__(self, "bf16", as_bool(self.bf16, "bf16.enabled"))
         object.__setattr__(self, "load_universal", as_bool(self.load_universal, "checkpoint.load_universal"))
         if self.communication_data_type is not None:
-            dtype = as_choice(self.communication_data_type, "communication_data_type", {k: k for k in _COMM_DTYPES})
+            dtype = as_choice(self.communication_data_type, "communication_data_type", {k: k for k in DEEPSPEED_DTYPES})
             object.__setattr__(self, "communication_data_type", dtype)
         if self.bf16 and self.fp16.enabled:
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
@@ -379,7 +380,7 @@ class ZeroConfig:
     @property
     def reduce_dtype(self) -> torch.dtype:
         """The dtype gradients are reduced in: ``communication_data_type``, float32 when it is None."""
-        return torch.float32 if self.communication_data_type is None else _COMM_DTYPES[self.communication_data_type]
+        return torch.float32 if self.communication_data_type is None else DEEPSPEED_DTYPES[self.communication_data_type]
 
     def check_batch_sizes(self, world_size: int) -> None:
         """Checks DeepSpeed's rule ``train_batch_size == micro * gradient_accumulation_steps * world_size``.

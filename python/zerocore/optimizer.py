@@ -11,6 +11,10 @@ import torch
 if TYPE_CHECKING:
     from .engine import Engine
 
+# The param-group hyperparameters zerocore's Adam shares with torch's Adam/AdamW and DeepSpeed's: what moves
+# between zerocore and their checkpoints and optimizers (DCP and DeepSpeed loads and exports, deepspeed.initialize).
+ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """Sharded Adam/AdamW. ``param_groups`` hold the model's parameters and the hyper-parameters the next
@@ -18,7 +22,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine: Engine, groups: list[dict[str, Any]]) -> None:
         first = groups[0]
-        defaults = {key: first[key] for key in ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")}
+        defaults = {key: first[key] for key in (*ADAM_HYPERPARAMETERS, "adamw_mode", "bias_correction")}
         super().__init__([dict(g) for g in groups], defaults)
         self._engine = engine
         # DeepSpeed's optimizers' flag: whether the last accumulation boundary's step was skipped for an fp16

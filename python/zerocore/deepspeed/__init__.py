@@ -49,11 +49,11 @@ from .._config_values import as_bool
 from .._deepspeed_json import load_json
 from ..engine import Engine
 from ..engine import initialize as _initialize
+from ..optimizer import ADAM_HYPERPARAMETERS
 from . import zero
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize", "zero"]
 
-_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -151,7 +151,7 @@ def _adam_groups(optimizer: Any) -> tuple[str, list[dict[str, Any]]]:
             decoupled = bool(optimizer.adam_w_mode)
         else:
             decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-        entry = {key: (tuple(group[key]) if key == "betas" else group[key]) for key in _ADAM_KEYS}
+        entry = {key: (tuple(group[key]) if key == "betas" else group[key]) for key in ADAM_HYPERPARAMETERS}
         entry.update(params=list(group["params"]), adamw_mode=decoupled)
         if "bias_correction" in group:
             entry["bias_correction"] = bool(group["bias_correction"])
@@ -214,7 +214,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         kind, groups = _adam_groups(optimizer)
         first = groups[0] if groups else {}
         ds_config["optimizer"] = {"type": kind, "params": {key: (list(first[key]) if key == "betas" else first[key])
-                                                           for key in _ADAM_KEYS if key in first}}
+                                                           for key in ADAM_HYPERPARAMETERS if key in first}}
     if lr_scheduler is not None:
         if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
             if optimizer is None or lr_scheduler.optimizer is not optimizer:
