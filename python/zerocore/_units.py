@@ -12,7 +12,10 @@ list of experts is one, and each rank runs the experts its tokens are routed to,
 their own would have the ranks gather different modules (a collective every rank must issue alike;
 DeepSpeed's per-module gathers hang there unless the MoE block is marked a leaf with
 ``set_z3_leaf_modules``). FSDP users wrap the layers for the same reason. ``units=`` nests units where
-every rank runs them alike (``units=[Layer, Attention]``). The root
+every rank runs them alike (``units=[Layer, Attention]``). A module marked by DeepSpeed's
+``set_z3_leaf_modules`` (its ``_z3_leaf`` flag; also ``zerocore.deepspeed.utils``) is gathered whole, as
+DeepSpeed gathers a leaf: one inside a unit already is, and one holding units becomes the unit in their
+place. The root
 module is always a unit and owns every parameter no other unit owns. Units nest like FSDP2's bottom-up
 ``fully_shard``: a parameter belongs to the innermost unit that contains it. A parameter reachable from
 several units (tied embedding and LM head) belongs to their innermost common ancestor unit, so it is
@@ -85,11 +88,44 @@ def resolve_units(model: nn.Module, units: Sequence[nn.Module | type] | None) ->
         for module in model.modules():
             if classes and isinstance(module, classes):
                 chosen.add(id(module))
+    _gather_leaves_whole(model, chosen, explicit=units is not None)
     chosen.discard(id(model))
     specs = [UnitSpec(0, "", model, None)]
     _walk(model, "", 0, chosen, specs)
     _assign_params(model, specs)
     return specs
+
+
+def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules DeepSpeed's ``set_z3_leaf_modules`` marked (its ``_z3_leaf`` flag), outermost only, by name."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def search(module: nn.Module, name: str) -> None:
+        if getattr(module, "_z3_leaf", False) is True:
+            found.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            search(child, f"{name}.{child_name}" if name else child_name)
+
+    search(model, "")
+    return found
+
+
+def _gather_leaves_whole(model: nn.Module, chosen: set[int], explicit: bool) -> None:
+    """A leaf module (Note [Stage 3 units]) is gathered whole: inside a unit it already is; with units inside
+    it, it becomes the unit in their place. Units the caller named inside one are refused (the two say
+    opposite things)."""
+    chosen_names = {id(m): n for n, m in model.named_modules() if id(m) in chosen}
+    for name, leaf in leaf_modules(model):
+        inner = [m for m in leaf.modules() if m is not leaf and id(m) in chosen]
+        if not inner:
+            continue
+        if explicit:
+            raise ValueError(f"units names {chosen_names[id(inner[0])]!r}, inside {name or 'the model'!r}, which "
+                             "set_z3_leaf_modules marked as a leaf (gathered whole); name the leaf as the unit, or "
+                             "unset the mark")
+        chosen.difference_update(id(m) for m in inner)
+        chosen.add(id(leaf))
 
 
 def _walk(module: nn.Module, prefix: str, current: int, chosen: set[int], specs: list[UnitSpec]) -> None:

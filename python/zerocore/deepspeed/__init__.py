@@ -10,7 +10,8 @@ training_dataloader, lr_scheduler)``, built by :func:`zerocore.initialize`:
 * the config comes from ``config`` (a dict or a JSON path), ``config_params``, or ``args.deepspeed_config``, as
   DeepSpeed takes it; two different ones are refused, as DeepSpeed refuses them;
 * ``model_parameters``: the parameters or torch-style param groups to train, as DeepSpeed takes them;
-* ``optimizer``: a torch ``Adam``/``AdamW`` (or DeepSpeed's ``FusedAdam``/``DeepSpeedCPUAdam``) that has not
+* ``optimizer``: a torch ``Adam``/``AdamW`` (or DeepSpeed's ``FusedAdam``/``DeepSpeedCPUAdam``, from DeepSpeed or
+  from ``ops.adam`` here, or zerocore.optim's) that has not
   stepped, or a callable building one from the parameters, becomes the engine's own sharded Adam with the same param groups and hyperparameters (decoupled
   weight decay or L2 as the optimizer has it), as the Hugging Face Trainer hands its optimizer to DeepSpeed. Any
   other optimizer (SGD, amsgrad, maximize) is refused by name: the engine's update is its fused Adam. A config
@@ -29,8 +30,9 @@ training_dataloader, lr_scheduler)``, built by :func:`zerocore.initialize`:
 refused; ``distributed_port`` is torchrun's business (``MASTER_PORT``).
 
 Also DeepSpeed's ``init_distributed`` (the default process group from torchrun's environment, unless one exists),
-``add_config_arguments`` (``--deepspeed``, ``--deepspeed_config``), and ``zero`` (``zero.GatheredParameters``;
-``zero.Init``: zero.py).
+``add_config_arguments`` (``--deepspeed``, ``--deepspeed_config``), ``zero`` (``zero.GatheredParameters``;
+``zero.Init``: zero.py), and the modules DeepSpeed's scripts import beside it: ``accelerator.get_accelerator``,
+``comm``, ``ops.adam`` and ``utils`` (each its file's docstring).
 """
 
 from __future__ import annotations
@@ -49,10 +51,16 @@ from .._config_values import as_bool
 from .._deepspeed_json import load_json
 from ..engine import Engine
 from ..engine import initialize as _initialize
+from ..optim import _ZerocoreAdam
 from ..optimizer import ADAM_HYPERPARAMETERS
-from . import zero
+from . import accelerator, comm, ops, utils, zero
+from .accelerator import get_accelerator
 
-__all__ = ["add_config_arguments", "init_distributed", "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "get_accelerator", "init_distributed",
+           "initialize", "log_dist", "logger", "ops", "utils", "zero"]
+
+DeepSpeedEngine = Engine  # what initialize returns (isinstance checks in DeepSpeed scripts)
+log_dist, logger = utils.log_dist, utils.logger
 
 
 
@@ -133,8 +141,9 @@ def _groups_of(model_parameters: Any) -> list[dict[str, Any]] | None:
 def _adam_groups(optimizer: Any) -> tuple[str, list[dict[str, Any]]]:
     """The optimizer type and param groups of a client Adam/AdamW (Note [DeepSpeed's initialize])."""
     name = type(optimizer).__name__
+    zerocore_adam = isinstance(optimizer, _ZerocoreAdam)  # zerocore.optim's, and this package's ops.adam
     deepspeed_adam = name in ("FusedAdam", "DeepSpeedCPUAdam") and hasattr(optimizer, "adam_w_mode")
-    if not (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or deepspeed_adam):
+    if not (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or zerocore_adam or deepspeed_adam):
         raise TypeError(f"deepspeed.initialize: optimizer is a {name}; the engine's update is its sharded fused "
                         "Adam/AdamW, so only a torch Adam or AdamW (or DeepSpeed's FusedAdam / DeepSpeedCPUAdam) is "
                         "taken over. Give Adam's settings in the config's optimizer section instead")
@@ -147,7 +156,9 @@ def _adam_groups(optimizer: Any) -> tuple[str, list[dict[str, Any]]]:
             if group.get(flag):
                 raise ValueError(f"deepspeed.initialize: optimizer.param_groups[{index}] has {flag}=True, which the "
                                  "engine's Adam does not do")
-        if deepspeed_adam:
+        if zerocore_adam:
+            decoupled = bool(group["adamw_mode"])
+        elif deepspeed_adam:
             decoupled = bool(optimizer.adam_w_mode)
         else:
             decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))

@@ -1,0 +1,358 @@
+"""The modules a DeepSpeed script imports beside ``deepspeed.initialize``, under ``import zerocore.deepspeed as
+deepspeed``: ``accelerator.get_accelerator``, ``comm``, ``ops.adam`` (FusedAdam, DeepSpeedCPUAdam) and ``utils``
+(the safe_get accessors, log_dist, the ZeRO-3 leaf marks, RepeatingLoader). DeepSpeed's CIFAR tutorial, its import
+switched, trains at stages 1-3 with the optimizer from the config or built by the script alike, bit for bit."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zerocore
+import zerocore.deepspeed as deepspeed
+import zerocore.deepspeed.accelerator as accelerator_module
+import zerocore.deepspeed.comm as ds_comm
+from zerocore.deepspeed.accelerator import get_accelerator
+from zerocore.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from zerocore.deepspeed.utils import (RepeatingLoader, get_z3_leaf_modules, log_dist, safe_get_full_fp32_param,
+                                      set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module)
+from _dist import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+_HYPER = {"lr": 3e-3, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-2}
+
+
+class Net(nn.Module):
+    """The tutorial's network, smaller (8x8 images)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 8, 2)
+        self.fc1 = nn.Linear(8 * 2 * 2, 24)
+        self.fc2 = nn.Linear(24, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv2(self.pool(F.relu(self.conv1(x)))))
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def _trainset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    return torch.utils.data.TensorDataset(torch.randn(48, 3, 8, 8, generator=g), torch.randint(0, 10, (48,), generator=g))
+
+
+def tutorial_worker(rank: int, world: int, config_path: str) -> bytes:
+    """DeepSpeed's CIFAR tutorial loop, three ways: the config's optimizer, the script's FusedAdam, the script's
+    DeepSpeedCPUAdam (DeepSpeed-Chat's choice by offload); returns each way's parameters and the local device."""
+    results = {}
+    for how in ("config", "fused", "cpu"):
+        parser = argparse.ArgumentParser(description="CIFAR")
+        parser.add_argument("--local_rank", type=int, default=-1)
+        parser = deepspeed.add_config_arguments(parser)
+        args = parser.parse_args(["--deepspeed", "--deepspeed_config", config_path])
+        deepspeed.init_distributed()  # (the group exists: nothing)
+        if ds_comm.get_rank() != 0:  # the tutorial's "rank 0 downloads first"
+            ds_comm.barrier()
+        trainset = _trainset()
+        if ds_comm.get_rank() == 0:
+            ds_comm.barrier()
+        torch.manual_seed(0)
+        net = Net()
+        parameters = filter(lambda p: p.requires_grad, net.parameters())
+        optimizer = None
+        if how != "config":
+            kind = FusedAdam if how == "fused" else DeepSpeedCPUAdam
+            optimizer = kind(parameters, lr=_HYPER["lr"], betas=tuple(_HYPER["betas"]), eps=_HYPER["eps"],
+                             weight_decay=_HYPER["weight_decay"])
+        with open(config_path) as f:
+            config = json.load(f)
+        if how != "config":  # the script's optimizer, so none in the config
+            del config["optimizer"]
+            args.deepspeed_config = None
+        engine, _, trainloader, _ = deepspeed.initialize(args=args, model=net, model_parameters=parameters,
+                                                         training_data=trainset, optimizer=optimizer,
+                                                         config=None if how == "config" else config)
+        assert isinstance(engine, deepspeed.DeepSpeedEngine)
+        local_device = get_accelerator().device_name(engine.local_rank)
+        bf16 = engine.bfloat16_enabled()
+        criterion = nn.CrossEntropyLoss()
+        losses = []
+        for _ in range(2):
+            for data in trainloader:
+                inputs, labels = data[0].to(local_device), data[1].to(local_device)
+                if bf16:
+                    inputs = inputs.to(torch.bfloat16)
+                loss = criterion(engine(inputs).float(), labels)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        total = torch.tensor([losses[-1]])
+        ds_comm.all_reduce(total, prof=False, log_name="loss")  # DeepSpeed's profiling keywords pass
+        log_dist(f"loss {total.item() / world:.4f}", ranks=[0])
+        with torch.no_grad():  # the tutorial evaluates through the model itself after training
+            images = trainset.tensors[0][:4].to(local_device)
+            predicted = net(images.to(torch.bfloat16) if bf16 else images).argmax(1)
+        results[how] = {"params": {n: safe_get_full_fp32_param(p).clone() for n, p in net.named_parameters()},
+                        "losses": losses, "predicted": predicted, "device": local_device,
+                        "adamw": [g["adamw_mode"] for g in engine.optimizer.param_groups]}
+        engine.close()
+    buffer = io.BytesIO()
+    torch.save(results, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("stage,bf16", [(1, False), (2, True), (3, False), (3, True)])
+def test_deepspeeds_cifar_tutorial_trains_alike_with_the_scripts_optimizer(stage, bf16, tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({
+        "train_batch_size": 8, "steps_per_print": 2000, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": _HYPER}, "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}))
+    results = [torch.load(io.BytesIO(r), weights_only=False) for r in run_ranks(tutorial_worker, 2, str(path))]
+    for rank, result in enumerate(results):
+        config = result["config"]
+        assert config["device"] == "cpu" and config["adamw"] == [True]
+        half = len(config["losses"]) // 2  # two epochs over the same batches (the sampler's epoch is not moved)
+        assert sum(config["losses"][half:]) < sum(config["losses"][:half])
+        for how in ("fused", "cpu"):
+            assert result[how]["losses"] == config["losses"], how
+            assert torch.equal(result[how]["predicted"], config["predicted"]), how
+            for name, value in config["params"].items():
+                assert torch.equal(result[how]["params"][name], value), (how, name)
+    for name, value in results[0]["config"]["params"].items():
+        assert torch.equal(results[1]["config"]["params"][name], value), name
+
+
+# ---- ops.adam as optimizers of their own ---------------------------------------------------------------------------
+
+
+def _train(optimizer_of, steps: int = 3) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    optimizer = optimizer_of(model.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.mse_loss(model(torch.randn(4, 6, generator=g)), torch.randn(4, 2, generator=g)).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("ours,torchs", [
+    (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+    (lambda p: FusedAdam(p, 1e-2, True, (0.8, 0.99), 1e-6, False, 0.1),  # DeepSpeed's positional order, L2
+     lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    (lambda p: DeepSpeedCPUAdam(p, 1e-2, True, (0.8, 0.99), 1e-6, 0.1, False, True),
+     lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    (lambda p: DeepSpeedCPUAdam(p, lr=1e-2, weight_decay=0.1, adamw_mode=False),
+     lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1)),
+])
+def test_deepspeeds_adam_classes_step_as_torchs_adam(ours, torchs):
+    mine, reference = _train(ours), _train(lambda p: _foreach_off(torchs(p)))
+    for name, value in reference.items():
+        torch.testing.assert_close(mine[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _foreach_off(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    for group in optimizer.param_groups:
+        group["foreach"] = False
+    return optimizer
+
+
+def test_fused_adam_without_bias_correction_follows_the_formula():
+    lr, beta1, beta2, eps, wd = 1e-2, 0.9, 0.999, 1e-8, 0.05
+    mine = _train(lambda p: FusedAdam(p, lr=lr, bias_correction=False, weight_decay=wd), steps=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    g = torch.Generator().manual_seed(1)
+    F.mse_loss(model(torch.randn(4, 6, generator=g).double()), torch.randn(4, 2, generator=g).double()).backward()
+    for name, p in model.named_parameters():
+        m, v = (1 - beta1) * p.grad, (1 - beta2) * p.grad ** 2  # uncorrected moments after one step
+        expected = p.detach() * (1 - lr * wd) - lr * m / (v.sqrt() + eps)
+        torch.testing.assert_close(mine[name].double(), expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fused_adam_keeps_deepspeeds_attributes_and_refusals():
+    model = nn.Linear(3, 2)
+    optimizer = FusedAdam(model.parameters(), set_grad_none=False, adam_w_mode=False)
+    assert optimizer.adam_w_mode is False and optimizer.param_groups[0]["weight_decay"] == 0.0  # DeepSpeed's default
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.zero_grad()
+    assert model.weight.grad is not None and not model.weight.grad.any()  # zeroed, not None
+    for kind in (FusedAdam, DeepSpeedCPUAdam):
+        with pytest.raises(RuntimeError, match="AMSGrad"):
+            kind(model.parameters(), amsgrad=True)
+    with pytest.raises(ValueError, match="meta"):
+        bad = nn.Parameter(torch.empty(2, device="meta"))
+        bad.grad = torch.empty(2, device="meta")
+        FusedAdam([bad]).step()
+
+
+@pytest.mark.parametrize("make,adamw", [
+    (lambda p: zerocore.optim.CPUAdam(p, lr=1e-3, weight_decay=0.01), True),  # zerocore's own was refused before
+    (lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.01, adam_w_mode=False), False),
+    (lambda p: DeepSpeedCPUAdam(p, lr=1e-3, weight_decay=0.01, bias_correction=False), True),
+])
+def test_initialize_takes_these_optimizers_with_their_settings(make, adamw):
+    model = nn.Linear(4, 3)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=make(model.parameters()),
+                                                   config={"train_micro_batch_size_per_gpu": 2})
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["adamw_mode"]) == (1e-3, 0.01, adamw)
+    assert group["bias_correction"] == (not isinstance(make(nn.Linear(1, 1).parameters()), DeepSpeedCPUAdam))
+    engine.close()
+
+
+# ---- accelerator, comm, utils ---------------------------------------------------------------------------------------
+
+
+def test_the_cpu_accelerator(monkeypatch):
+    monkeypatch.setattr(accelerator_module, "_ACCELERATOR", None)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    acc = get_accelerator()
+    assert get_accelerator() is acc and deepspeed.get_accelerator() is acc
+    assert (acc.device_name(), acc.device_name(1), acc.current_device_name(), acc.device(0)) == \
+        ("cpu", "cpu", "cpu", torch.device("cpu"))
+    assert (acc.device_count(), acc.current_device(), acc.communication_backend_name()) == (3, 2, "gloo")
+    assert acc.is_available() and acc.is_bf16_supported() and acc.on_accelerator(torch.ones(1))
+    assert 0 < acc.memory_allocated() <= acc.max_memory_allocated() and acc.available_memory() < acc.total_memory()
+    acc.manual_seed(7)
+    first = torch.rand(3)
+    state = acc.get_rng_state()
+    second = torch.rand(3)
+    acc.set_rng_state(state)
+    assert torch.equal(torch.rand(3), second) and acc.initial_seed() == 7 and not torch.equal(first, second)
+    assert acc.Stream is None and acc.current_stream() is None
+    with acc.stream(None):
+        acc.synchronize()
+        acc.empty_cache()
+
+
+@pytest.mark.parametrize("value,error", [("npu", "'cpu' or 'cuda'"), ("cuda", "no CUDA device")])
+def test_an_accelerator_zerocore_cannot_use_is_named(monkeypatch, value, error):
+    if value == "cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    monkeypatch.setattr(accelerator_module, "_ACCELERATOR", None)
+    monkeypatch.setenv("DS_ACCELERATOR", value)
+    with pytest.raises((ValueError, RuntimeError), match=error):
+        get_accelerator()
+
+
+def test_comm_local_rank_and_log_dist_by_deepspeeds_rule(monkeypatch, caplog):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert ds_comm.get_local_rank() == 1 and ds_comm.has_all_gather_into_tensor()
+    with caplog.at_level(logging.INFO, logger="zerocore.deepspeed"):
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+        log_dist("alone", ranks=[3])  # no group: logged whatever the ranks
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+        for ranks in (None, [0], [0, 1], [-1]):
+            log_dist(f"ranks {ranks}", ranks=ranks)
+    assert [r.getMessage() for r in caplog.records] == ["[Rank -1] alone", "[Rank 1] ranks [0, 1]", "[Rank 1] ranks [-1]"]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(h)))
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.encoder, self.out = nn.Linear(4, 8), Encoder(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.encoder(self.inp(x)))
+
+
+def leaf_worker(rank: int, world: int, leaves: list) -> bytes:
+    torch.manual_seed(0)
+    model = Model()
+    if leaves:
+        assert set_z3_leaf_modules(model, leaves)
+    engine = zerocore.initialize(model, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    units = [unit.name for unit in engine.stage3.units]
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        engine.backward(F.mse_loss(engine(torch.randn(4, 4, generator=g)), torch.randn(4, 2, generator=g)))
+        engine.step()
+    with pytest.raises(ValueError, match="before initialize"):
+        set_z3_leaf_modules(model, [Block])
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    buffer = io.BytesIO()
+    torch.save({"units": units, "state": state}, buffer)
+    return buffer.getvalue()
+
+
+def test_a_leaf_is_gathered_whole_and_trains_as_before():
+    def run(leaves: list) -> dict:
+        return torch.load(io.BytesIO(run_ranks(leaf_worker, 2, leaves)[0]), weights_only=False)
+
+    default, encoder, blocks = run([]), run([Encoder]), run(["Block"])
+    assert default["units"] == ["<root>", "encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
+    assert encoder["units"] == ["<root>", "encoder"]  # the leaf in place of the units inside it
+    assert blocks["units"] == default["units"]  # leaves that are units already
+    for name, value in default["state"].items():
+        assert torch.equal(encoder["state"][name], value), name
+        assert torch.equal(blocks["state"][name], value), name
+
+
+def test_leaf_marks_by_class_name_and_refusals():
+    model = Model()
+    qualified = f"{Block.__module__}.{Block.__qualname__}"
+    assert len(set_z3_leaf_modules(model, [qualified])) == 3 and all(z3_leaf_module(b) for b in model.encoder.layers)
+    assert get_z3_leaf_modules(model) == list(model.encoder.layers)
+    assert len(unset_z3_leaf_modules(model, [Block])) == 3 and not get_z3_leaf_modules(model)
+    with pytest.raises(ValueError, match="no module of"):
+        set_z3_leaf_modules(model, [nn.GRU])
+    assert set_z3_leaf_modules(model, [nn.GRU], raise_if_not_found=False) == []
+    with pytest.raises(TypeError, match="classes or class names"):
+        set_z3_leaf_modules(model, [3])
+    set_z3_leaf_modules(model, [Encoder])
+    with pytest.raises(ValueError, match="inside 'encoder'"):  # units that contradict the mark
+        zerocore.initialize(model, {"zero_optimization": {"stage": 3}}, units=[Block])
+
+
+def test_repeating_loader_starts_again():
+    loader = RepeatingLoader([1, 2, 3])
+    assert [next(loader) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+
+
+def test_deepspeeds_own_leaf_marks_are_read():
+    """A model marked by DeepSpeed's own set_z3_leaf_modules (with DeepSpeed installed; `.venv-ds` here, skipped in
+    CI) is gathered as zerocore's marks gather it."""
+    ds_utils = pytest.importorskip("deepspeed.utils")
+    model = Model()
+    ds_utils.set_z3_leaf_modules(model, [Encoder])
+    engine = zerocore.initialize(model, {"zero_optimization": {"stage": 3}})
+    assert [unit.name for unit in engine.stage3.units] == ["<root>", "encoder"]
+    engine.close()
