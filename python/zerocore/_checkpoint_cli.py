@@ -14,7 +14,7 @@ import re
 import torch
 
 from . import _safetensors_io as stio
-from ._checkpoint_format import read_index, resolve_tag, tag_path, write_durably
+from ._checkpoint_format import read_index, resolve_tag, tag_path, write_durably, write_file_durably
 from ._dcp_export import to_dcp
 from ._deepspeed_export import to_deepspeed
 from ._saved_tensors import SavedTensors
@@ -27,14 +27,19 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
-          max_shard_size: int | str = 5 * 10**9, overwrite: bool = False) -> list[str]:
+          max_shard_size: int | str = 5 * 10**9, overwrite: bool = False, *, exclude_frozen_parameters: bool = False,
+          safe_serialization: bool = True) -> list[str]:
     """Writes the checkpoint's model (fp32 masters in ``dtype``; buffers and frozen parameters as saved) as
     Hugging Face safetensors: ``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
     ``max_shard_size`` (bytes, or a string as ``save_pretrained`` takes it: ``"5GB"``, ``"500MB"``). One tensor at a time: each is assembled from the ranks' pieces (reading only
     the blocks that hold them, each checked), written and dropped, so the peak memory is a small multiple of
     the largest tensor. Tied parameters are written once. A checkpoint saved with
     ``exclude_frozen_parameters`` holds no frozen parameters, so neither does the output (load it over the
-    base model with ``strict=False``, as a LoRA adapter). Returns the files.
+    base model with ``strict=False``, as a LoRA adapter); ``exclude_frozen_parameters=True`` here leaves them out
+    of any checkpoint's output. ``safe_serialization=False`` writes torch's pickled ``pytorch_model.bin`` (shards:
+    ``pytorch_model-00001-of-0000N.bin`` and ``pytorch_model.bin.index.json``) instead, as ``save_pretrained``
+    does: each shard is built whole in memory first (up to ``max_shard_size``), and a tied parameter is there
+    under each of its names (one storage), as in the model's own state dict. Returns the files.
 
     ``out_dir`` may not be, hold or lie inside the checkpoint (its own ``model.safetensors`` would be
     replaced), and a previous output in it is replaced only with ``overwrite=True``, which also removes
@@ -49,7 +54,7 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
     target = _DTYPES[dtype]
     entries: list[tuple[str, list[int], torch.dtype]] = [(n, s, target) for n, s in index["params"].items()]
     entries += [(n, u["shape"], getattr(torch, u["dtype"])) for n, u in index["untracked"].items()
-                if u.get("persistent", True)]
+                if u.get("persistent", True) and not (exclude_frozen_parameters and _frozen_parameter(n, u))]
     shards: list[list[tuple[str, list[int], torch.dtype]]] = [[]]
     size = 0
     for entry in entries:
@@ -59,9 +64,10 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
             size = 0
         shards[-1].append(entry)
         size += nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-             + ["model.safetensors.index.json"])
+    stem, suffix = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
+    names = ([f"{stem}.{suffix}"] if len(shards) == 1 else
+             [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{suffix}" for i in range(len(shards))]
+             + [f"{stem}.{suffix}.index.json"])
     previous = _previous_output(out_dir)
     if previous and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {', '.join(previous)}: pass --overwrite (overwrite=True) to "
@@ -74,21 +80,40 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
         os.makedirs(out_dir, exist_ok=True)
         written, weight_map = [], {}
         for name, shard in zip(names, shards):
-            stio.write(os.path.join(out_dir, name), shard, tensor)
+            if safe_serialization:
+                stio.write(os.path.join(out_dir, name), shard, tensor)
+            else:
+                values = {entry[0]: tensor(*entry) for entry in shard}
+                # a tied parameter under each name too, as the model's state dict has it (torch.save stores it once)
+                values.update({alias: values[first] for alias, first in index.get("tied", {}).items() if first in values})
+                write_file_durably(os.path.join(out_dir, name), lambda f: torch.save(values, f))
+                weight_map.update({key: name for key in values})
+                del values
             written.append(name)
             weight_map.update({entry[0]: name for entry in shard})
     if len(shards) > 1:
         total = sum(stio.nbytes(s, d) for _, s, d in entries)
-        write_durably(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(
+        write_durably(os.path.join(out_dir, names[-1]), json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
-        written.append("model.safetensors.index.json")
+        written.append(names[-1])
     for stale in set(previous) - set(names):  # only after the new output is complete
         os.remove(os.path.join(out_dir, stale))
     return written
 
 
 # A file name to_hf writes: what a previous output in the same directory holds.
-_OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+_OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+                          r"|pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json")
+
+
+def _frozen_parameter(name: str, entry: dict) -> bool:
+    """An untracked tensor of the index that is a frozen parameter, not a buffer (checkpoints before the index
+    said which: every tensor of a module's buffers has the buffer flag since)."""
+    if "buffer" not in entry:
+        raise ValueError(f"exclude_frozen_parameters: this checkpoint's index does not say whether {name!r} is a "
+                         "buffer or a frozen parameter (an older zerocore wrote it); convert it without "
+                         "exclude_frozen_parameters")
+    return not entry["buffer"]
 
 
 def _previous_output(out_dir: str) -> list[str]:

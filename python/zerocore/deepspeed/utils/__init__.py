@@ -1,6 +1,6 @@
 """``deepspeed.utils`` for scripts switched to zerocore: the ``safe_get_*`` / ``safe_set_*`` accessors of full and
 local parameter state (zerocore's own, the same names), ``logger`` / ``log_dist``, the ZeRO-3 leaf-module marks,
-and ``RepeatingLoader``.
+and ``RepeatingLoader``; ``zero_to_fp32`` (its own file) reads the fp32 model out of a checkpoint.
 
 ``set_z3_leaf_modules(model, classes)`` marks every module of those classes (or class names) as DeepSpeed does
 (its ``_z3_leaf`` flag), so a model marked for DeepSpeed is read the same way: a leaf is gathered whole (Note
@@ -17,10 +17,10 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from .._full_param_state import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+from ..._full_param_state import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                                  safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
                                  safe_update_full_grad_vectorized)
-from .._local_param_state import (safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
+from ..._local_param_state import (safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
                                   safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state)
 
 __all__ = [
@@ -74,7 +74,7 @@ def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Iterable[type |
 
 
 def _mark(model: nn.Module, classes: Iterable[type | str], flag: bool, raise_if_not_found: bool) -> list[nn.Module]:
-    from .._gathered import _engine_for
+    from ..._gathered import _engine_for
 
     classes = list(classes)
     for entry in classes:
