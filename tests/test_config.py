@@ -30,7 +30,7 @@ FULL = {
              "hysteresis": 3, "min_loss_scale": 0.5},
     "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e8,
                           "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": False,
-                          "allgather_partitions": False,
+                          "allgather_partitions": False, "stage3_use_all_reduce_for_fetch_params": True,
                           "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 1e8,
                           "stage3_param_persistence_threshold": 1e4, "sub_group_size": 1e8,
                           "offload_optimizer": {"device": "NVMe", "nvme_path": "/local_nvme", "pin_memory": False,
@@ -96,7 +96,7 @@ def test_full_round_trip(tmp_path):
     assert c.fp16 == FP16Config(True, 0.0, 12, 500, 3, 0.5)
     assert c.zero_optimization == ZeroOptimizationConfig(
         3, 50_000_000, 200_000_000, False, True, False, 0, 100_000_000, 10_000, sub_group_size=100_000_000,
-        allgather_partitions=False,
+        allgather_partitions=False, use_all_reduce_for_fetch_params=True,
         offload_optimizer=OffloadOptimizerConfig("nvme", "/local_nvme", False, 8, True, 1.0),
         offload_param=OffloadParamConfig("cpu", "/local_nvme/params", False, 6, 20_000_000, 0))
     assert c.aio == AioConfig(block_size=262144, queue_depth=32, thread_count=4, single_submit=True,

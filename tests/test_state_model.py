@@ -226,6 +226,18 @@ def test_allgather_partitions_is_ignored_at_stage_3_as_deepspeed_does():
     assert run_ranks(comm_keys_worker, 2, 3, {"allgather_partitions": False})[0]["algorithms"] == default["algorithms"]
 
 
+def test_use_all_reduce_for_fetch_params_gathers_stage_3_units_by_all_reduce():
+    """DeepSpeed's stage3_use_all_reduce_for_fetch_params: the units' gathers are all-reduces of zero-filled
+    buffers (and train as DDP does: the worker compares); stages 1-2 ignore it, as DeepSpeed does."""
+    fetch = {"use_all_reduce_for_fetch_params": True, "stage3_param_persistence_threshold": 0}
+    assert run_ranks(comm_keys_worker, 2, 3, fetch)[0]["algorithms"]["all_gather"] == "all_reduce"
+    default = run_ranks(comm_keys_worker, 2, 2, {})[0]
+    assert run_ranks(comm_keys_worker, 2, 2, fetch)[0]["algorithms"] == default["algorithms"]
+    with pytest.raises(ValueError, match="use_all_reduce_for_fetch_params=true asks for the 'all_reduce'"):
+        zerocore.initialize(build("mlp"), _config(3, use_all_reduce_for_fetch_params=True),
+                            comm_algorithms={"all_gather": "native"})
+
+
 def test_engine_lifecycle_holds_no_stage_branches():
     """The stage is a policy read where behaviour differs (Note [Stage policy]), not compared in engine.py."""
     source = (pathlib.Path(zerocore.__file__).parent / "engine.py").read_text()

@@ -90,8 +90,8 @@ def default_process_group(device: torch.device) -> dist.ProcessGroup:
 
 def comm_algorithms_for(explicit: Mapping[str, str] | None, config: ZeroConfig) -> tuple[str, str]:
     """(reduce_scatter, all_gather) algorithm names: the caller's, else the config's ``reduce_scatter``
-    (False means all-reduce) and, at stages 1-2, ``allgather_partitions`` (False means broadcasts), else the
-    per-backend choice ("auto")."""
+    (False means all-reduce), at stages 1-2 ``allgather_partitions`` (False means broadcasts) and at stage 3
+    ``use_all_reduce_for_fetch_params`` (True means all-reduce), else the per-backend choice ("auto")."""
     algorithms = dict(explicit or {})
     unknown = set(algorithms) - {"reduce_scatter", "all_gather"}
     if unknown:
@@ -103,11 +103,16 @@ def comm_algorithms_for(explicit: Mapping[str, str] | None, config: ZeroConfig) 
                              f"asks for reduce_scatter={reduce_scatter!r}; drop one of them")
         reduce_scatter = "all_reduce"
     all_gather = algorithms.get("all_gather", "auto")
-    if not config.zero_optimization.allgather_partitions and config.zero_optimization.stage < 3:
-        if all_gather not in ("auto", "broadcast"):
-            raise ValueError(f"zero_optimization.allgather_partitions=false asks for broadcasts, but comm_algorithms "
-                             f"asks for all_gather={all_gather!r}; drop one of them")
-        all_gather = "broadcast"
+    zo = config.zero_optimization
+    for asked, algorithm, key in ((not zo.allgather_partitions and zo.stage < 3, "broadcast",
+                                   "allgather_partitions=false"),
+                                  (zo.use_all_reduce_for_fetch_params and zo.stage == 3, "all_reduce",
+                                   "use_all_reduce_for_fetch_params=true")):
+        if asked:
+            if all_gather not in ("auto", algorithm):
+                raise ValueError(f"zero_optimization.{key} asks for the {algorithm!r} all-gather, but comm_algorithms "
+                                 f"asks for all_gather={all_gather!r}; drop one of them")
+            all_gather = algorithm
     return reduce_scatter, all_gather
 
 

@@ -28,7 +28,7 @@ _DEFAULT_WEIGHT_DECAY = {"Adam": 0.0, "AdamW": 0.0}  # DeepSpeed builds FusedAda
 # ignored, and real DeepSpeed keys that zerocore does not support yet.
 _ZEROCORE_ONLY = frozenset({"zero_quantization_group_size", "zero_node_size"})  # zero_optimization keys
 _Z3 = ("max_reuse_distance model_persistence_threshold gather_16bit_weights_on_model_save "
-       "module_granularity_threshold use_all_reduce_for_fetch_params allgather_sequential").split()
+       "module_granularity_threshold allgather_sequential").split()
 _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozenset[str]]] = {
     "": ((frozenset(f.name for f in dataclasses.fields(ZeroConfig)) - {"auto_batch_sizes"}) | {"data_types"},
          {"bfloat16": "bf16"},
@@ -51,8 +51,9 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
     "scheduler": (frozenset({"type", "params"}), {}, frozenset(), frozenset()),
     "zero_optimization": (
         frozenset(f.name for f in dataclasses.fields(ZeroOptimizationConfig)) | frozenset(LEGACY_OFFLOAD),
-        {name: "stage3_" + name for name in ("prefetch_bucket_size", "max_live_parameters",
-                                             "param_persistence_threshold")},
+        {**{name: "stage3_" + name for name in ("prefetch_bucket_size", "max_live_parameters",
+                                                "param_persistence_threshold")},
+         "stage3_use_all_reduce_for_fetch_params": "use_all_reduce_for_fetch_params"},
         frozenset(),
         frozenset((
             "load_from_fp32_weights elastic_checkpoint use_multi_rank_bucket_allreduce "
@@ -106,8 +107,7 @@ def _checkpoint_like_zerocore(value: Any) -> bool:  # tag_validation Warn/Fail: 
 
 # the stage-3 keys DeepSpeed reads with or without their "stage3_" prefix (_Z3), at their defaults or, for
 # gather_16bit_weights_on_model_save, at what save_16bit_model always does here
-_Z3_LIKE_ZEROCORE = {"gather_16bit_weights_on_model_save": True, "use_all_reduce_for_fetch_params": False,
-                     "allgather_sequential": False}
+_Z3_LIKE_ZEROCORE = {"gather_16bit_weights_on_model_save": True, "allgather_sequential": False}
 
 
 def _count(value: Any) -> bool:

@@ -175,6 +175,10 @@ class ZeroOptimizationConfig:
         allgather_partitions: stages 1-2: all-gather the updated parameters after the step; False gathers them
             as one broadcast per rank instead, the ``"broadcast"`` algorithm of Note [Collective algorithms]
             (DeepSpeed's meaning). Stage 3 ignores it, as DeepSpeed does.
+        use_all_reduce_for_fetch_params: stage 3: gather units' parameters by an all-reduce of a zero-filled
+            buffer holding this rank's shard, the ``"all_reduce"`` algorithm of Note [Collective algorithms]
+            (DeepSpeed's ``stage3_use_all_reduce_for_fetch_params``; as in DeepSpeed, qwZ's quantized gathers and
+            hpZ's secondary ones keep their own). Stages 1-2 ignore it, as DeepSpeed does.
 
     Raises:
         ValueError: naming the key path of the first invalid value.
@@ -198,7 +202,8 @@ class ZeroOptimizationConfig:
     zero_quantized_gradients: bool = False
     zero_quantization_group_size: int = 256
     zero_node_size: int | None = None
-    allgather_partitions: bool = True  # (last: positional construction keeps its meaning)
+    allgather_partitions: bool = True  # (these last: positional construction keeps its meaning)
+    use_all_reduce_for_fetch_params: bool = False
 
     def __post_init__(self) -> None:
         p = "zero_optimization."
@@ -214,7 +219,8 @@ class ZeroOptimizationConfig:
             if getattr(self, name) is not None or name not in _UNSET_MEANS_CHOSEN:
                 # Element counts reach the C++ core as int64: a larger one must fail here, by name.
                 object.__setattr__(self, name, as_int(getattr(self, name), p + name, minimum, INT64_MAX))
-        for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions"):
+        for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+                     "use_all_reduce_for_fetch_params"):
             object.__setattr__(self, name, as_bool(getattr(self, name), p + name))
         if not self.contiguous_gradients:
             fail(p + "contiguous_gradients", "zerocore always copies gradients into contiguous buckets as they "
