@@ -537,3 +537,30 @@ def test_quantize_mixed_devices_raise_value_error():
     q, s = ops.quantize(x, group_size=10)
     with pytest.raises(ValueError, match="scales must be on cpu"):
         zerocore._C.dequantize(q.cpu(), s, 100, 8, 10, torch.empty(100))
+
+
+def test_deepspeeds_fused_adam_and_accelerator_on_cuda(monkeypatch):
+    """zerocore.deepspeed's FusedAdam (DeepSpeed's signature) steps CUDA parameters with the same kernel as
+    zerocore.optim.FusedAdam, bit for bit; get_accelerator() is CUDA's where a GPU is."""
+    import zerocore.deepspeed.accelerator as accelerator_module
+    from zerocore.deepspeed.ops.adam import FusedAdam as DeepSpeedFusedAdam
+
+    torch.manual_seed(0)
+    start = torch.randn(1000, 3, device=DEV)
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    ours = DeepSpeedFusedAdam([params[0]], 1e-2, True, (0.9, 0.99), 1e-8, True, 0.1)
+    reference = zerocore.optim.FusedAdam([params[1]], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for grad in _grads(3000, 3, torch.float32):
+        for param, optimizer in zip(params, (ours, reference)):
+            param.grad = grad.view(1000, 3).clone()
+            optimizer.step()
+    assert torch.equal(params[0], params[1])
+    monkeypatch.setattr(accelerator_module, "_ACCELERATOR", None)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    acc = accelerator_module.get_accelerator()
+    assert (acc.device_name(), acc.device_name(0), acc.communication_backend_name()) == ("cuda", "cuda:0", "nccl")
+    assert acc.device_count() == torch.cuda.device_count() and acc.memory_allocated() > 0
+    assert acc.current_device_name() == f"cuda:{torch.cuda.current_device()}" and acc.on_accelerator(params[0])
+    stream = acc.Stream()
+    with acc.stream(stream):
+        acc.synchronize()
