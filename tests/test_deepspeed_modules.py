@@ -358,6 +358,17 @@ def test_deepspeeds_own_leaf_marks_are_read():
     engine.close()
 
 
+def test_deepspeeds_own_leaf_marks_are_read():
+    """A model marked by DeepSpeed's own set_z3_leaf_modules (with DeepSpeed installed; `.venv-ds` here, skipped in
+    CI) is gathered as zerocore's marks gather it."""
+    ds_utils = pytest.importorskip("deepspeed.utils")
+    model = Model()
+    ds_utils.set_z3_leaf_modules(model, [Encoder])
+    engine = zerocore.initialize(model, {"zero_optimization": {"stage": 3}})
+    assert [unit.name for unit in engine.stage3.units] == ["<root>", "encoder"]
+    engine.close()
+
+
 # ---- utils.zero_to_fp32 ------------------------------------------------------------------------------------------
 
 
