@@ -401,8 +401,10 @@ UNSUPPORTED_PATHS = ["flops_profiler", "activation_checkpointing", "prescale_gra
 LIKE_ZEROCORE = {
     "flops_profiler": {"enabled": False, "profile_step": 1}, "tensorboard": {"enabled": False},
     "wandb": {"enabled": False}, "comms_logger": {"enabled": False, "verbose": False},
+    # deepspeed.checkpointing's own buffers and count: zerocore's checkpointing is torch's
     "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
-                                 "contiguous_memory_optimization": False, "number_checkpoints": None},
+                                 "contiguous_memory_optimization": True, "number_checkpoints": 4,
+                                 "synchronize_checkpoint_boundary": True, "profile": False},
     "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "prescale_gradients": False,
     "gradient_predivide_factor": 1.0, "sparse_gradients": False, "memory_breakdown": False,
     "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False},
@@ -433,7 +435,8 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
                         ("zero_optimization.round_robin_gradients", "yes"),  # either boolean, nothing else
                         ("zero_optimization.ignore_unused_parameters", 1),  # a number is not a boolean
                         ("checkpoint", {"tag_validation": "Ignore"}), ("data_types", {"grad_accum_dtype": "bf16"}),
-                        ("activation_checkpointing", {"number_checkpoints": 4})]:
+                        ("activation_checkpointing", {"cpu_checkpointing": True}),
+                        ("activation_checkpointing", {"number_checkpoints": 4, "offload": True})]:
         config = copy.deepcopy(LIKE_ZEROCORE)
         *parents, key = path.split(".")
         section = config

@@ -485,3 +485,55 @@ def test_zero_to_fp32_names_what_it_cannot_read(saved, tmp_path):
         get_fp32_state_dict_from_zero_checkpoint(deepspeeds)
     with pytest.raises(FileNotFoundError, match="latest"):
         get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+
+
+def checkpointing_worker(rank: int, world: int, how: str) -> bytes:
+    """A stage-3 model whose blocks run under deepspeed.checkpointing.checkpoint, against the same without it, with a
+    warmup built from deepspeed.runtime.lr_schedules on the script's optimizer."""
+    from zerocore.deepspeed import checkpointing
+    from zerocore.deepspeed.runtime.lr_schedules import WarmupLR
+
+    torch.manual_seed(0)
+    model = Model()
+    if how == "checkpointed":
+        checkpointing.configure(None, contiguous_checkpointing=True, num_checkpoints=3, synchronize=True)
+        assert checkpointing.is_configured()
+
+        def checkpointed(h: torch.Tensor) -> torch.Tensor:
+            for layer in model.encoder.layers:
+                h = checkpointing.checkpoint(layer, h)
+            return h
+
+        model.encoder.forward = checkpointed
+    calls = []
+    model.encoder.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    optimizer = FusedAdam(model.parameters(), lr=1e-2)
+    scheduler = WarmupLR(optimizer, warmup_min_lr=0.0, warmup_max_lr=1e-2, warmup_num_steps=3)
+    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config={
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    g = torch.Generator().manual_seed(rank)
+    lrs = []
+    for _ in range(3):
+        engine.backward(F.mse_loss(engine(torch.randn(4, 4, generator=g)), torch.randn(4, 2, generator=g)))
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    buffer = io.BytesIO()
+    torch.save({"state": state, "lrs": lrs, "calls": len(calls)}, buffer)
+    return buffer.getvalue()
+
+
+def test_checkpointing_and_lr_schedules_modules():
+    plain, checkpointed = (torch.load(io.BytesIO(run_ranks(checkpointing_worker, 2, how)[0]), weights_only=False)
+                           for how in ("plain", "checkpointed"))
+    assert (plain["calls"], checkpointed["calls"]) == (3, 6)  # each checkpointed forward run again in the backward
+    assert plain["lrs"] == checkpointed["lrs"] and plain["lrs"][0] < plain["lrs"][-1]  # the warmup moved the engine's
+    for name, value in plain["state"].items():
+        assert torch.equal(checkpointed["state"][name], value), name
+    from zerocore.deepspeed import checkpointing
+
+    for kwargs, error in (({"mpu_": object()}, "model parallelism"), ({"partition_activations": True}, "partitions"),
+                          ({"checkpoint_in_cpu": True}, "checkpoint_in_cpu=True")):
+        with pytest.raises(ValueError, match=error):
+            checkpointing.configure(**kwargs)

@@ -93,8 +93,21 @@ def _equals(*accepted: Any) -> Any:
     return lambda value: any(same(value, want) for want in accepted)
 
 
-def _all_off(value: Any) -> bool:  # e.g. activation_checkpointing: every switch false, no count given
+def _all_off(value: Any) -> bool:  # every switch false, no count given
     return isinstance(value, Mapping) and all(v is False or v is None for v in value.values())
+
+
+_ACTIVATION_CHECKPOINTING = frozenset({"partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                                       "number_checkpoints", "synchronize_checkpoint_boundary", "profile"})
+
+
+def _checkpointing_like_zerocore(value: Any) -> bool:
+    """activation_checkpointing configures DeepSpeed's deepspeed.checkpointing, which scripts call themselves (zerocore's
+    is torch's: zerocore.deepspeed.checkpointing). Its buffers, count, synchronizing and profiling tune that
+    implementation only; partitioning activations over model-parallel ranks and moving them to the host
+    (partition_activations, cpu_checkpointing) zerocore does not do."""
+    return (isinstance(value, Mapping) and set(value) <= _ACTIVATION_CHECKPOINTING
+            and _all_off({k: value[k] for k in ("partition_activations", "cpu_checkpointing") if k in value}))
 
 
 def _checkpoint_like_zerocore(value: Any) -> bool:  # tag_validation Warn/Fail: zerocore refuses differing tags
@@ -130,7 +143,7 @@ _LIKE_ZEROCORE: dict[str, Any] = {
         "flops_profiler tensorboard wandb csv_monitor comms_logger amp elasticity autotuning nebula torch_autocast "
         "hybrid_engine eigenvalue progressive_layer_drop quantize_training curriculum_learning data_efficiency"
         ).split()},
-    "activation_checkpointing": _all_off,
+    "activation_checkpointing": _checkpointing_like_zerocore,
     "zero_allow_untested_optimizer": _equals(True, False),  # governs client optimizers, which zerocore never takes
     "zero_force_ds_cpu_optimizer": _equals(True, False),  # likewise: offload always steps with zerocore's CPU Adam
     "prescale_gradients": _equals(False),

@@ -32,7 +32,7 @@ refused; ``distributed_port`` is torchrun's business (``MASTER_PORT``).
 Also DeepSpeed's ``init_distributed`` (the default process group from torchrun's environment, unless one exists),
 ``add_config_arguments`` (``--deepspeed``, ``--deepspeed_config``), ``zero`` (``zero.GatheredParameters``;
 ``zero.Init``: zero.py), and the modules DeepSpeed's scripts import beside it: ``accelerator.get_accelerator``,
-``comm``, ``ops.adam`` and ``utils`` (each its file's docstring).
+``checkpointing``, ``comm``, ``ops.adam``, ``runtime.lr_schedules`` and ``utils`` (each its file's docstring).
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ from ..engine import Engine
 from ..engine import initialize as _initialize
 from ..optim import _ZerocoreAdam
 from ..optimizer import ADAM_HYPERPARAMETERS
-from . import accelerator, comm, ops, utils, zero
+from . import accelerator, checkpointing, comm, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 
-__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "get_accelerator", "init_distributed",
-           "initialize", "log_dist", "logger", "ops", "utils", "zero"]
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm", "get_accelerator",
+           "init_distributed", "initialize", "log_dist", "logger", "ops", "runtime", "utils", "zero"]
 
 DeepSpeedEngine = Engine  # what initialize returns (isinstance checks in DeepSpeed scripts)
 log_dist, logger = utils.log_dist, utils.logger
