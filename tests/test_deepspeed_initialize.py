@@ -245,3 +245,39 @@ def test_add_config_arguments_and_init_distributed(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "0", "gloo"]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_data_loader_splits_as_deepspeeds(drop_last):
+    """DeepSpeed's loader: a DistributedSampler at its defaults, which pads the dataset to a multiple of the ranks
+    (repeating samples) whatever dataloader_drop_last says; that drops only the last incomplete batch."""
+    from types import SimpleNamespace
+
+    from zerocore.deepspeed import _data_loader
+
+    data = torch.utils.data.TensorDataset(torch.arange(7.0))
+    for rank in range(2):
+        engine = SimpleNamespace(config=SimpleNamespace(train_micro_batch_size_per_gpu=2), world_size=2, rank=rank)
+        batches = [b[0].tolist() for b in _data_loader(engine, data, None, drop_last)]
+        order = list(torch.utils.data.DistributedSampler(data, num_replicas=2, rank=rank))  # 4 per rank, one repeated
+        assert [x for b in batches for x in b] == [float(i) for i in order]
+        assert len(batches) == 2 and all(len(b) == 2 for b in batches)  # 4 samples: nothing incomplete to drop
+    data = torch.utils.data.TensorDataset(torch.arange(5.0))  # 3 per rank: the last batch is one sample
+    engine = SimpleNamespace(config=SimpleNamespace(train_micro_batch_size_per_gpu=2), world_size=2, rank=0)
+    assert [len(b[0]) for b in _data_loader(engine, data, None, drop_last)] == ([2] if drop_last else [2, 1])
+
+
+def test_the_data_loader_yields_deepspeeds_batches():
+    """Against DeepSpeed's own DeepSpeedDataLoader (with DeepSpeed installed; `.venv-ds` here, skipped in CI)."""
+    from types import SimpleNamespace
+
+    from zerocore.deepspeed import _data_loader
+
+    loader = pytest.importorskip("deepspeed.runtime.dataloader")
+    for n, drop_last, rank in [(n, d, r) for n in (5, 7, 10) for d in (False, True) for r in range(2)]:
+        data = torch.utils.data.TensorDataset(torch.arange(float(n)))
+        theirs = loader.DeepSpeedDataLoader(data, 2, False, 0, None, data_parallel_world_size=2, data_parallel_rank=rank,
+                                            dataloader_drop_last=drop_last, num_local_io_workers=0)
+        engine = SimpleNamespace(config=SimpleNamespace(train_micro_batch_size_per_gpu=2), world_size=2, rank=rank)
+        ours = _data_loader(engine, data, None, drop_last)
+        assert [b[0].tolist() for b in ours] == [b[0].tolist() for b in theirs], (n, drop_last, rank)

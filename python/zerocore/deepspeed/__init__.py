@@ -176,9 +176,9 @@ def _data_loader(engine: Engine, training_data: Any, collate_fn: Callable[..., A
     if batch is None:
         raise ValueError("deepspeed.initialize: training_data needs train_micro_batch_size_per_gpu (or the batch sizes "
                          "it is derived from) in the config")
-    # DeepSpeed's DeepSpeedDataLoader: a DistributedSampler at its defaults (shuffled with seed 0)
-    sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=engine.world_size, rank=engine.rank,
-                                                  drop_last=drop_last)
+    # DeepSpeed's DeepSpeedDataLoader: a DistributedSampler at its defaults (shuffled with seed 0, the same order every
+    # epoch, and padded to a multiple of the ranks even with dataloader_drop_last, which only the loader reads)
+    sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=engine.world_size, rank=engine.rank)
     return torch.utils.data.DataLoader(training_data, batch_size=batch, sampler=sampler, collate_fn=collate_fn,
                                        drop_last=drop_last)
 
