@@ -409,3 +409,55 @@ def test_checkpointing_and_lr_schedules_modules():
                           ({"checkpoint_in_cpu": True}, "checkpoint_in_cpu=True")):
         with pytest.raises(ValueError, match=error):
             checkpointing.configure(**kwargs)
+
+
+class Switchable(Model):
+    """A model with Hugging Face's gradient_checkpointing_enable(): its encoder's blocks rerun in the backward."""
+
+    def gradient_checkpointing_enable(self) -> None:
+        from zerocore.deepspeed import checkpointing
+
+        def checkpointed(h: torch.Tensor) -> torch.Tensor:
+            for layer in self.encoder.layers:
+                h = checkpointing.checkpoint(layer, h)
+            return h
+
+        self.encoder.forward = checkpointed
+
+
+def passthrough_worker(rank: int, world: int, enable: bool) -> bytes:
+    """DeepSpeed-Chat's order: initialize, then engine.gradient_checkpointing_enable() (the engine passes what it
+    does not have to its module, as DeepSpeed's does)."""
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(model=Switchable(), model_parameters=None, config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    calls = []
+    engine.encoder.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))  # (an attribute of the module)
+    if enable:
+        engine.gradient_checkpointing_enable()
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        engine.backward(F.mse_loss(engine(torch.randn(4, 4, generator=g)), torch.randn(4, 2, generator=g)))
+        engine.step()
+    refusals = []
+    for name in ("to", "half", "apply", "load_state_dict"):
+        with pytest.raises(AttributeError, match=f"engine.{name} is not passed to the module") as info:
+            getattr(engine, name)
+        refusals.append(str(info.value))
+    with pytest.raises(AttributeError, match="nor has its module"):
+        engine.no_such_attribute
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    buffer = io.BytesIO()
+    torch.save({"state": state, "calls": len(calls), "refusals": refusals}, buffer)
+    return buffer.getvalue()
+
+
+def test_the_engine_passes_other_attributes_to_its_module_as_deepspeeds_does():
+    plain, enabled = (torch.load(io.BytesIO(run_ranks(passthrough_worker, 2, enable)[0]), weights_only=False)
+                      for enable in (False, True))
+    assert (plain["calls"], enabled["calls"]) == (2, 4)  # enabled through the engine: each block ran again
+    for name, value in plain["state"].items():
+        assert torch.equal(enabled["state"][name], value), name
+    assert "bf16/fp16" in enabled["refusals"][0] and "gathered" in enabled["refusals"][2]

@@ -1,6 +1,7 @@
 """The ``DeepSpeedEngine`` accessors training scripts call (``get_lr()``, ``was_step_applied()``, the batch
-sizes, the ranks, the ``nn.Module`` methods it forwards to its module), so a loop written for DeepSpeed runs
-on a zerocore engine unchanged. Each answers from the engine's own state; none communicates."""
+sizes, the ranks, the ``nn.Module`` methods it forwards to its module, and any other attribute of the module:
+Note [Attributes of the module]), so a loop written for DeepSpeed runs on a zerocore engine unchanged. Each
+answers from the engine's own state; none communicates."""
 
 from __future__ import annotations
 
@@ -18,8 +19,40 @@ if TYPE_CHECKING:
     from .optimizer import ZeroOptimizer
 
 
+# Note [Attributes of the module]
+# DeepSpeed's engine passes an attribute it does not have to its module, and DeepSpeed scripts rely on it:
+# ``engine.gradient_checkpointing_enable()`` (DeepSpeed-Chat), ``engine.generate(...)``, a model's own helpers.
+# zerocore's engine does the same, except for torch's ``nn.Module`` methods that move, cast or overwrite the
+# parameters (``to``, ``cuda``, ``half``, ``apply``, ``load_state_dict``, ...): the engine owns the parameters (at
+# stages 1-2 they are views into its buffers, at stage 3 gathered from its shards), so such a call through it would
+# change the module's tensors while the engine trains on its own; they raise, naming what to do instead.
+_PLACEMENT = ("the engine owns the parameters' device and dtype: the config's bf16/fp16 sections and "
+              "initialize(device=...) set them")
+_REFUSED_MODULE_METHODS = {
+    **dict.fromkeys(("to", "cuda", "cpu", "xpu", "mps", "half", "float", "double", "bfloat16", "type", "to_empty",
+                     "share_memory"), _PLACEMENT),
+    "apply": "write parameters inside zerocore.gathered(engine.parameters(), modifier_rank=0), or initialize a model "
+             "built on the meta device with initialize(..., init_fn=...)",
+    "load_state_dict": "load weights with engine.load_hf_weights(...) or engine.load_checkpoint(...), or copy them in "
+                       "inside zerocore.gathered(engine.parameters(), modifier_rank=0)",
+}
+
+
 class DeepSpeedAccessors:
     """Mixed into :class:`zerocore.Engine`."""
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the engine does not have, from its module (Note [Attributes of the module])."""
+        module = self.__dict__.get("module")
+        if module is None or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if name in _REFUSED_MODULE_METHODS:
+            raise AttributeError(f"engine.{name} is not passed to the module: {_REFUSED_MODULE_METHODS[name]}")
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}, nor has its module "
+                                 f"({type(module).__name__})") from None
 
     config: ZeroConfig
     optimizer: ZeroOptimizer
