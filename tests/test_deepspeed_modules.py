@@ -9,6 +9,7 @@ import argparse
 import io
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -461,3 +462,53 @@ def test_the_engine_passes_other_attributes_to_its_module_as_deepspeeds_does():
     for name, value in plain["state"].items():
         assert torch.equal(enabled["state"][name], value), name
     assert "bf16/fp16" in enabled["refusals"][0] and "gathered" in enabled["refusals"][2]
+
+
+def chat_worker(rank: int, world: int, which: str, dtype: str) -> bytes:
+    """DeepSpeed-Chat's step-1 loop on a tiny Llama: the script's FusedAdam over decay / no-decay groups, a Hugging
+    Face cosine schedule built on it, gradient accumulation and clipping, gradient_checkpointing_enable() called on
+    the engine; on DeepSpeed itself (``which="deepspeed"``) or on zerocore.deepspeed."""
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+    import importlib
+
+    import transformers
+
+    ds = importlib.import_module("deepspeed" if which == "deepspeed" else "zerocore.deepspeed")
+    adam = importlib.import_module(ds.__name__ + ".ops.adam")
+    utils = importlib.import_module(ds.__name__ + ".utils")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=64))
+    plain = ("norm.weight", "layernorm.weight")
+    groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith(plain)], "weight_decay": 0.1},
+              {"params": [p for n, p in model.named_parameters() if n.endswith(plain)], "weight_decay": 0.0}]
+    optimizer = adam.FusedAdam(groups, lr=5e-3, betas=(0.9, 0.95))
+    scheduler = transformers.get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=2, num_training_steps=8)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+              "steps_per_print": 10**9, "bf16": {"enabled": dtype == "bf16"}, "zero_optimization": {"stage": 3}}
+    engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    engine.gradient_checkpointing_enable()
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(8):
+        ids = torch.randint(0, 64, (2, 12), generator=g)
+        engine.backward(engine(input_ids=ids, labels=ids, use_cache=False).loss)
+        engine.step()
+    params = {n: utils.safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    buffer = io.BytesIO()
+    torch.save({"params": params, "lr": engine.get_lr()}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("fp32", 1e-6), ("bf16", 1e-2)])
+def test_a_deepspeed_chat_loop_lands_on_deepspeeds_weights(dtype, tolerance):
+    """With DeepSpeed and transformers installed (`.venv-ds` here; skipped in CI): the same loop on DeepSpeed 0.19.8
+    and on zerocore.deepspeed ends at the same weights (fp32: rounding; bf16: DeepSpeed reduces bf16 gradients in
+    bf16) and the same lr after 4 optimizer steps."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    theirs, ours = (torch.load(io.BytesIO(run_ranks(chat_worker, 2, which, dtype, timeout=600)[0]), weights_only=False)
+                    for which in ("deepspeed", "zerocore"))
+    assert ours["lr"] == theirs["lr"]
+    for name, value in theirs["params"].items():
+        assert float((ours["params"][name] - value).norm() / value.norm()) < tolerance, name
