@@ -512,3 +512,18 @@ def test_a_deepspeed_chat_loop_lands_on_deepspeeds_weights(dtype, tolerance):
     assert ours["lr"] == theirs["lr"]
     for name, value in theirs["params"].items():
         assert float((ours["params"][name] - value).norm() / value.norm()) < tolerance, name
+
+
+def test_an_engine_property_that_fails_is_not_answered_by_the_module():
+    """An AttributeError inside one of the engine's own properties must surface, not make Python fall back to
+    __getattr__ and hand out the module's attribute of the same name."""
+    model = Model()
+    model.loss_scale = 123.0  # the module's own attribute named as the engine's property
+    engine = zerocore.initialize(model, {"zero_optimization": {"stage": 2}})
+    assert engine.loss_scale == 1.0
+    scaler = engine.loss_scaler
+    del engine.loss_scaler
+    with pytest.raises(AttributeError, match="loss_scaler"):
+        engine.loss_scale
+    engine.loss_scaler = scaler
+    engine.close()

@@ -43,6 +43,9 @@ class DeepSpeedAccessors:
 
     def __getattr__(self, name: str) -> Any:
         """An attribute the engine does not have, from its module (Note [Attributes of the module])."""
+        own = getattr(type(self), name, None)
+        if isinstance(own, property):  # the engine's own property raised AttributeError inside: raise that one,
+            return own.__get__(self)   # never the module's attribute of the same name in its place
         module = self.__dict__.get("module")
         if module is None or (name.startswith("__") and name.endswith("__")):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
