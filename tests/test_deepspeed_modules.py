@@ -527,3 +527,15 @@ def test_an_engine_property_that_fails_is_not_answered_by_the_module():
         engine.loss_scale
     engine.loss_scaler = scaler
     engine.close()
+
+
+def test_register_external_parameter_is_accepted_and_checked():
+    """zerocore gathers a parameter used outside its module by itself (Note [External parameters]), so DeepSpeed's
+    registration only has its arguments checked."""
+    model = Model()
+    deepspeed.zero.register_external_parameter(model.out, model.inp.weight)
+    deepspeed.zero.unregister_external_parameter(model.out, model.inp.weight)
+    with pytest.raises(TypeError, match="must be an nn.Parameter"):
+        deepspeed.zero.register_external_parameter(model.out, model.inp.weight.detach())
+    with pytest.raises(TypeError, match="must be an nn.Module"):
+        deepspeed.zero.register_external_parameter("out", model.inp.weight)

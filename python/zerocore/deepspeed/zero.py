@@ -1,5 +1,6 @@
 """``deepspeed.zero`` for scripts switched to zerocore (``import zerocore.deepspeed as deepspeed``):
-``GatheredParameters``, and ``Init`` where it asks for nothing zerocore would do otherwise."""
+``GatheredParameters``, ``register_external_parameter`` / ``unregister_external_parameter`` (zerocore gathers such
+parameters itself), and ``Init`` where it asks for nothing zerocore would do otherwise."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from .._gathered import _engine_for, gathered
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "unregister_external_parameter"]
 
 
 def GatheredParameters(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int | None = None,  # noqa: N802
@@ -27,6 +28,25 @@ def GatheredParameters(params: Iterable[nn.Parameter] | nn.Parameter, modifier_r
     if not enabled or not managed:
         return contextlib.nullcontext()
     return gathered(managed, modifier_rank=modifier_rank)
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's: declares that ``module``'s forward uses ``parameter`` of another module, so DeepSpeed gathers it
+    with ``module``. zerocore finds such uses itself and gathers the parameter for as long as it is used (Note
+    [External parameters]), so this only checks its arguments, as DeepSpeed does."""
+    _check_external(module, parameter, "register_external_parameter")
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's undoing of :func:`register_external_parameter`: nothing to undo here either."""
+    _check_external(module, parameter, "unregister_external_parameter")
+
+
+def _check_external(module: Any, parameter: Any, call: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"deepspeed.zero.{call}: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError(f"deepspeed.zero.{call}: parameter must be an nn.Parameter, got {type(parameter).__name__}")
 
 
 class Init:
