@@ -55,6 +55,17 @@ class OddParams(nn.Module):
         return self.head(h)
 
 
+class ResidualBlock(nn.Module):
+    """h + down(tanh(up(h))), width 8: a block models repeat (stage 3 units) in the DeepSpeed-module tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(h)))
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return {"mlp": MLP, "transformer": TinyTransformer, "odd": OddParams}[name]()

@@ -25,6 +25,7 @@ from zerocore.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from zerocore.deepspeed.utils import (RepeatingLoader, get_z3_leaf_modules, log_dist, safe_get_full_fp32_param,
                                       set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module)
 from _dist import run_ranks
+from _models import ResidualBlock
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -264,19 +265,10 @@ def test_comm_local_rank_and_log_dist_by_deepspeeds_rule(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == ["[Rank -1] alone", "[Rank 1] ranks [0, 1]", "[Rank 1] ranks [-1]"]
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.tanh(self.up(h)))
-
-
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Block() for _ in range(3)])
+        self.layers = nn.ModuleList([ResidualBlock() for _ in range(3)])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -306,7 +298,7 @@ def leaf_worker(rank: int, world: int, leaves: list) -> bytes:
         engine.backward(F.mse_loss(engine(torch.randn(4, 4, generator=g)), torch.randn(4, 2, generator=g)))
         engine.step()
     with pytest.raises(ValueError, match="before initialize"):
-        set_z3_leaf_modules(model, [Block])
+        set_z3_leaf_modules(model, [ResidualBlock])
     state = engine.full_state_dict(rank0_only=False)
     engine.close()
     buffer = io.BytesIO()
@@ -318,7 +310,7 @@ def test_a_leaf_is_gathered_whole_and_trains_as_before():
     def run(leaves: list) -> dict:
         return torch.load(io.BytesIO(run_ranks(leaf_worker, 2, leaves)[0]), weights_only=False)
 
-    default, encoder, blocks = run([]), run([Encoder]), run(["Block"])
+    default, encoder, blocks = run([]), run([Encoder]), run(["ResidualBlock"])
     assert default["units"] == ["<root>", "encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
     assert encoder["units"] == ["<root>", "encoder"]  # the leaf in place of the units inside it
     assert blocks["units"] == default["units"]  # leaves that are units already
@@ -329,10 +321,10 @@ def test_a_leaf_is_gathered_whole_and_trains_as_before():
 
 def test_leaf_marks_by_class_name_and_refusals():
     model = Model()
-    qualified = f"{Block.__module__}.{Block.__qualname__}"
+    qualified = f"{ResidualBlock.__module__}.{ResidualBlock.__qualname__}"
     assert len(set_z3_leaf_modules(model, [qualified])) == 3 and all(z3_leaf_module(b) for b in model.encoder.layers)
     assert get_z3_leaf_modules(model) == list(model.encoder.layers)
-    assert len(unset_z3_leaf_modules(model, [Block])) == 3 and not get_z3_leaf_modules(model)
+    assert len(unset_z3_leaf_modules(model, [ResidualBlock])) == 3 and not get_z3_leaf_modules(model)
     with pytest.raises(ValueError, match="no module of"):
         set_z3_leaf_modules(model, [nn.GRU])
     assert set_z3_leaf_modules(model, [nn.GRU], raise_if_not_found=False) == []
@@ -340,7 +332,7 @@ def test_leaf_marks_by_class_name_and_refusals():
         set_z3_leaf_modules(model, [3])
     set_z3_leaf_modules(model, [Encoder])
     with pytest.raises(ValueError, match="inside 'encoder'"):  # units that contradict the mark
-        zerocore.initialize(model, {"zero_optimization": {"stage": 3}}, units=[Block])
+        zerocore.initialize(model, {"zero_optimization": {"stage": 3}}, units=[ResidualBlock])
 
 
 def test_repeating_loader_starts_again():

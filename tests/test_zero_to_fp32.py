@@ -15,18 +15,9 @@ from torch import nn
 
 import zerocore
 from _dist import run_ranks
+from _models import ResidualBlock
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.relu(self.up(h)))
-
 
 
 class Checkpointed(nn.Module):
@@ -37,7 +28,7 @@ class Checkpointed(nn.Module):
         self.embed = nn.Embedding(12, 8)
         self.frozen = nn.Linear(8, 8)
         self.frozen.requires_grad_(False)
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.blocks = nn.ModuleList([ResidualBlock() for _ in range(2)])
         self.head = nn.Linear(8, 12, bias=False)
         self.head.weight = self.embed.weight
         self.register_buffer("scale", torch.tensor([0.5, 2.0]))

@@ -51,10 +51,7 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
     path = tag_path(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
     check_out_dir(out_dir, [checkpoint_dir, path])
     index = read_index(path)
-    target = _DTYPES[dtype]
-    entries: list[tuple[str, list[int], torch.dtype]] = [(n, s, target) for n, s in index["params"].items()]
-    entries += [(n, u["shape"], getattr(torch, u["dtype"])) for n, u in index["untracked"].items()
-                if u.get("persistent", True) and not (exclude_frozen_parameters and _frozen_parameter(n, u))]
+    entries = model_entries(index, _DTYPES[dtype], exclude_frozen_parameters)
     shards: list[list[tuple[str, list[int], torch.dtype]]] = [[]]
     size = 0
     for entry in entries:
@@ -85,9 +82,10 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
             else:
                 values = {entry[0]: tensor(*entry) for entry in shard}
                 # a tied parameter under each name too, as the model's state dict has it (torch.save stores it once)
-                values.update({alias: values[first] for alias, first in index.get("tied", {}).items() if first in values})
+                aliases = {alias: values[first] for alias, first in index.get("tied", {}).items() if first in values}
+                values.update(aliases)
                 write_file_durably(os.path.join(out_dir, name), lambda f: torch.save(values, f))
-                weight_map.update({key: name for key in values})
+                weight_map.update(dict.fromkeys(aliases, name))
                 del values
             written.append(name)
             weight_map.update({entry[0]: name for entry in shard})
@@ -104,6 +102,17 @@ def to_hf(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str 
 # A file name to_hf writes: what a previous output in the same directory holds.
 _OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
                           r"|pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json")
+
+
+def model_entries(index: dict, dtype: torch.dtype, exclude_frozen_parameters: bool
+                  ) -> list[tuple[str, list[int], torch.dtype]]:
+    """(name, shape, dtype) of what the checkpoint's model state dict holds: every trainable parameter (its fp32
+    master, written as ``dtype``), then the persistent buffers and frozen parameters as saved, the frozen ones left
+    out with ``exclude_frozen_parameters``."""
+    entries = [(name, shape, dtype) for name, shape in index["params"].items()]
+    entries += [(name, entry["shape"], getattr(torch, entry["dtype"])) for name, entry in index["untracked"].items()
+                if entry.get("persistent", True) and not (exclude_frozen_parameters and _frozen_parameter(name, entry))]
+    return entries
 
 
 def _frozen_parameter(name: str, entry: dict) -> bool:

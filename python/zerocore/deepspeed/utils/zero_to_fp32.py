@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._checkpoint_cli import _frozen_parameter, _parse_size, to_hf
+from ..._checkpoint_cli import _parse_size, model_entries, to_hf
 from ..._checkpoint_format import read_index, resolve_tag, tag_path
 from ..._saved_tensors import SavedTensors
 
@@ -62,14 +62,14 @@ class _Reader:
 def _checkpoint_path(checkpoint_dir: str, tag: str | None) -> str:
     if tag is None and not os.path.exists(os.path.join(checkpoint_dir, "latest")) and \
             os.path.isfile(os.path.join(checkpoint_dir, "index.json")):
-        raise ValueError(f"{checkpoint_dir} is a checkpoint tag's directory; pass the directory above it "
-                         f"({os.path.dirname(os.path.abspath(checkpoint_dir))}) and tag={os.path.basename(checkpoint_dir)!r}, "
-                         "as DeepSpeed's zero_to_fp32 takes them")
+        parent, name = os.path.split(os.path.abspath(checkpoint_dir))
+        raise ValueError(f"{checkpoint_dir} is a checkpoint tag's directory; pass the directory above it ({parent}) "
+                         f"and tag={name!r}, as DeepSpeed's zero_to_fp32 takes them")
     path = tag_path(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "index.json")) and any(
             name.endswith("_model_states.pt") for name in os.listdir(path)):
-        raise ValueError(f"{path} is a DeepSpeed checkpoint: run the zero_to_fp32.py DeepSpeed saved beside it, or load "
-                         "it into a zerocore engine with engine.load_checkpoint and save that")
+        raise ValueError(f"{path} is a DeepSpeed checkpoint: run the zero_to_fp32.py DeepSpeed saved beside it, or "
+                         "load it into a zerocore engine with engine.load_checkpoint and save that")
     return path
 
 
@@ -82,14 +82,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
     path = _checkpoint_path(os.fspath(checkpoint_dir), tag)
     index = read_index(path)
     reader = _Reader(path, index)
-    entries = {name: (shape, torch.float32) for name, shape in index["params"].items()}
-    for name, entry in index["untracked"].items():
-        if not entry.get("persistent", True):
-            continue
-        if exclude_frozen_parameters and _frozen_parameter(name, entry):
-            continue
-        entries[name] = (entry["shape"], getattr(torch, entry["dtype"]))
-    state = {name: LazyTensor(reader, name, shape, dt) for name, (shape, dt) in entries.items()}
+    state = {name: LazyTensor(reader, name, shape, dt)
+             for name, shape, dt in model_entries(index, torch.float32, exclude_frozen_parameters)}
     if not lazy_mode:
         state = {name: value.contiguous() for name, value in state.items()}
     for alias, name in index.get("tied", {}).items():
