@@ -456,6 +456,24 @@ def test_the_engine_passes_other_attributes_to_its_module_as_deepspeeds_does():
     assert "bf16/fp16" in enabled["refusals"][0] and "gathered" in enabled["refusals"][2]
 
 
+def save_like_deepspeed_chat(model: nn.Module, zero: object, rank: int) -> dict[str, torch.Tensor]:
+    """DeepSpeed-Chat's way of saving a ZeRO-3 model, written out here: a parameter with ``ds_id`` whose status is
+    NOT_AVAILABLE is gathered alone and read through ``.data``; any other is read directly."""
+    status = zero.partition_parameters.ZeroParamStatus
+    saved = {}
+    for name, param in model.named_parameters():
+        if hasattr(param, "ds_id"):
+            fetch = [param] if param.ds_status == status.NOT_AVAILABLE else []
+            with zero.GatheredParameters(fetch, enabled=bool(fetch)):
+                assert param.ds_status == status.AVAILABLE
+                value = param.data.cpu().clone()
+        else:
+            value = param.cpu().clone()
+        if rank == 0:
+            saved[name] = value
+    return saved
+
+
 def chat_worker(rank: int, world: int, which: str, dtype: str) -> bytes:
     """DeepSpeed-Chat's step-1 loop on a tiny Llama: the script's FusedAdam over decay / no-decay groups, a Hugging
     Face cosine schedule built on it, gradient accumulation and clipping, gradient_checkpointing_enable() called on
@@ -487,8 +505,9 @@ def chat_worker(rank: int, world: int, which: str, dtype: str) -> bytes:
         engine.backward(engine(input_ids=ids, labels=ids, use_cache=False).loss)
         engine.step()
     params = {n: utils.safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    saved = save_like_deepspeed_chat(engine.module, ds.zero, rank)
     buffer = io.BytesIO()
-    torch.save({"params": params, "lr": engine.get_lr()}, buffer)
+    torch.save({"params": params, "lr": engine.get_lr(), "saved": saved}, buffer)
     return buffer.getvalue()
 
 
@@ -504,6 +523,10 @@ def test_a_deepspeed_chat_loop_lands_on_deepspeeds_weights(dtype, tolerance):
     assert ours["lr"] == theirs["lr"]
     for name, value in theirs["params"].items():
         assert float((ours["params"][name] - value).norm() / value.norm()) < tolerance, name
+    assert sorted(ours["saved"]) == sorted(theirs["saved"])  # DeepSpeed-Chat's ZeRO-3 save (ds_id, ds_status)
+    for name, value in theirs["saved"].items():
+        assert ours["saved"][name].dtype == value.dtype, name
+        assert float((ours["saved"][name] - value).float().norm() / value.float().norm()) < tolerance, name
 
 
 def test_an_engine_property_that_fails_is_not_answered_by_the_module():
@@ -531,3 +554,54 @@ def test_register_external_parameter_is_accepted_and_checked():
         deepspeed.zero.register_external_parameter(model.out, model.inp.weight.detach())
     with pytest.raises(TypeError, match="must be an nn.Module"):
         deepspeed.zero.register_external_parameter("out", model.inp.weight)
+
+
+def ds_attributes_worker(rank: int, world: int, stage: int) -> bytes:
+    torch.manual_seed(0)
+    model = Model()
+    model.encoder.layers[1].requires_grad_(False)  # frozen parameters are sharded at stage 3 too
+    engine = zerocore.initialize(model, {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        engine.backward(F.mse_loss(engine(torch.randn(4, 4, generator=g)), torch.randn(4, 2, generator=g)))
+        engine.step()
+    attributes = {name: {key: getattr(p, key) for key in ("ds_id", "ds_numel", "ds_shape", "ds_status")
+                         if hasattr(p, key)} for name, p in model.named_parameters()}
+    saved = save_like_deepspeed_chat(model, deepspeed.zero, rank)
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    left = [name for name, p in model.named_parameters() if any(k.startswith("ds_") for k in vars(p))]
+    buffer = io.BytesIO()
+    torch.save({"attributes": attributes, "saved": saved, "state": state, "left": left}, buffer)
+    return buffer.getvalue()
+
+
+def test_stage3_parameters_carry_deepspeeds_attributes_and_deepspeed_chats_save_works():
+    """Scripts written for DeepSpeed find the parameters to gather by ``ds_id`` and ``ds_status`` (Note
+    [DeepSpeed's parameter attributes]): at stage 3 every sharded parameter, frozen ones too, has them, the same on
+    every rank; DeepSpeed-Chat's save then gives the engine's full state dict. Stages 1-2 set none (as DeepSpeed),
+    so the same script reads the whole parameters directly; close() takes them off."""
+    status = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus
+    assert status is deepspeed.zero.ZeroParamStatus
+    assert [s.value for s in status] == [1, 2, 3]  # DeepSpeed's values
+    for stage in (2, 3):
+        runs = [torch.load(io.BytesIO(out), weights_only=False) for out in run_ranks(ds_attributes_worker, 2, stage)]
+        first = runs[0]
+        names = list(first["state"])
+        for name, value in first["saved"].items():
+            assert torch.equal(value, first["state"][name]), (stage, name)
+        assert sorted(first["saved"]) == sorted(n for n, _ in Model().named_parameters())
+        assert first["left"] == [] and runs[1]["attributes"] == first["attributes"]
+        if stage == 2:
+            assert all(not attrs for attrs in first["attributes"].values())
+            continue
+        shapes = {name: value.shape for name, value in first["state"].items()}
+        ids = [first["attributes"][name]["ds_id"] for name in first["attributes"]]
+        assert ids == sorted(set(ids))  # unique, in the model's order
+        for name, attrs in first["attributes"].items():
+            assert attrs["ds_shape"] == shapes[name] and attrs["ds_numel"] == shapes[name].numel(), name
+            # after a step: the blocks sharded, the root's gather for the next forward in flight (Note [Gathers
+            # started in the step]); inside the save's block the parameter is AVAILABLE (save_like_deepspeed_chat)
+            assert attrs["ds_status"] is status.NOT_AVAILABLE, name
+        assert len(names) == len(ids)

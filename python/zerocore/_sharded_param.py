@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ._ds_param_attributes import ZeroParamStatus
+
 # Operations that read no values: they may run on a placeholder. Properties are named by their descriptor.
 _METADATA = frozenset({
     "shape", "dtype", "device", "layout", "ndim", "names", "requires_grad", "is_leaf", "grad", "grad_fn",
@@ -48,6 +50,12 @@ class CompileRefused(RuntimeError):
 
 
 class _RefusesCompute:
+    @property
+    def ds_status(self) -> ZeroParamStatus:  # Note [DeepSpeed's parameter attributes]
+        if "ds_id" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute 'ds_status'")
+        return ZeroParamStatus.NOT_AVAILABLE
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name, kind = _operation(func)

@@ -72,6 +72,8 @@ from torch.utils._pytree import tree_flatten
 
 from ._buckets import stage3_prefetch_budget
 from ._divergence import DivergenceCheck
+from ._ds_param_attributes import attach as attach_ds_attributes
+from ._ds_param_attributes import detach as detach_ds_attributes
 from ._gather_spares import GatherSpares, spare_capacity
 from ._native import _C
 from ._sharded_buffer import ShardedBuffer
@@ -130,6 +132,7 @@ class Stage3Runtime:
             for storage in unit.storages:
                 storage.spares = self.spares
         self._unit_of_param = {id(p): unit for unit in self.units for p in unit.all_params}
+        attach_ds_attributes(p for p in engine.module.parameters() if id(p) in self._unit_of_param)
         self.in_forward = False  # between the model's forward pre-hook and its forward hook
         self._any_pinned = False
         self._retain_graph = False  # the backward running keeps its graph for another (Stage3Runtime.end_backward)
@@ -204,6 +207,7 @@ class Stage3Runtime:
             for param, value in zip(unit.all_params, whole):
                 param.data = value
                 mark_whole(param)
+            detach_ds_attributes(unit.all_params)
         self.spares.clear()
 
     def _register_module_hooks(self) -> None:

@@ -30,9 +30,10 @@ training_dataloader, lr_scheduler)``, built by :func:`zerocore.initialize`:
 refused; ``distributed_port`` is torchrun's business (``MASTER_PORT``).
 
 Also DeepSpeed's ``init_distributed`` (the default process group from torchrun's environment, unless one exists),
-``add_config_arguments`` (``--deepspeed``, ``--deepspeed_config``), ``zero`` (``zero.GatheredParameters``;
-``zero.Init``: zero.py), and the modules DeepSpeed's scripts import beside it: ``accelerator.get_accelerator``,
-``checkpointing``, ``comm``, ``ops.adam``, ``runtime.lr_schedules`` and ``utils`` (each its file's docstring).
+``add_config_arguments`` (``--deepspeed``, ``--deepspeed_config``), ``zero`` (``zero.GatheredParameters``,
+``zero.Init``, ``ZeroParamStatus``: runtime/zero/partition_parameters.py), and the modules DeepSpeed's scripts
+import beside it: ``accelerator.get_accelerator``, ``checkpointing``, ``comm``, ``ops.adam``,
+``runtime.lr_schedules`` and ``utils`` (each its file's docstring).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from ..engine import Engine
 from ..engine import initialize as _initialize
 from ..optim import _ZerocoreAdam
 from ..optimizer import ADAM_HYPERPARAMETERS
-from . import accelerator, checkpointing, comm, ops, runtime, utils, zero
+from . import accelerator, checkpointing, comm, ops, runtime, utils
+from .runtime import zero
 from .accelerator import get_accelerator
 
 __all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm", "get_accelerator",

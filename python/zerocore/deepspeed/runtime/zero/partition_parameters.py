@@ -1,6 +1,8 @@
-"""``deepspeed.zero`` for scripts switched to zerocore (``import zerocore.deepspeed as deepspeed``):
-``GatheredParameters``, ``register_external_parameter`` / ``unregister_external_parameter`` (zerocore gathers such
-parameters itself), and ``Init`` where it asks for nothing zerocore would do otherwise."""
+"""``deepspeed.runtime.zero.partition_parameters`` (``deepspeed.zero``) for scripts switched to zerocore (``import
+zerocore.deepspeed as deepspeed``): ``GatheredParameters``, ``register_external_parameter`` /
+``unregister_external_parameter`` (zerocore gathers such parameters itself), ``Init`` where it asks for nothing
+zerocore would do otherwise, and ``ZeroParamStatus``, the type of a stage-3 parameter's ``ds_status`` (Note
+[DeepSpeed's parameter attributes])."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from typing import Any
 
 from torch import nn
 
-from .._gathered import _engine_for, gathered
+from ...._ds_param_attributes import ZeroParamStatus
+from ...._gathered import _engine_for, gathered
 
-__all__ = ["GatheredParameters", "Init", "register_external_parameter", "unregister_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter",
+           "unregister_external_parameter"]
 
 
 def GatheredParameters(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int | None = None,  # noqa: N802
