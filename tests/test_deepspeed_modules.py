@@ -605,3 +605,34 @@ def test_stage3_parameters_carry_deepspeeds_attributes_and_deepspeed_chats_save_
             # started in the step]); inside the save's block the parameter is AVAILABLE (save_like_deepspeed_chat)
             assert attrs["ds_status"] is status.NOT_AVAILABLE, name
         assert len(names) == len(ids)
+
+
+def generation_worker(rank: int, world: int) -> bytes:
+    torch.manual_seed(0)
+    model = Model()
+    engine = zerocore.initialize(model, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    engine.backward(F.mse_loss(engine(x), torch.zeros(4, 2)))
+    engine.step()
+    engine.eval()
+    with torch.no_grad():
+        expected = engine(x)
+        engine.reset_comm_stats()
+        with deepspeed.zero.unwrap_model_for_generation(engine) as unwrapped:
+            assert unwrapped is engine
+            outputs = [unwrapped(x) for _ in range(5)]  # a decode loop's forwards
+        held = engine.comm_report()["collectives"]
+    status = deepspeed.zero.ZeroParamStatus
+    assert all(p.ds_status is status.NOT_AVAILABLE for p in model.encoder.parameters())  # released on exit
+    engine.close()
+    return {"equal": all(torch.equal(out, expected) for out in outputs),
+            "forward_gathers": held.get("all_gather_forward", {}).get("calls", 0),
+            "user_gathers": held["all_gather_user"]["calls"]}
+
+
+def test_unwrap_model_for_generation_gathers_once_for_the_loop():
+    """TRL's generation under ZeRO-3 runs inside DeepSpeed's unwrap_model_for_generation: the forwards inside
+    gather nothing (each unit is gathered once, on entry) and compute what a plain stage-3 forward computes."""
+    for out in run_ranks(generation_worker, 2):
+        assert out["equal"] and out["forward_gathers"] == 0 and out["user_gathers"] >= 1, out
