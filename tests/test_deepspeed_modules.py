@@ -636,3 +636,68 @@ def test_unwrap_model_for_generation_gathers_once_for_the_loop():
     gather nothing (each unit is gathered once, on entry) and compute what a plain stage-3 forward computes."""
     for out in run_ranks(generation_worker, 2):
         assert out["equal"] and out["forward_gathers"] == 0 and out["user_gathers"] >= 1, out
+
+
+class Generating(Model):
+    """A model with a generate() taking Hugging Face's ``synced_gpus``, which reports what it was given."""
+
+    def generate(self, x: torch.Tensor, max_new_tokens: int = 4, synced_gpus: bool | None = None) -> bool | None:
+        return synced_gpus
+
+
+class GeneratingElsewise(Model):
+    def generate(self, x: torch.Tensor, **kwargs: object) -> dict:
+        return kwargs
+
+
+def synced_generate_worker(rank: int, world: int, stage: int) -> list:
+    engines = [zerocore.initialize(cls(), {"zero_optimization": {"stage": stage}}) for cls in (Generating,
+                                                                                               GeneratingElsewise)]
+    x = torch.zeros(1, 4)
+    got = [engines[0].generate(x), engines[0].generate(x, synced_gpus=False), engines[0].generate(x, 4, False),
+           engines[1].generate(x)]
+    for engine in engines:
+        engine.close()
+    return got
+
+
+def test_engine_generate_keeps_stage3_ranks_in_step():
+    """Note [Generation at stage 3]: engine.generate passes synced_gpus=True at stage 3 on more than one rank unless
+    the call sets it (positionally too); not at stage 2, not on one rank, and not to a generate without it."""
+    assert run_ranks(synced_generate_worker, 2, 3) == [[True, False, False, {}]] * 2
+    assert run_ranks(synced_generate_worker, 2, 2) == [[None, False, False, {}]] * 2
+    assert run_ranks(synced_generate_worker, 1, 3) == [[None, False, False, {}]]
+
+
+def hf_generate_worker(rank: int, world: int) -> list:
+    """Rank 0's generation meets its end token after one new token, rank 1's runs 12; then a training step."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=0))
+    ids = torch.randint(1, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    model.eval()
+    with torch.no_grad():
+        if rank == 0:
+            settings["eos_token_id"] = int(model(input_ids=ids).logits[0, -1].argmax())
+        expected = model.generate(ids, **settings)
+    engine, *_ = deepspeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    engine.eval()
+    generated = engine.generate(ids, **settings)
+    engine.train()
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.close()
+    return [generated.shape[1], torch.equal(generated, expected)]
+
+
+def test_hugging_face_generation_of_different_lengths_at_stage3():
+    """With transformers installed (`.venv-ds` here; skipped in CI): ranks whose generations end at different
+    lengths finish and go on training; without synced_gpus they waited for each other until the timeout."""
+    pytest.importorskip("transformers")
+    assert run_ranks(hf_generate_worker, 2, timeout=120) == [[6, True], [17, True]]

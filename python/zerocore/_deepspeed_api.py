@@ -5,6 +5,8 @@ answers from the engine's own state; none communicates."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 # parameters (``to``, ``cuda``, ``half``, ``apply``, ``load_state_dict``, ...): the engine owns the parameters (at
 # stages 1-2 they are views into its buffers, at stage 3 gathered from its shards), so such a call through it would
 # change the module's tensors while the engine trains on its own; they raise, naming what to do instead.
+# ``generate`` is passed with one default changed at stage 3 (Note [Generation at stage 3]).
 _PLACEMENT = ("the engine owns the parameters' device and dtype: the config's bf16/fp16 sections and "
               "initialize(device=...) set them")
 _REFUSED_MODULE_METHODS = {
@@ -36,6 +39,34 @@ _REFUSED_MODULE_METHODS = {
     "load_state_dict": "load weights with engine.load_hf_weights(...) or engine.load_checkpoint(...), or copy them in "
                        "inside zerocore.gathered(engine.parameters(), modifier_rank=0)",
 }
+
+
+# Note [Generation at stage 3]
+# A stage-3 forward gathers each unit, a collective, so every rank must run as many forwards as its peers. A
+# generation loop breaks that when ranks stop at different lengths (one batch meets its end token first): the
+# rank that stopped issues its next collectives while the others still gather for their next token, and they
+# wait for each other until the process group's timeout. Hugging Face's ``generate`` has the remedy,
+# ``synced_gpus=True`` (a rank that is done keeps running forwards until every rank is), and turns it on by
+# itself only where it detects DeepSpeed's ZeRO-3 through the Trainer's config or FSDP, never for a zerocore
+# engine. So ``engine.generate(...)`` at stage 3 on more than one rank passes ``synced_gpus=True`` unless the
+# call sets it. ``model.generate`` called on the module itself is Hugging Face's own: pass ``synced_gpus=True``
+# there, or generate inside ``zerocore.gathered(model.parameters())`` (or DeepSpeed's
+# ``unwrap_model_for_generation``), where the forwards gather nothing and ranks may stop when they like.
+def _synced_generate(generate: Any) -> Any:
+    try:
+        signature = inspect.signature(generate)
+    except (TypeError, ValueError):
+        return generate
+    if "synced_gpus" not in signature.parameters:
+        return generate  # not Hugging Face's generate: passed as it is
+
+    @functools.wraps(generate)
+    def synced(*args: Any, **kwargs: Any) -> Any:
+        if "synced_gpus" not in signature.bind_partial(*args, **kwargs).arguments:
+            kwargs["synced_gpus"] = True
+        return generate(*args, **kwargs)
+
+    return synced
 
 
 class DeepSpeedAccessors:
@@ -52,10 +83,13 @@ class DeepSpeedAccessors:
         if name in _REFUSED_MODULE_METHODS:
             raise AttributeError(f"engine.{name} is not passed to the module: {_REFUSED_MODULE_METHODS[name]}")
         try:
-            return getattr(module, name)
+            attribute = getattr(module, name)
         except AttributeError:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}, nor has its module "
                                  f"({type(module).__name__})") from None
+        if name == "generate" and self.stage == 3 and self.world_size > 1 and callable(attribute):
+            return _synced_generate(attribute)
+        return attribute
 
     config: ZeroConfig
     optimizer: ZeroOptimizer
