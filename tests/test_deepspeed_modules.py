@@ -701,3 +701,36 @@ def test_hugging_face_generation_of_different_lengths_at_stage3():
     lengths finish and go on training; without synced_gpus they waited for each other until the timeout."""
     pytest.importorskip("transformers")
     assert run_ranks(hf_generate_worker, 2, timeout=120) == [[6, True], [17, True]]
+
+
+def deepspeed_built_worker(rank: int, world: int) -> list[str]:
+    os.environ.update(LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    import deepspeed as real_deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3}}
+    errors = []
+    with real_deepspeed.zero.Init(config_dict_or_path=config):
+        model = Model()
+    for attempt in (lambda: deepspeed.initialize(model=model, config=config),
+                    lambda: zerocore.estimate_memory(model, config, world_size=world)):
+        with pytest.raises(ValueError) as info:
+            attempt()
+        errors.append(str(info.value))
+    engine, *_ = real_deepspeed.initialize(model=Model(), config={**config, "zero_optimization": {"stage": 1}})
+    with pytest.raises(ValueError) as info:
+        zerocore.initialize(engine, config)
+    errors.append(str(info.value))
+    return errors
+
+
+def test_what_deepspeed_built_is_refused_naming_what_to_pass():
+    """With DeepSpeed installed (`.venv-ds` here; skipped in CI): a model built under DeepSpeed's own zero.Init
+    (what transformers' HfDeepSpeedConfig makes from_pretrained do, as DeepSpeed-Chat's stage-3 scripts do) holds
+    DeepSpeed's partitions, and DeepSpeed's engine owns its model; both are refused at initialize, naming the fix,
+    instead of failing in the first forward."""
+    pytest.importorskip("deepspeed")
+    errors = run_ranks(deepspeed_built_worker, 2, timeout=300)[0]
+    assert "partitioned by DeepSpeed's zero.Init" in errors[0] and "HfDeepSpeedConfig" in errors[0]
+    assert errors[1] == errors[0]
+    assert "DeepSpeed's engine" in errors[2]

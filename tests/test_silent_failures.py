@@ -482,3 +482,48 @@ def recast_worker(rank: int, world: int, stage: int) -> str:
 def test_a_model_cast_after_initialize_is_refused_at_the_next_forward_naming_the_config_keys(stage):
     for message in run_ranks(recast_worker, 2, stage):
         assert "'0.weight' is torch.float16" in message and "bf16.enabled" in message, message
+
+
+def foreign_parallelism_worker(rank: int, world: int) -> list[str]:
+    """Each model another system already parallelizes is refused at initialize (and by estimate_memory), before
+    anything touches it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    errors = []
+
+    def refused(model: nn.Module) -> None:
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        for attempt in (lambda: zerocore.initialize(model, _config(3)),
+                        lambda: zerocore.estimate_memory(model, _config(3), world_size=world)):
+            with pytest.raises(ValueError) as info:
+                attempt()
+            errors.append(str(info.value))
+        assert all(torch.equal(p.detach(), before[name]) for name, p in model.named_parameters())
+
+    torch.manual_seed(0)
+    refused(nn.parallel.DistributedDataParallel(Net()))
+    nested = nn.Sequential(nn.Linear(8, 8), nn.parallel.DistributedDataParallel(Net()))
+    refused(nested)
+    sharded = Net()
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)))
+    errors.append(str(pytest.raises(ValueError, zerocore.initialize, sharded, _config(3)).value))
+    partitioned = Net()  # what DeepSpeed's zero.Init leaves: an empty tensor, the partition and the whole shape
+    weight = partitioned.fc1.weight
+    weight.data, weight.ds_tensor, weight.ds_shape = torch.empty(0), torch.zeros(64), weight.shape
+    refused(partitioned)
+    engine = zerocore.initialize(Net(), _config(3))  # zerocore's own ds_ attributes are not DeepSpeed's partitions
+    engine.close()
+    return errors
+
+
+def test_a_model_another_system_parallelizes_is_refused_naming_what_to_pass():
+    """A DDP-wrapped model trained as well, but all-reduced every gradient twice and kept DDP's whole gradient
+    copy; FSDP2's DTensor parameters failed in a broadcast with "does not have a sharding strategy"; DeepSpeed's
+    zero.Init partitions failed in the first forward with "'weight' must be 2-D"."""
+    errors = run_ranks(foreign_parallelism_worker, 2)[0]
+    assert "DistributedDataParallel" in errors[0] and "model.module" in errors[0] and errors[1] == errors[0]
+    assert "module '1'" in errors[2] and "1.module" in errors[2]
+    assert "DTensor" in errors[4] and "fully_shard" in errors[4]
+    assert "'fc1.weight' was partitioned by DeepSpeed's zero.Init" in errors[5] and "0 of its 128" in errors[5]
+    assert "HfDeepSpeedConfig" in errors[5]

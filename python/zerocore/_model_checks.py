@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import numbers
+import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -198,6 +199,49 @@ def collect_trainable(
             "requires_grad=False"
         )
     return groups
+
+
+def check_plain_model(model: nn.Module) -> None:
+    """Another system's data parallelism around or inside the model is refused, naming what to pass instead: a
+    DistributedDataParallel wrapper would all-reduce every gradient a second time and hold a whole gradient copy
+    per rank (what stages 2-3 exist to avoid), and parameters another system already shards (FSDP, FSDP2's
+    DTensors, DeepSpeed's ``zero.Init`` partitions) hold only a piece of their values on this rank: trained as
+    whole tensors they fail deep in the first forward ("'weight' must be 2-D") or in a collective."""
+    # a model holding FSDP or DTensor objects has imported their modules; importing them here would cost every
+    # process half a second of CPU
+    fsdp, tensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    fsdp_wrapper = getattr(fsdp, "FullyShardedDataParallel", ())
+    dtensor = getattr(tensor, "DTensor", ())
+    for name, module in model.named_modules():
+        where = f"module {name!r}" if name else "the model"
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                f"{where} is wrapped in torch's DistributedDataParallel: zerocore does the data parallelism itself "
+                "(DDP would all-reduce every gradient a second time and keep a whole gradient copy on every rank); "
+                f"pass the module it wraps ({'model' if not name else name}.module) to zerocore.initialize")
+        if isinstance(module, fsdp_wrapper):
+            raise ValueError(
+                f"{where} is wrapped in torch's FullyShardedDataParallel, which shards its parameters itself: build the "
+                "model without FSDP and give it to zerocore.initialize, whose stage 3 shards it")
+        if any(cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__):
+            raise ValueError(
+                f"{where} is DeepSpeed's engine, which owns its parameters and optimizer: pass the model you gave to "
+                "deepspeed.initialize (without calling it), or switch the script to zerocore with `import "
+                "zerocore.deepspeed as deepspeed`")
+    for name, param in model.named_parameters():
+        if isinstance(param, dtensor):
+            raise ValueError(
+                f"parameter {name!r} is a DTensor (sharded by FSDP2's fully_shard or by tensor parallelism): zerocore "
+                "shards plain tensors itself; build the model without fully_shard / parallelize_module and give it "
+                "to zerocore.initialize, whose stage 3 shards it")
+        if hasattr(param, "ds_tensor"):
+            whole = math.prod(getattr(param, "ds_shape", param.shape))
+            raise ValueError(
+                f"parameter {name!r} was partitioned by DeepSpeed's zero.Init (this rank holds {param.numel()} of its "
+                f"{whole} elements): zerocore cannot train DeepSpeed's partitions. Build the model without "
+                "deepspeed.zero.Init, and without transformers' HfDeepSpeedConfig (which makes from_pretrained build "
+                "under zero.Init): zerocore's stage 3 shards it at initialize; a model too large to build whole is "
+                "built under torch.device('meta') and given init_fn=, its weights loaded with engine.load_hf_weights")
 
 
 def check_trainable_dtypes(model: nn.Module) -> None:

@@ -52,8 +52,8 @@ from ._gathered import refuse_managed, unregister
 from ._gathered import register as register_managed
 from ._lifecycle import USABLE, EngineState, Lifecycle
 from ._loss_scaler import LossScaler
-from ._model_checks import (check_same_config_on_all_ranks, check_same_model_on_all_ranks, check_trainable_dtypes,
-                            collect_trainable)
+from ._model_checks import (check_plain_model, check_same_config_on_all_ranks, check_same_model_on_all_ranks,
+                            check_trainable_dtypes, collect_trainable)
 from ._native import _C
 from ._policy import StagePolicy
 from ._reports import comm_report, memory_report
@@ -147,7 +147,8 @@ class Engine(DeepSpeedAccessors):
         self.policy = policy = StagePolicy.for_stage(config.zero_optimization.stage)
         self.stage = policy.stage
         self.module = model
-        check_trainable_dtypes(model)  # before anything touches the model
+        check_plain_model(model)  # before anything touches the model
+        check_trainable_dtypes(model)
         self.device, meta = training_device(model, policy, device)
         self.process_group = process_group if process_group is not None else default_process_group(self.device)
         self.rank = dist.get_rank(self.process_group)

@@ -46,7 +46,7 @@ from ._buckets import BucketSizes, stage3_prefetch_budget
 from ._config_values import INT64_MAX
 from ._construction import optimizer_state_for, reduction_wire_dtype
 from ._gather_spares import spare_capacity
-from ._model_checks import check_trainable_dtypes, collect_trainable, model_device
+from ._model_checks import check_plain_model, check_trainable_dtypes, collect_trainable, model_device
 from ._native import _C
 from ._nvme_params import check_param_offload, plan_param_file
 from ._nvme_state import pipeline_depth, sub_group_totals
@@ -229,6 +229,7 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
     check_zeropp_partitions(config.zero_optimization, world, config.zero_optimization.zero_node_size or None)
     policy = StagePolicy.for_stage(config.zero_optimization.stage)
     if count is None:
+        check_plain_model(model)
         check_trainable_dtypes(model)
         where = _engine_device(model_device(model), device)
     else:
