@@ -45,10 +45,16 @@ void Comm::record(const std::string& op, int64_t tag, int64_t elements, int64_t 
 }
 
 PendingCollective Comm::issue_bucket(CollectiveStrategy& strategy, const char* op, const at::Tensor& bucket,
-                                     int64_t tag, const std::string& label, const std::optional<WidenedSum>& widen) {
+                                     int64_t tag, const std::string& label, const std::optional<WidenedSum>& widen,
+                                     std::vector<int64_t> cuts) {
   check_bucket(bucket, op);
   const int64_t n = bucket.numel();
-  const BucketCollective geometry{bucket, rank_, world_size_, n, n / world_size_, n * bucket.element_size()};
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    ZC_CHECK_ARG(cuts[i] >= 0 && cuts[i] <= n && (i == 0 || cuts[i - 1] < cuts[i]), op,
+                 ": cuts must be increasing offsets within the bucket of ", n, " elements");
+  }
+  const BucketCollective geometry{bucket, rank_, world_size_, n, n / world_size_, n * bucket.element_size(),
+                                  std::move(cuts)};
   if (world_size_ == 1 || n == 0) {  // nothing to exchange; every rank skips alike (same geometry)
     record(label, tag, n, 0, 0, 0);
     PendingCollective nothing;
@@ -68,8 +74,9 @@ PendingCollective Comm::issue_bucket(CollectiveStrategy& strategy, const char* o
   return std::move(issued.pending);
 }
 
-PendingCollective Comm::reduce_scatter(const at::Tensor& bucket, int64_t tag) {
-  return issue_bucket(*reduce_scatter_, ReduceScatterStrategy::kOp, bucket, tag, ReduceScatterStrategy::kOp);
+PendingCollective Comm::reduce_scatter(const at::Tensor& bucket, int64_t tag, std::vector<int64_t> cuts) {
+  return issue_bucket(*reduce_scatter_, ReduceScatterStrategy::kOp, bucket, tag, ReduceScatterStrategy::kOp,
+                      std::nullopt, std::move(cuts));
 }
 
 PendingCollective Comm::reduce_scatter_widened(const at::Tensor& bucket, const WidenedSum& into, int64_t tag) {

@@ -108,7 +108,8 @@ class Comm {
 
   // Sums `bucket` (1-D, numel divisible by world_size) across ranks so that this rank's shard
   // bucket[rank * s, (rank + 1) * s) holds the sum. Other regions hold unspecified values afterwards.
-  PendingCollective reduce_scatter(const at::Tensor& bucket, int64_t tag);
+  // `cuts`: where the bucket's tensors begin and end (BucketCollective::cuts), for the quantizing algorithms.
+  PendingCollective reduce_scatter(const at::Tensor& bucket, int64_t tag, std::vector<int64_t> cuts = {});
   // Whether the reduce-scatter algorithm can sum in a wider dtype than the bucket travels in (Note [Widening
   // reduce-scatter] in collective_strategies.hpp).
   bool reduce_scatter_widens() const { return reduce_scatter_->widens(); }
@@ -134,7 +135,8 @@ class Comm {
   // Checks `bucket`, runs `strategy` on it (unless there is nothing to exchange) and records it under `label`.
   // `widen`, when set, asks the reduce-scatter strategy for a widening one (reduce_scatter_widened).
   PendingCollective issue_bucket(CollectiveStrategy& strategy, const char* op, const at::Tensor& bucket, int64_t tag,
-                                 const std::string& label, const std::optional<WidenedSum>& widen = std::nullopt);
+                                 const std::string& label, const std::optional<WidenedSum>& widen = std::nullopt,
+                                 std::vector<int64_t> cuts = {});
   // The stats and log of every collective Comm issues.
   void record(const std::string& op, int64_t tag, int64_t elements, int64_t algorithm_bytes, int64_t backend_calls,
               int64_t unquantized_bytes);

@@ -51,7 +51,7 @@ void bind_distributed(py::module_& m) {
       .def_property_readonly("shared_memory_bytes", &Comm::shared_memory_bytes,
                              "Bytes of the shared-memory segment this Comm maps (0: none).")
       .def("reduce_scatter", &Comm::reduce_scatter, py::arg("bucket"), py::arg("tag") = -1,
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("cuts") = std::vector<int64_t>{}, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("reduce_scatter_widens", &Comm::reduce_scatter_widens)
       .def(
           "reduce_scatter_widened",

@@ -87,6 +87,18 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
     std::sort(in_bucket.begin(), in_bucket.end(),
               [this](int64_t a, int64_t b) { return geometry_.param_offset[a] < geometry_.param_offset[b]; });
   }
+  // where each parameter's slot begins and ends: a quantizing reduce-scatter (qgZ) gives no two parameters one
+  // scale (Note [Quantized collectives])
+  bucket_cuts_.resize(buckets);
+  for (size_t b = 0; b < buckets; ++b) {
+    std::vector<int64_t>& cuts = bucket_cuts_[b];
+    for (int64_t param : params_by_offset_[b]) {
+      cuts.push_back(geometry_.param_offset[param]);
+      cuts.push_back(geometry_.param_offset[param] + geometry_.param_numel[param]);
+    }
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  }
 }
 
 void GradReducer::begin_backward(bool accumulate) {
@@ -191,7 +203,7 @@ void GradReducer::launch(int64_t bucket) {
   // widening: wait() deposits the fp32 sums straight into the destination (Note [Widening reduce-scatter])
   in_flight_.push_back(widening_ ? comm_->reduce_scatter_widened(
                                        view, WidenedSum{destinations_[bucket], prescale_, accumulate_}, bucket)
-                                 : comm_->reduce_scatter(view, bucket));
+                                 : comm_->reduce_scatter(view, bucket, bucket_cuts_[bucket]));
   if (!overlap_) complete_oldest();
 }
 

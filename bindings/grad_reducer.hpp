@@ -101,6 +101,7 @@ class GradReducer {
   enum class SlotState : uint8_t { kEmpty, kCopied, kScaled };  // a parameter's slot in its bucket's pool buffer
   std::vector<SlotState> slot_state_;                  // per parameter
   std::vector<std::vector<int64_t>> params_by_offset_;  // per bucket: its parameters in slot order
+  std::vector<std::vector<int64_t>> bucket_cuts_;       // per bucket: where its parameters' slots begin and end
   std::vector<at::Tensor> bucket_view_;  // per bucket: its view into a pool buffer, or undefined
   std::vector<at::Tensor> bucket_base_;  // per bucket: the pool buffer the view belongs to
   std::vector<at::Tensor> free_buffers_;

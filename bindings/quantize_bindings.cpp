@@ -101,7 +101,9 @@ void* current_cuda_stream(const at::Device& device) {
 
 }  // namespace
 
-QuantizeResult quantize_tensor(const at::Tensor& input, int bits, int64_t group_size, uint8_t* q, float* scales) {
+QuantizeResult quantize_tensor(const at::Tensor& input, int bits, int64_t group_size, uint8_t* q, float* scales,
+                               bool read_back) {
+  (void)read_back;  // CPU kernels return the count without a sync
   const int64_t n = input.numel();
   const ScalarType in_type = to_scalar_type(input, "input");
   const void* data = n > 0 ? input.data_ptr() : nullptr;
@@ -117,9 +119,11 @@ QuantizeResult quantize_tensor(const at::Tensor& input, int bits, int64_t group_
     const at::Tensor counters = at::empty({2}, input.options().dtype(at::kLong));
     launch_quantize_symmetric(data, in_type, n, bits, group_size, q, scales, counters.data_ptr<int64_t>(),
                               current_cuda_stream(input.device()));
-    const at::Tensor host = counters.cpu();  // synchronises with the stream
-    result.nonfinite_count = host.data_ptr<int64_t>()[0];
-    result.first_nonfinite = result.nonfinite_count > 0 ? host.data_ptr<int64_t>()[1] : -1;
+    if (read_back) {
+      const at::Tensor host = counters.cpu();  // synchronises with the stream
+      result.nonfinite_count = host.data_ptr<int64_t>()[0];
+      result.first_nonfinite = result.nonfinite_count > 0 ? host.data_ptr<int64_t>()[1] : -1;
+    }
 #else
     throw InvalidArgument("quantize: this build has no CUDA kernels");
 #endif

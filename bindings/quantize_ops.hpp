@@ -13,8 +13,10 @@ namespace zerocore::bindings {
 
 // Quantizes input (contiguous fp32/bf16/fp16, input.numel() elements) into q (quantized_bytes bytes) and
 // scales (one fp32 per group), both on input's device. On CUDA it synchronises with the current stream to
-// read the non-finite count back.
-QuantizeResult quantize_tensor(const at::Tensor& input, int bits, int64_t group_size, uint8_t* q, float* scales);
+// read the non-finite count back, unless `read_back` is false (then the result says nothing: the collectives,
+// whose non-finite groups arrive as NaN anyway, quantize many pieces and need no sync per piece).
+QuantizeResult quantize_tensor(const at::Tensor& input, int bits, int64_t group_size, uint8_t* q, float* scales,
+                               bool read_back = true);
 
 // Writes the n values q * scale into out (contiguous fp32/bf16/fp16, n elements, on q's device).
 void dequantize_into(const uint8_t* q, const float* scales, int64_t n, int bits, int64_t group_size,

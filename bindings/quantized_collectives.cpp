@@ -12,11 +12,16 @@
 // result is, in every rank's slot, dequantize(quantize(that rank's shard)); the reduce-scatter's is
 // sum_n' dequantize(quantize(sum_l' dequantize(quantize(shard from rank (n', l'))))) in fp32, summed in index
 // order, rounded once to the bucket's dtype. Quantization groups start at each shard's first element (the
-// quantization group size is an option of Comm). The packed message of one shard is its q bytes, padded to 4,
-// then its scales, so scales stay aligned.
+// quantization group size is an option of Comm) and, in the reduce-scatter, at every cut the bucket carries
+// inside the shard: the reducer passes where each parameter's slot begins and ends, so no scale spans two
+// parameters. One shared scale let a parameter whose gradients are small beside its neighbour's (a norm's
+// weight, a bias) round to zero in int4 step after step and never train (Gemma 3's q_norm and k_norm in a
+// 2-layer model, 4 ranks: unchanged after 4 steps); DeepSpeed's qgZ keeps 1-D tensors out of its quantization
+// for the same reason. The packed message of one shard is its pieces' q bytes (each piece's whole bytes),
+// padded to 4, then their scales, so scales stay aligned; every message is as long as the longest shard's.
 //
-// A shard holding inf or NaN is not quantized (Note [Quantization arithmetic]): its groups arrive as NaN, on
-// every rank alike, so a non-finite gradient is still seen as one by the overflow check that follows and a
+// A group holding inf or NaN is not quantized (Note [Quantization arithmetic]): it arrives as NaN, on every
+// rank alike, so a non-finite gradient is still seen as one by the overflow check that follows and a
 // non-finite weight still poisons the loss, never a plausible number.
 //
 // The hierarchical reduce-scatter needs the rank layout of Comm's StrategyOptions: world = N nodes of L ranks,
@@ -26,6 +31,7 @@
 // every rank of the node issues it in the same order; stage two is pending until wait(). Bytes per rank (P(k)
 // the packed size of k elements): stage one N P(s) (L - 1), stage two P(s) (N - 1), against the ring's
 // B (W - 1) / W in the bucket's dtype: 0.26x of bf16 at 2 nodes of 2 ranks.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -40,25 +46,53 @@ namespace {
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
-// One shard of n elements packed as [q bytes | pad to 4 | fp32 scales].
+// One shard of n elements, elements [begin, begin + n) of its bucket, packed as [q bytes | pad to 4 | fp32
+// scales]. The shard is cut where the bucket's cuts fall inside it (BucketCollective::cuts) and each piece is
+// quantized in groups from its own first element, its q bytes whole (an int4 piece of odd length ends on a
+// padding nibble): no scale spans two parameters.
 struct Packing {
   int bits;
   int64_t group_size;
   int64_t n;
-  int64_t q_bytes;
-  int64_t bytes;
+  std::vector<int64_t> starts;  // each piece's first element in the shard, then n
+  int64_t q_bytes = 0;
+  int64_t bytes = 0;
 
-  Packing(int bits_, int64_t group_size_, int64_t n_)
-      : bits(bits_), group_size(group_size_), n(n_), q_bytes(round_up(quantized_bytes(n_, bits_), 4)),
-        bytes(q_bytes + 4 * quantize_num_groups(n_, group_size_)) {}
+  Packing(int bits_, int64_t group_size_, int64_t begin, int64_t n_, const std::vector<int64_t>& cuts = {})
+      : bits(bits_), group_size(group_size_), n(n_) {
+    starts.push_back(0);
+    for (int64_t cut : cuts) {
+      if (cut > begin && cut < begin + n) starts.push_back(cut - begin);
+    }
+    starts.push_back(n);
+    int64_t q = 0, groups = 0;
+    for (size_t i = 0; i + 1 < starts.size(); ++i) {
+      q += quantized_bytes(starts[i + 1] - starts[i], bits);
+      groups += quantize_num_groups(starts[i + 1] - starts[i], group_size);
+    }
+    q_bytes = round_up(q, 4);
+    bytes = q_bytes + 4 * groups;
+  }
 
   void pack(const at::Tensor& values, const at::Tensor& message) const {
-    auto* base = message.data_ptr<uint8_t>();
-    quantize_tensor(values, bits, group_size, base, reinterpret_cast<float*>(base + q_bytes));
+    uint8_t* q = message.data_ptr<uint8_t>();
+    float* scales = reinterpret_cast<float*>(q + q_bytes);
+    for (size_t i = 0; i + 1 < starts.size(); ++i) {
+      const int64_t length = starts[i + 1] - starts[i];
+      quantize_tensor(values.narrow(0, starts[i], length), bits, group_size, q, scales, /*read_back=*/false);
+      q += quantized_bytes(length, bits);
+      scales += quantize_num_groups(length, group_size);
+    }
   }
   void unpack(const at::Tensor& message, const at::Tensor& out) const {
-    const auto* base = message.data_ptr<uint8_t>();
-    dequantize_into(base, reinterpret_cast<const float*>(base + q_bytes), n, bits, group_size, out);
+    const uint8_t* q = message.data_ptr<uint8_t>();
+    const float* scales = reinterpret_cast<const float*>(q + q_bytes);
+    for (size_t i = 0; i + 1 < starts.size(); ++i) {
+      const int64_t length = starts[i + 1] - starts[i];
+      dequantize_into(q, scales, length, bits, group_size, out.narrow(0, starts[i], length));
+      q += quantized_bytes(length, bits);
+      scales += quantize_num_groups(length, group_size);
+    }
   }
 };
 
@@ -92,7 +126,7 @@ class QuantizedAllGather final : public AllGatherStrategy {
   }
 
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
-    const Packing packing(8, group_size_, b.shard);
+    const Packing packing(8, group_size_, 0, b.shard);
     at::Tensor packed = at::empty({b.world_size * packing.bytes}, b.bucket.options().dtype(at::kByte));
     std::vector<at::Tensor> slots;  // rank r's message
     for (int r = 0; r < b.world_size; ++r) slots.push_back(packed.narrow(0, r * packing.bytes, packing.bytes));
@@ -159,17 +193,26 @@ class HierarchicalQuantizedReduceScatter final : public ReduceScatterStrategy {
     const int node = b.rank / local_size;
     const int local = b.rank % local_size;
     const int tag = static_cast<int>(next_tag_++ % (1 << 30));
-    const Packing packing(4, options_.quantization_group_size, b.shard);
+    // shard k's packing (its pieces depend on where the bucket's cuts fall in it); messages are all as long
+    // as the longest, so every exchange moves equal sizes
+    std::vector<Packing> packings;
+    int64_t message_bytes = 0;
+    for (int k = 0; k < b.world_size; ++k) {
+      packings.emplace_back(4, options_.quantization_group_size, k * b.shard, b.shard, b.cuts);
+      message_bytes = std::max(message_bytes, packings.back().bytes);
+    }
     const auto bytes = b.bucket.options().dtype(at::kByte);
     const auto fp32 = b.bucket.options().dtype(at::kFloat);
     IssuedCollective out;
 
     // stage one, inside the node: to local peer l' the shards of ranks (n', l') of every node n'
-    at::Tensor sent = at::empty({local_size, nodes, packing.bytes}, bytes);
-    at::Tensor received = at::empty({local_size, nodes, packing.bytes}, bytes);
+    at::Tensor sent = at::empty({local_size, nodes, message_bytes}, bytes);
+    at::Tensor received = at::empty({local_size, nodes, message_bytes}, bytes);
     for (int peer = 0; peer < local_size; ++peer) {
       at::Tensor into = peer == local ? received[peer] : sent[peer];
-      for (int n = 0; n < nodes; ++n) packing.pack(b.shard_of(n * local_size + peer), into[n]);
+      for (int n = 0; n < nodes; ++n) {
+        packings[n * local_size + peer].pack(b.shard_of(n * local_size + peer), into[n]);
+      }
     }
     if (local_size > 1) {
       std::vector<at::Tensor> messages, inbox;
@@ -185,15 +228,17 @@ class HierarchicalQuantizedReduceScatter final : public ReduceScatterStrategy {
     at::Tensor values = at::empty({b.shard}, fp32);
     for (int n = 0; n < nodes; ++n) {
       for (int peer = 0; peer < local_size; ++peer) {
-        packing.unpack(received[peer][n], values);
+        packings[n * local_size + local].unpack(received[peer][n], values);
         partial[n].add_(values);
       }
     }
 
     // stage two, across nodes: to node n' the partial sum of shard (n', l)
-    at::Tensor sent2 = at::empty({nodes, packing.bytes}, bytes);
-    at::Tensor received2 = at::empty({nodes, packing.bytes}, bytes);
-    for (int n = 0; n < nodes; ++n) packing.pack(partial[n], n == node ? received2[n] : sent2[n]);
+    at::Tensor sent2 = at::empty({nodes, message_bytes}, bytes);
+    at::Tensor received2 = at::empty({nodes, message_bytes}, bytes);
+    for (int n = 0; n < nodes; ++n) {
+      packings[n * local_size + local].pack(partial[n], n == node ? received2[n] : sent2[n]);
+    }
     if (nodes > 1) {
       std::vector<at::Tensor> messages, inbox;
       for (int n = 0; n < nodes; ++n) {
@@ -205,6 +250,7 @@ class HierarchicalQuantizedReduceScatter final : public ReduceScatterStrategy {
     }
     const at::Tensor destination = b.local_shard();
     out.pending.buffer = received2;  // and sent2 lives in finish: both stay alive until the exchange is done
+    const Packing packing = packings[b.rank];  // this rank's shard, which every message of stage two carries
     out.pending.finish = [packing, received2, sent2, destination, nodes, fp32] {
       at::Tensor total = at::zeros({packing.n}, fp32);
       at::Tensor values = at::empty({packing.n}, fp32);
@@ -214,7 +260,7 @@ class HierarchicalQuantizedReduceScatter final : public ReduceScatterStrategy {
       }
       destination.copy_(total);
     };
-    out.algorithm_bytes = packing.bytes * (nodes * (local_size - 1) + (nodes - 1));
+    out.algorithm_bytes = message_bytes * (nodes * (local_size - 1) + (nodes - 1));
     out.quantized = true;
     return out;
   }

@@ -27,6 +27,13 @@ def _qdq(values: torch.Tensor, bits: int, group: int = GROUP) -> torch.Tensor:
     return out
 
 
+def _qdq_pieces(values: torch.Tensor, begin: int, cuts: list[int], bits: int) -> torch.Tensor:
+    """_qdq of values = bucket[begin, begin + n) piece by piece, cut where ``cuts`` fall inside it."""
+    n = values.numel()
+    starts = [0] + [c - begin for c in cuts if begin < c < begin + n] + [n]
+    return torch.cat([_qdq(values[a:b], bits) for a, b in zip(starts, starts[1:])])
+
+
 def _bucket(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * seed + rank)
     return (torch.randn(numel, generator=g) * (1 + rank)).to(dtype)
@@ -57,6 +64,23 @@ def collectives_worker(rank: int, world: int, node_size: int) -> dict:
                 partial += _qdq(_bucket(n * node_size + local, numel, dtype, seed + 50)[me].float(), 4)
             total += _qdq(partial, 4)
         assert torch.equal(bucket[me], total.to(dtype)), (shard, dtype, bucket[me], total)
+    # with the reducer's cuts (where its parameters begin and end), groups also start at every cut in a shard;
+    # a piece of odd length, a piece inside one group, and a cut on a shard's edge
+    shard, dtype = 300, torch.bfloat16
+    numel = shard * world
+    cuts = sorted({0, 5, 131, 132, shard, shard + 77, numel - 9, numel})
+    bucket = _bucket(rank, numel, dtype, 77)
+    comm.reduce_scatter(bucket, 77, cuts=cuts).wait()
+    me = slice(rank * shard, (rank + 1) * shard)
+    total = torch.zeros(shard)
+    for n in range(world // node_size):
+        partial = torch.zeros(shard)
+        for local in range(node_size):
+            partial += _qdq_pieces(_bucket(n * node_size + local, numel, dtype, 77)[me].float(), rank * shard, cuts, 4)
+        total += _qdq_pieces(partial, rank * shard, cuts, 4)
+    assert torch.equal(bucket[me], total.to(dtype)), "cuts"
+    with pytest.raises(ValueError, match="cuts must be increasing"):
+        comm.reduce_scatter(bucket, 78, cuts=[5, 5])
     stats = {op: (s.algorithm_bytes, s.unquantized_bytes, s.backend_calls) for op, s in comm.stats().items()}
     return {"stats": stats}
 
@@ -330,3 +354,43 @@ def test_hpz_slices_are_in_the_memory_report_and_the_estimate():
     for r in run_ranks(hpz_memory_worker, 2, timeout=120):
         assert r["at_rest"] == 0 and r["after"] == 0 and r["evaluated"] == 0, r
         assert r["between"] == r["half"] == r["planned"], r
+
+
+class Gained(nn.Module):
+    """A layer and a gain whose gradient is 1e-4 of the layer's: with one int4 scale for both, the gain's would
+    round to zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.zeros(8))  # first: the layer's weight follows it in the gradient bucket
+        self.layer = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layer(x)
+        return torch.cat([h[:, :8] * (1 + 1e-4 * self.gain), h[:, 8:]], dim=1)
+
+
+def gain_worker(rank: int, world: int, stage: int, quantized: bool) -> list[float]:
+    torch.manual_seed(0)
+    model = Gained()
+    # groups of 256 elements: wider than the layout's alignment, so a group spans the gain and the weight
+    engine = zerocore.initialize(model, _config(stage, "fp32", zero_quantized_gradients=quantized,
+                                                zero_quantization_group_size=256))
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        engine.backward(nn.functional.mse_loss(engine(torch.randn(16, 24, generator=g)), torch.randn(16, 24, generator=g)))
+        engine.step()
+    with zerocore.gathered([model.gain]):
+        return model.gain.detach().clone().tolist()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_qgz_gives_a_parameter_its_own_scales(stage):
+    """Note [Quantized collectives]: a parameter whose gradients are small beside its neighbour's in the bucket
+    trains under qgZ (each parameter's slot starts its own quantization groups), as without quantization: Adam
+    moves it by about lr per step whatever its gradients' size. It stayed at 0 when they shared a scale."""
+    exact = run_ranks(gain_worker, 4, stage, False, timeout=180)[0]
+    quantized = run_ranks(gain_worker, 4, stage, True, timeout=180)[0]
+    assert all(abs(value) > 1e-3 for value in exact)
+    for ours, reference in zip(quantized, exact):
+        assert ours * reference > 0 and abs(ours - reference) < 0.5 * abs(reference), (quantized, exact)
