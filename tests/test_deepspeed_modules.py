@@ -584,6 +584,8 @@ def test_stage3_parameters_carry_deepspeeds_attributes_and_deepspeed_chats_save_
     so the same script reads the whole parameters directly; close() takes them off."""
     status = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus
     assert status is deepspeed.zero.ZeroParamStatus
+    from zerocore.deepspeed.zero import GatheredParameters  # the module path earlier versions had
+    assert GatheredParameters is deepspeed.runtime.zero.GatheredParameters
     assert [s.value for s in status] == [1, 2, 3]  # DeepSpeed's values
     for stage in (2, 3):
         runs = [torch.load(io.BytesIO(out), weights_only=False) for out in run_ranks(ds_attributes_worker, 2, stage)]

@@ -54,8 +54,7 @@ from ..engine import Engine
 from ..engine import initialize as _initialize
 from ..optim import _ZerocoreAdam
 from ..optimizer import ADAM_HYPERPARAMETERS
-from . import accelerator, checkpointing, comm, ops, runtime, utils
-from .runtime import zero
+from . import accelerator, checkpointing, comm, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 
 __all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm", "get_accelerator",
