@@ -861,7 +861,10 @@ def test_cpu_adam_matches_torch_with_groups_and_scheduler(path: str, adamw_mode:
     with ops.force_simd_path(path):
         _train([(ours, opt), (ref, ref_opt)], seed, 20, schedulers)
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
-    _assert_models_close(ours, ref, seed, rtol=1e-5, atol=1e-6)
+    # Two correct Adams round differently (an FMA here, separate ops in torch) and 20 steps of training feed the
+    # difference back through the gradients: seed 154888449617793 ended one weight of 0.116 off by 3.9e-6
+    # (rtol 3.4e-5; none in 40 other seeds). A wrong update (eps, bias correction, decay) is off by >= 1e-4.
+    _assert_models_close(ours, ref, seed, rtol=1e-4, atol=1e-5)
     for p, q in zip(ours.parameters(), ref.parameters()):
         st, rt = opt.state[p], ref_opt.state[q]
         assert st["step"].dtype == torch.float32 and st["step"].item() == 20 == rt["step"].item()
