@@ -13,9 +13,9 @@ parameter directly, which zerocore refuses (Note [Sharded parameters refuse comp
 So every parameter stage 3 shards (trainable or frozen) gets them at initialize, and loses them at ``close()``
 (the model is plain again; a deepcopy of a parameter never had them: torch copies no attributes): ``ds_id``
 unique across engines, in the order the model lists its parameters (every rank builds the same model, so ranks
-agree); ``ds_numel`` and ``ds_shape`` the whole parameter's;
-``ds_status`` ``NOT_AVAILABLE`` while its unit is sharded (and while a gather started by the step is still in
-flight: zerocore lands it on the first read, where DeepSpeed would say ``INFLIGHT``), ``AVAILABLE`` while gathered
+agree); ``ds_numel`` and ``ds_shape`` the whole parameter's; ``ds_status`` ``NOT_AVAILABLE`` while its unit is
+sharded (and while a gather started by the step is still in flight: zerocore lands it on the first read, where
+DeepSpeed would say ``INFLIGHT``), ``AVAILABLE`` while gathered
 (in a forward, a ``gathered()`` block, or kept whole between steps). The status follows the parameter's class:
 the guard class a sharded parameter wears defines ``ds_status`` as a property, which Python looks up before the
 instance's own ``AVAILABLE``, so no gather or release writes anything per parameter. Stages 1-2 hold every
