@@ -58,41 +58,51 @@ struct Packing {
   int64_t q_bytes = 0;
   int64_t bytes = 0;
 
+  // `cuts` are increasing (Comm checks them): a binary search finds the ones inside this shard, so packing
+  // every shard of a bucket costs O(W log cuts + cuts), not O(W x cuts)
   Packing(int bits_, int64_t group_size_, int64_t begin, int64_t n_, const std::vector<int64_t>& cuts = {})
       : bits(bits_), group_size(group_size_), n(n_) {
     starts.push_back(0);
-    for (int64_t cut : cuts) {
-      if (cut > begin && cut < begin + n) starts.push_back(cut - begin);
+    for (auto cut = std::upper_bound(cuts.begin(), cuts.end(), begin); cut != cuts.end() && *cut < begin + n;
+         ++cut) {
+      starts.push_back(*cut - begin);
     }
     starts.push_back(n);
     int64_t q = 0, groups = 0;
-    for (size_t i = 0; i + 1 < starts.size(); ++i) {
-      q += quantized_bytes(starts[i + 1] - starts[i], bits);
-      groups += quantize_num_groups(starts[i + 1] - starts[i], group_size);
-    }
+    for_each_piece([&](int64_t, int64_t length, int64_t q_offset, int64_t scale_offset) {
+      q = q_offset + quantized_bytes(length, bits);
+      groups = scale_offset + quantize_num_groups(length, group_size);
+    });
     q_bytes = round_up(q, 4);
     bytes = q_bytes + 4 * groups;
+  }
+
+  // f(first element, length, offset of its q bytes, index of its first scale) for each piece in order
+  template <typename F>
+  void for_each_piece(F&& f) const {
+    int64_t q = 0, scale = 0;
+    for (size_t i = 0; i + 1 < starts.size(); ++i) {
+      const int64_t length = starts[i + 1] - starts[i];
+      f(starts[i], length, q, scale);
+      q += quantized_bytes(length, bits);
+      scale += quantize_num_groups(length, group_size);
+    }
   }
 
   void pack(const at::Tensor& values, const at::Tensor& message) const {
     uint8_t* q = message.data_ptr<uint8_t>();
     float* scales = reinterpret_cast<float*>(q + q_bytes);
-    for (size_t i = 0; i + 1 < starts.size(); ++i) {
-      const int64_t length = starts[i + 1] - starts[i];
-      quantize_tensor(values.narrow(0, starts[i], length), bits, group_size, q, scales, /*read_back=*/false);
-      q += quantized_bytes(length, bits);
-      scales += quantize_num_groups(length, group_size);
-    }
+    for_each_piece([&](int64_t first, int64_t length, int64_t q_offset, int64_t scale_offset) {
+      quantize_tensor(values.narrow(0, first, length), bits, group_size, q + q_offset, scales + scale_offset,
+                      /*read_back=*/false);
+    });
   }
   void unpack(const at::Tensor& message, const at::Tensor& out) const {
     const uint8_t* q = message.data_ptr<uint8_t>();
     const float* scales = reinterpret_cast<const float*>(q + q_bytes);
-    for (size_t i = 0; i + 1 < starts.size(); ++i) {
-      const int64_t length = starts[i + 1] - starts[i];
-      dequantize_into(q, scales, length, bits, group_size, out.narrow(0, starts[i], length));
-      q += quantized_bytes(length, bits);
-      scales += quantize_num_groups(length, group_size);
-    }
+    for_each_piece([&](int64_t first, int64_t length, int64_t q_offset, int64_t scale_offset) {
+      dequantize_into(q + q_offset, scales + scale_offset, length, bits, group_size, out.narrow(0, first, length));
+    });
   }
 };
 
