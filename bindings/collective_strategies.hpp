@@ -65,7 +65,7 @@ struct BucketCollective {
   int64_t numel = 0;  // of the whole bucket
   int64_t shard = 0;  // numel / world_size: rank r owns bucket[r * shard, (r + 1) * shard)
   int64_t bytes = 0;  // numel * element size: the whole bucket
-  // Offsets in the bucket where a tensor of its layout begins or ends (the reducer's parameters): a quantizing
+  // Offsets in the bucket where a tensor of its layout begins or ends (its parameters): a quantizing
   // strategy starts a group at each, so no scale is shared by two parameters (Note [Quantized collectives]).
   // Empty: groups start at each shard's first element only.
   std::vector<int64_t> cuts;

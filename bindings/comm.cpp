@@ -93,8 +93,9 @@ PendingCollective Comm::reduce_scatter_widened(const at::Tensor& bucket, const W
   return issue_bucket(*reduce_scatter_, ReduceScatterStrategy::kOp, bucket, tag, ReduceScatterStrategy::kOp, into);
 }
 
-PendingCollective Comm::all_gather(const at::Tensor& bucket, int64_t tag, const std::string& label) {
-  return issue_bucket(*all_gather_, AllGatherStrategy::kOp, bucket, tag, label);
+PendingCollective Comm::all_gather(const at::Tensor& bucket, int64_t tag, const std::string& label,
+                                   std::vector<int64_t> cuts) {
+  return issue_bucket(*all_gather_, AllGatherStrategy::kOp, bucket, tag, label, std::nullopt, std::move(cuts));
 }
 
 PendingCollective Comm::all_reduce(const at::Tensor& tensor, bool max, int64_t tag) {

@@ -117,8 +117,10 @@ class Comm {
   // `into` (WidenedSum); the bucket keeps its values. Requires reduce_scatter_widens().
   PendingCollective reduce_scatter_widened(const at::Tensor& bucket, const WidenedSum& into, int64_t tag);
   // Fills every rank's shard of `bucket` from that rank; this rank's shard must already be in place.
-  // `label` names the collective in stats and log (stage 3 tells forward, backward and tag gathers apart).
-  PendingCollective all_gather(const at::Tensor& bucket, int64_t tag, const std::string& label = "all_gather");
+  // `label` names the collective in stats and log (stage 3 tells forward, backward and tag gathers apart);
+  // `cuts` as for reduce_scatter.
+  PendingCollective all_gather(const at::Tensor& bucket, int64_t tag, const std::string& label = "all_gather",
+                               std::vector<int64_t> cuts = {});
   // A plain all-reduce (sum or max) for small tensors: norms and overflow flags.
   PendingCollective all_reduce(const at::Tensor& tensor, bool max, int64_t tag);
   // Broadcast from `root` (initial parameter sync).

@@ -60,7 +60,7 @@ void bind_distributed(py::module_& m) {
           py::arg("bucket"), py::arg("destination"), py::arg("prescale") = 1.0, py::arg("accumulate") = false,
           py::arg("tag") = -1, py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &Comm::all_gather, py::arg("bucket"), py::arg("tag") = -1, py::arg("label") = "all_gather",
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("cuts") = std::vector<int64_t>{}, py::call_guard<py::gil_scoped_release>())
       .def("all_reduce", &Comm::all_reduce, py::arg("tensor"), py::arg("max") = false, py::arg("tag") = -1,
            py::call_guard<py::gil_scoped_release>())
       .def("broadcast", &Comm::broadcast, py::arg("tensor"), py::arg("root"), py::arg("tag") = -1,

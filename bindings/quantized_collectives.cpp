@@ -12,12 +12,13 @@
 // result is, in every rank's slot, dequantize(quantize(that rank's shard)); the reduce-scatter's is
 // sum_n' dequantize(quantize(sum_l' dequantize(quantize(shard from rank (n', l'))))) in fp32, summed in index
 // order, rounded once to the bucket's dtype. Quantization groups start at each shard's first element (the
-// quantization group size is an option of Comm) and, in the reduce-scatter, at every cut the bucket carries
-// inside the shard: the reducer passes where each parameter's slot begins and ends, so no scale spans two
+// quantization group size is an option of Comm) and at every cut the bucket carries inside the shard: the
+// reducer and stage 3's gathers pass where each parameter's slot begins and ends, so no scale spans two
 // parameters. One shared scale let a parameter whose gradients are small beside its neighbour's (a norm's
 // weight, a bias) round to zero in int4 step after step and never train (Gemma 3's q_norm and k_norm in a
 // 2-layer model, 4 ranks: unchanged after 4 steps); DeepSpeed's qgZ keeps 1-D tensors out of its quantization
-// for the same reason. The packed message of one shard is its pieces' q bytes (each piece's whole bytes),
+// for the same reason. In the weight all-gather a shared scale cost precision only (a bias of ~0.01 beside a
+// norm weight of ~1 forwarded with steps of 1/127), but nothing is gained by sharing it (DeepSpeed's qwZ does). The packed message of one shard is its pieces' q bytes (each piece's whole bytes),
 // padded to 4, then their scales, so scales stay aligned; every message is as long as the longest shard's.
 //
 // A group holding inf or NaN is not quantized (Note [Quantization arithmetic]): it arrives as NaN, on every
@@ -136,17 +137,24 @@ class QuantizedAllGather final : public AllGatherStrategy {
   }
 
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
-    const Packing packing(8, group_size_, 0, b.shard);
-    at::Tensor packed = at::empty({b.world_size * packing.bytes}, b.bucket.options().dtype(at::kByte));
+    // shard r's packing (its pieces depend on where the bucket's cuts fall in it); messages are all as long
+    // as the longest, so every exchange moves equal sizes
+    std::vector<Packing> packings;
+    int64_t message_bytes = 0;
+    for (int r = 0; r < b.world_size; ++r) {
+      packings.emplace_back(8, group_size_, r * b.shard, b.shard, b.cuts);
+      message_bytes = std::max(message_bytes, packings.back().bytes);
+    }
+    at::Tensor packed = at::empty({b.world_size * message_bytes}, b.bucket.options().dtype(at::kByte));
     std::vector<at::Tensor> slots;  // rank r's message
-    for (int r = 0; r < b.world_size; ++r) slots.push_back(packed.narrow(0, r * packing.bytes, packing.bytes));
-    packing.pack(b.local_shard(), slots[b.rank]);
+    for (int r = 0; r < b.world_size; ++r) slots.push_back(packed.narrow(0, r * message_bytes, message_bytes));
+    packings[b.rank].pack(b.local_shard(), slots[b.rank]);
     IssuedCollective out;
     at::Tensor input;  // the backend's all-gather reads a copy of this rank's message
     if (channel_ && packed.device().is_cpu()) {
       std::vector<void*> messages;
       for (const at::Tensor& slot : slots) messages.push_back(slot.data_ptr());
-      SharedMemoryExchange x = one_message_for_all(b.rank, messages, static_cast<size_t>(packing.bytes));
+      SharedMemoryExchange x = one_message_for_all(b.rank, messages, static_cast<size_t>(message_bytes));
       out.pending.works.push_back(exchange_through_shared_memory(*channel_, std::move(x), {packed}));
       out.backend_calls = 0;
     } else if (is_gloo(group)) {
@@ -161,10 +169,10 @@ class QuantizedAllGather final : public AllGatherStrategy {
     }
     const BucketCollective geometry = b;
     out.pending.buffer = packed;
-    out.pending.finish = [packing, slots, input, geometry] {
-      for (int r = 0; r < geometry.world_size; ++r) packing.unpack(slots[r], geometry.shard_of(r));
+    out.pending.finish = [packings = std::move(packings), slots, input, geometry] {
+      for (int r = 0; r < geometry.world_size; ++r) packings[r].unpack(slots[r], geometry.shard_of(r));
     };
-    out.algorithm_bytes = packing.bytes * (b.world_size - 1);
+    out.algorithm_bytes = message_bytes * (b.world_size - 1);
     out.quantized = true;
     return out;
   }

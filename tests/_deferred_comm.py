@@ -15,11 +15,11 @@ class GatherAtWait:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._comm, name)
 
-    def all_gather(self, bucket: Any, tag: Any, label: str = "all_gather") -> Any:
+    def all_gather(self, bucket: Any, tag: Any, label: str = "all_gather", cuts: Any = ()) -> Any:
         comm = self._comm
 
         class Deferred:
             def wait(self) -> None:
-                comm.all_gather(bucket, tag, label).wait()
+                comm.all_gather(bucket, tag, label, list(cuts)).wait()
 
         return Deferred()

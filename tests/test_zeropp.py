@@ -27,11 +27,11 @@ def _qdq(values: torch.Tensor, bits: int, group: int = GROUP) -> torch.Tensor:
     return out
 
 
-def _qdq_pieces(values: torch.Tensor, begin: int, cuts: list[int], bits: int) -> torch.Tensor:
+def _qdq_pieces(values: torch.Tensor, begin: int, cuts: list[int], bits: int, group: int = GROUP) -> torch.Tensor:
     """_qdq of values = bucket[begin, begin + n) piece by piece, cut where ``cuts`` fall inside it."""
     n = values.numel()
     starts = [0] + [c - begin for c in cuts if begin < c < begin + n] + [n]
-    return torch.cat([_qdq(values[a:b], bits) for a, b in zip(starts, starts[1:])])
+    return torch.cat([_qdq(values[a:b], bits, group) for a, b in zip(starts, starts[1:])])
 
 
 def _bucket(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -64,11 +64,17 @@ def collectives_worker(rank: int, world: int, node_size: int) -> dict:
                 partial += _qdq(_bucket(n * node_size + local, numel, dtype, seed + 50)[me].float(), 4)
             total += _qdq(partial, 4)
         assert torch.equal(bucket[me], total.to(dtype)), (shard, dtype, bucket[me], total)
-    # with the reducer's cuts (where its parameters begin and end), groups also start at every cut in a shard;
-    # a piece of odd length, a piece inside one group, and a cut on a shard's edge
+    # with cuts (where the bucket's parameters begin and end), groups also start at every cut in a shard; a
+    # piece of odd length, a piece inside one group, and a cut on a shard's edge
     shard, dtype = 300, torch.bfloat16
     numel = shard * world
     cuts = sorted({0, 5, 131, 132, shard, shard + 77, numel - 9, numel})
+    bucket = _bucket(rank, numel, dtype, 76)
+    comm.all_gather(bucket, 76, "weights", cuts).wait()
+    for owner in range(world):
+        mine = slice(owner * shard, (owner + 1) * shard)
+        expected = _qdq_pieces(_bucket(owner, numel, dtype, 76)[mine].float(), owner * shard, cuts, 8)
+        assert torch.equal(bucket[mine], expected.to(dtype)), ("cuts", owner)
     bucket = _bucket(rank, numel, dtype, 77)
     comm.reduce_scatter(bucket, 77, cuts=cuts).wait()
     me = slice(rank * shard, (rank + 1) * shard)
@@ -81,6 +87,8 @@ def collectives_worker(rank: int, world: int, node_size: int) -> dict:
     assert torch.equal(bucket[me], total.to(dtype)), "cuts"
     with pytest.raises(ValueError, match="cuts must be increasing"):
         comm.reduce_scatter(bucket, 78, cuts=[5, 5])
+    with pytest.raises(ValueError, match="cuts must be increasing"):
+        comm.all_gather(bucket, 78, "weights", [0, numel + 1])
     stats = {op: (s.algorithm_bytes, s.unquantized_bytes, s.backend_calls) for op, s in comm.stats().items()}
     return {"stats": stats}
 
@@ -194,11 +202,14 @@ def test_qwz_gathers_int8_and_the_forward_sees_the_dequantized_shards():
         assert a["losses"] == b["losses"] and a["state"] == b["state"]
 
 
-def forward_values_worker(rank: int, world: int) -> bool:
+def forward_values_worker(rank: int, world: int, group: int) -> bool:
     """Inside the forward, every parameter equals dequantize(quantize(its owner's shard)) of the unit's flat
-    buffer: the communication adds no error beyond the quantization."""
+    buffer, in groups that start at each parameter's first element (``group`` larger than the layout's
+    alignment: a group would otherwise hold a bias and the next weight): the communication adds no error
+    beyond the quantization."""
     torch.manual_seed(0)
-    engine = zerocore.initialize(Net(), _config(3, "fp32", zero_quantized_weights=True))
+    engine = zerocore.initialize(Net(), _config(3, "fp32", zero_quantized_weights=True,
+                                                zero_quantization_group_size=group))
     _train(engine, rank, 1)  # units still whole from initialize have released: every one is gathered anew
     seen = {}
     for name, module in engine.module.named_modules():
@@ -221,7 +232,9 @@ def forward_values_worker(rank: int, world: int) -> bool:
         shard = flat.numel() // world
         (mine,) = buffer.optimizer_shards  # the state dict is exact: this rank's part of it is its fp32 master
         assert torch.equal(flat[rank * shard:(rank + 1) * shard], mine.master)
-        expected = torch.cat([_qdq(flat[r * shard:(r + 1) * shard], 8) for r in range(world)])
+        cuts = sorted({c for p, o in zip(buffer.params, buffer.offsets) for c in (o, o + p.numel())})
+        expected = torch.cat([_qdq_pieces(flat[r * shard:(r + 1) * shard], r * shard, cuts, 8, group)
+                              for r in range(world)])
         for name, param, offset in zip(unit.spec.param_names, buffer.params, buffer.offsets):
             assert torch.equal(seen[name].flatten(), expected[offset:offset + param.numel()]), name
     state = engine.full_state_dict(rank0_only=False)
@@ -234,8 +247,9 @@ def forward_values_worker(rank: int, world: int) -> bool:
     return True
 
 
-def test_qwz_forward_sees_exactly_the_quantized_shards():
-    assert all(run_ranks(forward_values_worker, 2, timeout=120))
+@pytest.mark.parametrize("group", [GROUP, 256])
+def test_qwz_forward_sees_exactly_the_quantized_shards(group):
+    assert all(run_ranks(forward_values_worker, 2, group, timeout=120))
 
 
 def test_qgz_reduces_int4_across_two_nodes_and_trains_like_the_exact_reduction():

@@ -65,6 +65,12 @@ class ShardedBuffer(ParamWrites):
         self.layout = FlatLayout([p.numel() for p in params], world, ALIGNMENT, bucket_cap)
         self.buckets: list[Bucket] = self.layout.buckets
         self.offsets: list[int] = self.layout.offsets().tolist()
+        # per bucket: where its parameters begin and end in it, for a quantized gather's groups (Note
+        # [Quantized collectives] in bindings/quantized_collectives.cpp)
+        self._bucket_cuts = [sorted({c for i in range(b.first_tensor, b.end_tensor)
+                                     for c in (self.offsets[i] - b.flat_start,
+                                               self.offsets[i] + params[i].numel() - b.flat_start)})
+                             for b in self.buckets]
         self.rank = rank
         self.policy = policy
         self.dtype = dtype
@@ -298,7 +304,11 @@ class ShardedBuffer(ParamWrites):
             failure = self.stage_own(bucket)
             if failure is not None:
                 raise OSError(failure)
-        return comm.all_gather(self.param_bucket(bucket), bucket, label)
+        return self._all_gather(comm, bucket, label)
+
+    def _all_gather(self, comm: Any, bucket: int, label: str) -> Any:
+        cuts = self._bucket_cuts[bucket] if comm.all_gather_algo == "quantized" else []
+        return comm.all_gather(self.param_bucket(bucket), bucket, label, cuts)
 
     def gather_in_background(self, comm: Any, bucket: int, label: str, cap: int | None = None) -> None:
         """Parameters whole (stages 1-2), after this rank's shard of ``bucket`` was updated: starts its
@@ -307,7 +317,7 @@ class ShardedBuffer(ParamWrites):
         size = self.buckets[bucket].padded_size
         while cap is not None and self._in_flight and self._in_flight_elements + size > cap:
             self.land_gathers(through=self._in_flight[0][0])
-        work = comm.all_gather(self.param_bucket(bucket), bucket, label)
+        work = self._all_gather(comm, bucket, label)
         self._in_flight.append((bucket, work))
         self._in_flight_elements += size
 
@@ -358,7 +368,7 @@ class ShardedBuffer(ParamWrites):
         assert self.policy.params_sharded
         self._allocate_full()
         self.partition_slice(parts, index).copy_(values)
-        return comm.all_gather(self.param_bucket(0), 0, label)
+        return self._all_gather(comm, 0, label)
 
     def _allocate_full(self) -> None:
         """Parameters sharded and at rest: ``full`` gets its memory back before a gather fills it."""
