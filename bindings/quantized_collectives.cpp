@@ -18,8 +18,9 @@
 // weight, a bias) round to zero in int4 step after step and never train (Gemma 3's q_norm and k_norm in a
 // 2-layer model, 4 ranks: unchanged after 4 steps); DeepSpeed's qgZ keeps 1-D tensors out of its quantization
 // for the same reason. In the weight all-gather a shared scale cost precision only (a bias of ~0.01 beside a
-// norm weight of ~1 forwarded with steps of 1/127), but nothing is gained by sharing it (DeepSpeed's qwZ does). The packed message of one shard is its pieces' q bytes (each piece's whole bytes),
-// padded to 4, then their scales, so scales stay aligned; every message is as long as the longest shard's.
+// norm weight of ~1 forwarded with steps of 1/127), but nothing is gained by sharing it (DeepSpeed's qwZ does).
+// The packed message of one shard is its pieces' q bytes (each piece's whole bytes), padded to 4, then their
+// scales, so scales stay aligned; every message is as long as the longest shard's.
 //
 // A group holding inf or NaN is not quantized (Note [Quantization arithmetic]): it arrives as NaN, on every
 // rank alike, so a non-finite gradient is still seen as one by the overflow check that follows and a
@@ -107,6 +108,20 @@ struct Packing {
   }
 };
 
+// Every shard's packing (its pieces depend on where the bucket's cuts fall in it) and the bytes of one message:
+// the longest shard's, so every exchange moves equal sizes.
+struct ShardPackings {
+  std::vector<Packing> of_shard;
+  int64_t message_bytes = 0;
+
+  ShardPackings(int bits, int64_t group_size, const BucketCollective& b) {
+    for (int r = 0; r < b.world_size; ++r) {
+      of_shard.emplace_back(bits, group_size, r * b.shard, b.shard, b.cuts);
+      message_bytes = std::max(message_bytes, of_shard.back().bytes);
+    }
+  }
+};
+
 void check_group_size(int64_t group_size, int bits, const char* name) {
   ZC_CHECK_ARG(group_size > 0 && (bits == 8 || group_size % 2 == 0), name,
                ": the quantization group size must be > 0", bits == 4 ? " and even (int4)" : "", ", got ",
@@ -137,14 +152,9 @@ class QuantizedAllGather final : public AllGatherStrategy {
   }
 
   IssuedCollective issue(c10d::ProcessGroup& group, const BucketCollective& b) override {
-    // shard r's packing (its pieces depend on where the bucket's cuts fall in it); messages are all as long
-    // as the longest, so every exchange moves equal sizes
-    std::vector<Packing> packings;
-    int64_t message_bytes = 0;
-    for (int r = 0; r < b.world_size; ++r) {
-      packings.emplace_back(8, group_size_, r * b.shard, b.shard, b.cuts);
-      message_bytes = std::max(message_bytes, packings.back().bytes);
-    }
+    ShardPackings shards(8, group_size_, b);
+    std::vector<Packing> packings = std::move(shards.of_shard);
+    const int64_t message_bytes = shards.message_bytes;
     at::Tensor packed = at::empty({b.world_size * message_bytes}, b.bucket.options().dtype(at::kByte));
     std::vector<at::Tensor> slots;  // rank r's message
     for (int r = 0; r < b.world_size; ++r) slots.push_back(packed.narrow(0, r * message_bytes, message_bytes));
@@ -211,14 +221,9 @@ class HierarchicalQuantizedReduceScatter final : public ReduceScatterStrategy {
     const int node = b.rank / local_size;
     const int local = b.rank % local_size;
     const int tag = static_cast<int>(next_tag_++ % (1 << 30));
-    // shard k's packing (its pieces depend on where the bucket's cuts fall in it); messages are all as long
-    // as the longest, so every exchange moves equal sizes
-    std::vector<Packing> packings;
-    int64_t message_bytes = 0;
-    for (int k = 0; k < b.world_size; ++k) {
-      packings.emplace_back(4, options_.quantization_group_size, k * b.shard, b.shard, b.cuts);
-      message_bytes = std::max(message_bytes, packings.back().bytes);
-    }
+    ShardPackings shards(4, options_.quantization_group_size, b);
+    const std::vector<Packing>& packings = shards.of_shard;
+    const int64_t message_bytes = shards.message_bytes;
     const auto bytes = b.bucket.options().dtype(at::kByte);
     const auto fp32 = b.bucket.options().dtype(at::kFloat);
     IssuedCollective out;
