@@ -4,6 +4,7 @@
 
 #include <ATen/ScalarOps.h>
 
+#include "zerocore/bucket_geometry.hpp"
 #include "zerocore/error.hpp"
 
 namespace zerocore::bindings {
@@ -89,16 +90,8 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
   }
   // where each parameter's slot begins and ends: a quantizing reduce-scatter (qgZ) gives no two parameters one
   // scale (Note [Quantized collectives])
-  bucket_cuts_.resize(buckets);
-  for (size_t b = 0; b < buckets; ++b) {
-    std::vector<int64_t>& cuts = bucket_cuts_[b];
-    for (int64_t param : params_by_offset_[b]) {
-      cuts.push_back(geometry_.param_offset[param]);
-      cuts.push_back(geometry_.param_offset[param] + geometry_.param_numel[param]);
-    }
-    std::sort(cuts.begin(), cuts.end());
-    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-  }
+  bucket_cuts_ = bucket_cuts(static_cast<int64_t>(buckets), geometry_.param_bucket, geometry_.param_offset,
+                             geometry_.param_numel);
 }
 
 void GradReducer::begin_backward(bool accumulate) {

@@ -72,7 +72,10 @@ void bind_layout(py::module_& m) {
             l.bucket_rank_pieces(bucket, rank, pieces);
             return records_to_tensor(pieces);
           },
-          py::arg("bucket"), py::arg("rank"));
+          py::arg("bucket"), py::arg("rank"))
+      .def("bucket_cuts", &FlatLayout::bucket_cuts,
+           "Per bucket: where its non-empty tensors begin and end, relative to the bucket's start, sorted and "
+           "distinct (the boundaries quantized collectives start a scale group at).");
 }
 
 }  // namespace zerocore::bindings

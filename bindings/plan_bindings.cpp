@@ -31,6 +31,10 @@ void bind_plan(py::module_& m) {
         py::arg("param_offset"), py::arg("param_numel"), py::arg("world_size"),
         "Checks the reducer's bucket geometry and returns the bucket launch order; see "
         "Note [Reducer bucket geometry]. ValueError on bad input.");
+  m.def("bucket_cuts", &bucket_cuts, py::arg("num_buckets"), py::arg("param_bucket"), py::arg("param_offset"),
+        py::arg("param_numel"),
+        "Per bucket: where its non-empty parameters begin and end inside it, sorted and distinct. ValueError on "
+        "bad input.");
 }
 
 }  // namespace zerocore::bindings

@@ -59,6 +59,25 @@ def test_pieces_agree_with_per_bucket_queries_and_ranges(sizes, world_size, alig
 
 
 @given(sizes_strategy, world_strategy, alignment_strategy, cap_strategy)
+def test_bucket_cuts_are_exactly_the_tensor_boundaries(sizes, world_size, alignment, cap):
+    """A quantized collective starts a scale group at every cut: each non-empty tensor must begin and end at
+    one with none inside it, and a cut anywhere else would split a group for nothing."""
+    layout = zerocore.FlatLayout(sizes, world_size, alignment, cap)
+    cuts = layout.bucket_cuts()
+    offsets = layout.offsets().tolist()
+    assert len(cuts) == layout.num_buckets
+    for k, bucket in enumerate(layout.buckets):
+        assert cuts[k] == sorted(set(cuts[k]))
+        spans = [(offsets[t] - bucket.flat_start, offsets[t] + sizes[t] - bucket.flat_start)
+                 for t in range(bucket.first_tensor, bucket.end_tensor) if sizes[t] > 0]
+        for begin, end in spans:
+            assert begin in cuts[k] and end in cuts[k]
+            assert not [c for c in cuts[k] if begin < c < end]
+        assert set(cuts[k]) <= {c for span in spans for c in span}
+        assert all(0 <= c <= bucket.content_end - bucket.flat_start for c in cuts[k])
+
+
+@given(sizes_strategy, world_strategy, alignment_strategy, cap_strategy)
 def test_layout_is_deterministic(sizes, world_size, alignment, cap):
     _, first = build(sizes, world_size, alignment, cap)
     _, second = build(sizes, world_size, alignment, cap)

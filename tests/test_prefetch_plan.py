@@ -359,6 +359,29 @@ def test_reducer_geometry_agrees_with_reference_on_perturbed_layouts(geometry, d
             _C.reducer_geometry(padded, bucket, offset, numel, world)
 
 
+@given(geometries())
+def test_bucket_cuts_are_each_buckets_parameter_boundaries(geometry):
+    padded, bucket, offset, numel, _ = geometry
+    cuts = _C.bucket_cuts(len(padded), bucket, offset, numel)
+    assert len(cuts) == len(padded)
+    for b in range(len(padded)):
+        spans = [(o, o + n) for pb, o, n in zip(bucket, offset, numel) if pb == b and n > 0]
+        assert cuts[b] == sorted({c for span in spans for c in span})
+        for begin, end in spans:
+            assert not [c for c in cuts[b] if begin < c < end]
+
+
+@pytest.mark.parametrize("args, name", [
+    ((-1, [], [], []), "num_buckets"),
+    ((1, [0, 0], [0], [1, 1]), "param_offset and param_numel"),
+    ((1, [0, 1], [0, 4], [2, 2]), r"param_bucket\[1\]"),
+    ((2, [0, -1], [0, 4], [2, 2]), r"param_bucket\[1\]"),
+])
+def test_bucket_cuts_rejects_bad_input(args, name):
+    with pytest.raises(ValueError, match=name):
+        _C.bucket_cuts(*args)
+
+
 GEOMETRY_OK = {"bucket_padded_size": [8, 4], "param_bucket": [0, 0, 1], "param_offset": [0, 4, 0],
                "param_numel": [4, 3, 4], "world_size": 2}
 

@@ -61,4 +61,27 @@ std::vector<int64_t> reducer_geometry(const std::vector<int64_t>& bucket_padded_
   return launch_order;
 }
 
+std::vector<std::vector<int64_t>> bucket_cuts(int64_t num_buckets, const std::vector<int64_t>& param_bucket,
+                                              const std::vector<int64_t>& param_offset,
+                                              const std::vector<int64_t>& param_numel) {
+  ZC_CHECK_ARG(num_buckets >= 0, "num_buckets must be >= 0, got ", num_buckets);
+  const size_t params = param_bucket.size();
+  ZC_CHECK_ARG(param_offset.size() == params && param_numel.size() == params,
+               "param_offset and param_numel must have one entry per parameter (", params, "), got ",
+               param_offset.size(), " and ", param_numel.size());
+  std::vector<std::vector<int64_t>> cuts(static_cast<size_t>(num_buckets));
+  for (size_t i = 0; i < params; ++i) {
+    const int64_t b = param_bucket[i];
+    ZC_CHECK_ARG(b >= 0 && b < num_buckets, "param_bucket[", i, "] must be in [0, ", num_buckets, "), got ", b);
+    if (param_numel[i] <= 0) continue;  // occupies nothing: no boundary of its own
+    cuts[b].push_back(param_offset[i]);
+    cuts[b].push_back(param_offset[i] + param_numel[i]);
+  }
+  for (std::vector<int64_t>& in_bucket : cuts) {
+    std::sort(in_bucket.begin(), in_bucket.end());
+    in_bucket.erase(std::unique(in_bucket.begin(), in_bucket.end()), in_bucket.end());
+  }
+  return cuts;
+}
+
 }  // namespace zerocore

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "zerocore/bucket_geometry.hpp"
 #include "zerocore/error.hpp"
 
 namespace zerocore {
@@ -94,6 +95,12 @@ std::vector<Piece> FlatLayout::rank_pieces(int64_t rank) const {
   std::vector<Piece> pieces;
   for (int64_t b = 0; b < num_buckets(); ++b) bucket_rank_pieces(b, rank, pieces);
   return pieces;
+}
+
+std::vector<std::vector<int64_t>> FlatLayout::bucket_cuts() const {
+  std::vector<int64_t> offset_in_bucket(offsets_.size());
+  for (size_t i = 0; i < offsets_.size(); ++i) offset_in_bucket[i] = offsets_[i] - buckets_[tensor_bucket_[i]].flat_start;
+  return zerocore::bucket_cuts(num_buckets(), tensor_bucket_, offset_in_bucket, sizes_);
 }
 
 }  // namespace zerocore

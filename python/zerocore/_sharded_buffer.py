@@ -67,10 +67,7 @@ class ShardedBuffer(ParamWrites):
         self.offsets: list[int] = self.layout.offsets().tolist()
         # per bucket: where its parameters begin and end in it, for a quantized gather's groups (Note
         # [Quantized collectives] in bindings/quantized_collectives.cpp)
-        self._bucket_cuts = [sorted({c for i in range(b.first_tensor, b.end_tensor)
-                                     for c in (self.offsets[i] - b.flat_start,
-                                               self.offsets[i] + params[i].numel() - b.flat_start)})
-                             for b in self.buckets]
+        self._bucket_cuts: list[list[int]] = self.layout.bucket_cuts()
         self.rank = rank
         self.policy = policy
         self.dtype = dtype

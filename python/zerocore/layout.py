@@ -126,6 +126,11 @@ class FlatLayout:
         """The places where tensors meet ``rank``'s shard, in shard order."""
         return [Piece(*row) for row in self.pieces_tensor(rank, bucket).tolist()]
 
+    def bucket_cuts(self) -> list[list[int]]:
+        """Per bucket: the offsets, relative to its ``flat_start``, where its non-empty tensors begin and end
+        (sorted, distinct). A quantized collective starts a scale group at each, so no two tensors share one."""
+        return self._native.bucket_cuts()
+
     def shard_range(self, bucket: int, rank: int) -> tuple[int, int]:
         """``rank``'s shard of ``bucket`` as a ``[start, end)`` range of the flat buffer.
 

@@ -24,4 +24,13 @@ std::vector<int64_t> reducer_geometry(const std::vector<int64_t>& bucket_padded_
                                       const std::vector<int64_t>& param_offset,
                                       const std::vector<int64_t>& param_numel, int64_t world_size);
 
+// Per bucket: the offsets inside it where its non-empty parameters begin and end, sorted and distinct. A
+// quantizing collective starts a scale group at each, so no two parameters share a scale (Note [Quantized
+// collectives] in bindings/quantized_collectives.cpp). Cost O(P log P). Throws InvalidArgument when
+// num_buckets < 0, the per-parameter vectors differ in length or a bucket index is out of range; the rest of
+// the geometry is reducer_geometry's to check.
+std::vector<std::vector<int64_t>> bucket_cuts(int64_t num_buckets, const std::vector<int64_t>& param_bucket,
+                                              const std::vector<int64_t>& param_offset,
+                                              const std::vector<int64_t>& param_numel);
+
 }  // namespace zerocore

@@ -78,6 +78,10 @@ class FlatLayout {
   // The pieces of one bucket's shard owned by `rank`, appended to `out`.
   void bucket_rank_pieces(int64_t bucket, int64_t rank, std::vector<Piece>& out) const;
 
+  // Per bucket: where its tensors begin and end, relative to the bucket's flat_start (bucket_cuts in
+  // bucket_geometry.hpp, the same cuts the gradient reducer quantizes by).
+  std::vector<std::vector<int64_t>> bucket_cuts() const;
+
  private:
   void check_rank(int64_t rank) const;
 
