@@ -408,3 +408,55 @@ def test_qgz_gives_a_parameter_its_own_scales(stage):
     assert all(abs(value) > 1e-3 for value in exact)
     for ours, reference in zip(quantized, exact):
         assert ours * reference > 0 and abs(ours - reference) < 0.5 * abs(reference), (quantized, exact)
+
+
+class OneInfNet(Net):
+    """Net plus a small parameter whose gradient is 0 except one element made inf on ``poison_rank`` at
+    ``poison_step``: a single non-finite gradient element in a bucket of finite ones."""
+
+    def __init__(self, poison_rank: int, poison_step: int) -> None:
+        super().__init__()
+        self.extra = nn.Parameter(torch.zeros(5))
+        self.poison_rank, self.poison_step, self.calls = poison_rank, poison_step, 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        extra = self.extra * 1
+        if self.calls == self.poison_step and dist.get_rank() == self.poison_rank:
+            extra.register_hook(lambda g: g.index_fill(0, torch.tensor([2]), float("inf")))
+        self.calls += 1
+        return super().forward(tokens) + extra.sum() * 0
+
+
+def overflow_worker(rank: int, world: int, stage: int, zeropp: dict) -> dict:
+    torch.manual_seed(0)
+    config = _config(stage, "fp16", **zeropp)
+    config["fp16"].update({"initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 1})
+    engine = zerocore.initialize(OneInfNet(poison_rank=3, poison_step=1), config)
+    applied, scales, states = [], [], []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        tokens, target = torch.randint(0, 40, (8, 6), generator=g), torch.randint(0, 40, (8,), generator=g)
+        engine.backward(nn.functional.cross_entropy(engine(tokens).float(), target))
+        engine.step()
+        applied.append(engine.was_step_applied())
+        scales.append(engine.loss_scale)
+        states.append({k: v.float().tolist() for k, v in engine.full_state_dict(rank0_only=False).items()})
+    return {"applied": applied, "scales": scales, "states": states,
+            "reduce_scatter": engine.comm_report()["algorithms"]["reduce_scatter"]}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_one_inf_gradient_element_skips_the_step_on_every_rank_under_qgz(stage):
+    """fp16: one rank's one inf gradient element sits in a quantization group of finite ones. qgZ must not
+    quantize it into a plausible number (Note [Quantized collectives]): every rank skips that step, halves the
+    loss scale and keeps its parameters, exactly as the unquantized reduction does."""
+    exact = run_ranks(overflow_worker, 4, stage, {}, timeout=180)
+    quantized = run_ranks(overflow_worker, 4, stage, {"zero_quantized_gradients": True}, timeout=180)
+    assert {r["reduce_scatter"] for r in quantized} == {"hierarchical"}
+    for run in (exact, quantized):
+        for result in run:
+            assert result["applied"] == [True, False, True]
+            assert result["scales"] == [256.0, 128.0, 128.0]
+            assert result["states"][1] == result["states"][0]  # the skipped step changed nothing
+            assert result["states"][2] != result["states"][1]
+            assert result["states"] == run[0]["states"]  # every rank holds the same model
