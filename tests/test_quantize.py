@@ -317,6 +317,23 @@ def test_simd_paths_identical_on_a_large_threaded_input():
                 assert_bitwise_equal(a, b, f"{path} vs scalar, bits={bits}")
 
 
+@pytest.mark.parametrize("group_size", [64, 130, 2048])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_simd_paths_identical_on_groups_of_whole_vectors(group_size, dtype, bits):
+    """Groups long enough for the SIMD paths' whole-vector loops (32-128 elements per iteration), starting at
+    every alignment (the input a slice at an odd offset), with ties, tiny (lifted) scales, zeros and a partial
+    last group: every path writes the scalar path's bytes."""
+    for seed, kind in enumerate(["normal", "ties", "tiny", "mixed"]):
+        for offset in (0, 1, 6):
+            n = 3 * group_size + 37
+            x = make_input(kind, n + offset, group_size, bits, dtype, seed=100 * seed + offset, zero_groups=True)[offset:]
+            results = {path: _run_path(path, x, bits, group_size) for path in PATHS}
+            for path in PATHS[1:]:
+                for name, a, b in zip(["q", "scales", "fp32", "bf16", "fp16"], results[path], results["scalar"]):
+                    assert_bitwise_equal(a, b, f"{path} vs scalar: {name}, {kind}, offset {offset}")
+
+
 # -------------------------------------------------------------------------------------------------------------
 # Non-finite inputs
 # -------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "quantize_kernels.hpp"
 
@@ -112,30 +113,55 @@ uint32_t group_absmax_bits(const void* input, GroupRange range) {
 // kLift: the group's scale is tiny and runs lifted by 2^64 (WorkingScale).
 template <bool kLift>
 struct Rounder {
-  __m256 prescale, scale, inverse, half, neg_half;
+  __m256 prescale, scale, inverse, half, neg_half, magic;
+
+  static constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  static constexpr int kMagicBits = 0x4B400000;
 
   explicit Rounder(const WorkingScale& w)
       : prescale(_mm256_set1_ps(w.prescale)),
         scale(_mm256_set1_ps(w.scale)),
         inverse(_mm256_set1_ps(w.inverse)),
         half(_mm256_set1_ps(w.half)),
-        neg_half(_mm256_set1_ps(-w.half)) {}
+        neg_half(_mm256_set1_ps(-w.half)),
+        magic(_mm256_set1_ps(kMagic)) {}
 
-  // round_half_even(x / scale), exactly.
+  // round_half_even(x / scale), exactly (the tails: one vector at a time).
   inline __m256i quantize(__m256 x) const {
-    const __m256 xs = kLift ? _mm256_mul_ps(x, prescale) : x;
-    const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(xs, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256i q = _mm256_cvttps_epi32(rounded);  // exact: rounded is a small integer
-    // xs - q * scale: exact, or rounded where that cannot change the decision (Note [Quantization arithmetic])
-    const __m256 r = _mm256_fnmadd_ps(rounded, scale, xs);
+    __m256 r;
+    const __m256i bits = guess(x, &r);
     // |r| < scale / 2: q is right (nearly always: one compare). Otherwise fix the lanes past or on a half.
     const __m256 abs_r = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), r);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(abs_r, half, _CMP_GE_OQ)) == 0) return q;
-    return correct(q, r);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(abs_r, half, _CMP_GE_OQ)) == 0) return to_int(bits);
+    return to_int(correct(bits, r));
+  }
+
+  // The guess as the AVX-512 path makes it: t = xs * (1 / scale) + 1.5 * 2^23 in one FMA rounds the product
+  // half to even to an integer (fp32's spacing there is 1) and leaves q in the low mantissa bits (t's bits
+  // are 0x4B400000 + q), at most one off; r = xs - q * scale, exact or rounded where that cannot change the
+  // decision (Note [Quantization arithmetic]). Returns t's bits.
+  inline __m256i guess(__m256 x, __m256* r) const {
+    const __m256 xs = kLift ? _mm256_mul_ps(x, prescale) : x;
+    const __m256 t = _mm256_fmadd_ps(xs, inverse, magic);
+    *r = _mm256_fnmadd_ps(_mm256_sub_ps(t, magic), scale, xs);
+    return _mm256_castps_si256(t);
+  }
+
+  // K vectors' guesses, corrected: one test on the largest |r| of all of them.
+  template <int K>
+  inline void quantize_n(const __m256 (&x)[K], __m256i (&bits)[K]) const {
+    __m256 r[K];
+    for (int k = 0; k < K; ++k) bits[k] = guess(x[k], &r[k]);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 largest = _mm256_andnot_ps(sign, r[0]);
+    for (int k = 1; k < K; ++k) largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, r[k]));
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(largest, half, _CMP_GE_OQ)) == 0, 1)) return;
+    for (int k = 0; k < K; ++k) bits[k] = correct(bits[k], r[k]);
   }
 
   // q + 1 where r > scale / 2 or r == scale / 2 with q odd; q - 1 where r < -scale / 2 or r == -scale / 2
-  // with q odd (the even neighbour wins a tie).
+  // with q odd (the even neighbour wins a tie). On q or on a guess's bits: 1.5 * 2^23 is even, so bit 0 is
+  // q's parity either way, and +-1 stays inside the mantissa.
   inline __m256i correct(__m256i q, __m256 r) const {
     const __m256i one = _mm256_set1_epi32(1);
     const __m256i odd = _mm256_cmpeq_epi32(_mm256_and_si256(q, one), one);
@@ -146,6 +172,9 @@ struct Rounder {
                         _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(r, neg_half, _CMP_EQ_OQ)), odd));
     return _mm256_add_epi32(_mm256_sub_epi32(q, up), down);  // masks are -1: q + 1 where up, q - 1 where down
   }
+
+  // q of a guess's bits as int32.
+  static inline __m256i to_int(__m256i bits) { return _mm256_sub_epi32(bits, _mm256_set1_epi32(kMagicBits)); }
 };
 
 // Stores `count` (<= 8) q values: int8 bytes, or int4 pairs packed low nibble first (ceil(count / 2) bytes).
@@ -181,90 +210,154 @@ inline void store_q(uint8_t* out, __m256i q, int64_t count) {
   }
 }
 
-// max |x| bits accumulated 8 elements at a time, alongside the quantize loop (see quantize_group).
-template <ScalarType kIn>
-struct AbsMax {
-  __m256i wide = _mm256_setzero_si256();  // fp32: |x| bits per lane
-  __m128i half = _mm_setzero_si128();     // bf16 / fp16: |x| bits per 16-bit lane
+// A block: the elements whose q fill one 32-byte vector (32 int8 values, 64 int4 values).
+template <int kBits>
+constexpr int64_t kBlockElements = kBits == 8 ? 32 : 64;
 
-  // Elements [i, i + count) of the input, count <= 8.
-  inline void add(const void* input, int64_t i, int64_t count) {
-    if constexpr (kIn == ScalarType::kFloat32) {
-      const __m256i bits = _mm256_castps_si256(load_in<kIn>(input, i, count));
-      wide = _mm256_max_epu32(wide, _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(kF32AbsMask))));
-    } else {
-      __m128i bits;
-      const char* const at = static_cast<const char*>(input) + i * 2;
-      if (count >= kLanes) {
-        bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
-      } else {
-        alignas(16) uint16_t buffer[kLanes] = {};
-        std::memcpy(buffer, at, static_cast<size_t>(count) * 2);
-        bits = _mm_load_si128(reinterpret_cast<const __m128i*>(buffer));
-      }
-      half = _mm_max_epu16(half, _mm_and_si128(bits, _mm_set1_epi16(0x7FFF)));
-    }
+// Four vectors of int32 q (guess bits from bits[at]) as 32 signed bytes in element order: two packs give, per
+// 128-bit lane, elements 4d..4d+3 of each vector in turn, and one dword permute puts them in order (exact:
+// |q| <= 127).
+template <typename R, int K>
+inline __m256i pack4(const __m256i (&bits)[K], int at) {
+  const __m256i lanes = _mm256_packs_epi16(_mm256_packs_epi32(R::to_int(bits[at]), R::to_int(bits[at + 1])),
+                                           _mm256_packs_epi32(R::to_int(bits[at + 2]), R::to_int(bits[at + 3])));
+  return _mm256_permutevar8x32_epi32(lanes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// 32 q bytes in element order (int8 values) as 16 int4 pairs per 128 bits: word w = byte 2w's nibble low,
+// byte 2w + 1's above it, as 0..255.
+inline __m256i nibble_pairs(__m256i bytes) {
+  const __m256i w = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F0F));
+  return _mm256_and_si256(_mm256_or_si256(w, _mm256_srli_epi16(w, 4)), _mm256_set1_epi16(0x00FF));
+}
+
+// q of 16 * P bf16 elements as one int32 per pair of elements (2j, 2j + 1): the even element's q in bits
+// 0-7 (int8) or 0-3 (int4), the odd one's sign-extended above it, so the int32 is the pair's bytes as an int16
+// (int8) or its packed byte as an int8 (int4), kept exact by signed packs. bf16 widens to fp32 as the even
+// elements shifted up by 16 and the odd ones with the low 16 bits cleared: no shuffle, and q comes out in
+// the pairs the output wants.
+template <int kBits, int P, typename R>
+inline void q_pairs_bf16(const void* input, int64_t i, const R& rounder, __m256i (&pairs)[P]) {
+  const uint16_t* const x = static_cast<const uint16_t*>(input) + i;
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 values[2 * P];
+  for (int p = 0; p < P; ++p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + p * 2 * kLanes));
+    values[2 * p] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    values[2 * p + 1] = _mm256_castsi256_ps(_mm256_and_si256(raw, odd_mask));
   }
-
-  // As fp32 bits, like group_absmax_bits.
-  inline uint32_t bits() const {
-    if constexpr (kIn == ScalarType::kFloat32) return reduce_max_epu32(wide);
-    const uint16_t largest = reduce_max_epu16(_mm256_zextsi128_si256(half));
-    return float_bits(kIn == ScalarType::kBFloat16 ? bf16_to_float(largest) : half_to_float(largest));
+  __m256i bits[2 * P];
+  rounder.template quantize_n<2 * P>(values, bits);
+  constexpr int kShift = kBits == 8 ? 8 : 4;
+  const __m256i keep = _mm256_set1_epi32(kBits == 8 ? 0xFF : 0xF);
+  for (int p = 0; p < P; ++p) {
+    pairs[p] = _mm256_or_si256(_mm256_and_si256(bits[2 * p], keep), _mm256_slli_epi32(R::to_int(bits[2 * p + 1]), kShift));
   }
-};
+}
 
-// Quantizes `range` and, in the same loop, finds max |x| of `next` (the following group, never longer; empty
-// when there is none), whose bits it returns, so that memory streams the next group while this one is
-// converted, with a prefetch into L2 4 KiB ahead of that stream; see the AVX-512 path's quantize_group.
+// One block's 32 bytes of q, in order.
 template <ScalarType kIn, int kBits, typename R>
-uint32_t quantize_group(const QuantizeArgs& args, GroupRange range, GroupRange next, const R& rounder) {
-  constexpr int64_t kPrefetchElements = 4096 / type_bytes<kIn>();
-  uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
-  const char* const input = static_cast<const char*>(args.input);
-  AbsMax<kIn> next_max;
-  const int64_t next_offset = next.begin - range.begin;
-  for (int64_t i = range.begin; i < range.end; i += kLanes) {
-    const int64_t ahead = i + next_offset;
-    if (ahead < next.end) next_max.add(args.input, ahead, next.end - ahead);
-    if (ahead + kPrefetchElements < args.n) {
-      _mm_prefetch(input + (ahead + kPrefetchElements) * type_bytes<kIn>(), _MM_HINT_T1);
+inline __m256i quantize_block(const void* input, int64_t i, const R& rounder) {
+  if constexpr (kIn == ScalarType::kBFloat16) {
+    if constexpr (kBits == 8) {
+      // Pairs of the first 16 elements, then of the second: per lane, pairs 4d..4d+3 of each; qwords in order.
+      __m256i p[2];
+      q_pairs_bf16<8>(input, i, rounder, p);
+      return _mm256_permute4x64_epi64(_mm256_packs_epi32(p[0], p[1]), 0xD8);
+    } else {
+      // Two halves of two pair vectors each (eight fp32 vectors at once, with their r and q, would spill).
+      __m256i low[2], high[2];
+      q_pairs_bf16<4>(input, i, rounder, low);
+      q_pairs_bf16<4>(input, i + 2 * 2 * kLanes, rounder, high);
+      const __m256i lanes = _mm256_packs_epi16(_mm256_packs_epi32(low[0], low[1]), _mm256_packs_epi32(high[0], high[1]));
+      return _mm256_permutevar8x32_epi32(lanes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     }
-    const int64_t count = range.end - i;
-    store_q<kBits>(q + q_byte_offset(kBits, i - range.begin), rounder.quantize(load_in<kIn>(args.input, i, count)),
-                   count);
+  } else {
+    __m256 x[4];
+    __m256i bits[4];
+    for (int k = 0; k < 4; ++k) x[k] = load_in<kIn>(static_cast<const char*>(input) + (i + k * kLanes) * type_bytes<kIn>());
+    rounder.template quantize_n<4>(x, bits);
+    if constexpr (kBits == 8) {
+      return pack4<R>(bits, 0);
+    } else {
+      const __m256i first = nibble_pairs(pack4<R>(bits, 0));  // elements 0-31 as 16 int4 pairs
+      for (int k = 0; k < 4; ++k) x[k] = load_in<kIn>(static_cast<const char*>(input) + (i + (4 + k) * kLanes) * type_bytes<kIn>());
+      rounder.template quantize_n<4>(x, bits);
+      const __m256i second = nibble_pairs(pack4<R>(bits, 0));
+      return _mm256_permute4x64_epi64(_mm256_packus_epi16(first, second), 0xD8);
+    }
   }
-  return next_max.bits();
+}
+
+// How far ahead of the conversion quantize prefetches its input (as the AVX-512 path does, see there): the
+// group's max pass and then its conversion read the group from the cache, where a prefetch issued from the
+// conversion loop, one per 64-byte line, has put it.
+constexpr int64_t kPrefetchBytes = 16384;
+
+inline void prefetch_input(const char* at) { _mm_prefetch(at, _MM_HINT_NTA); }
+
+// Quantizes `range` (max |x| already known): whole 32-byte blocks of q, then the tail 8 elements at a time.
+template <ScalarType kIn, int kBits, typename R>
+void quantize_group(const QuantizeArgs& args, GroupRange range, const R& rounder, bool stream) {
+  constexpr int64_t kBytes = type_bytes<kIn>();
+  constexpr int64_t kBlock = kBlockElements<kBits>;
+  constexpr int64_t kLine = 64 / kBytes;
+  constexpr int64_t kAhead = kPrefetchBytes / kBytes;
+  // In locals: q's stores are through uint8_t, which may alias anything.
+  const void* const input = args.input;
+  const int64_t n = args.n;
+  uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
+  const char* const input_bytes = static_cast<const char*>(input);
+  int64_t i = range.begin;
+  for (; i + kBlock <= range.end; i += kBlock) {
+    for (int64_t v = 0; v < kBlock; v += kLine) {
+      if (i + v + kAhead < n) prefetch_input(input_bytes + (i + v + kAhead) * kBytes);
+    }
+    const __m256i bytes = quantize_block<kIn, kBits>(input, i, rounder);
+    uint8_t* const at = q + q_byte_offset(kBits, i - range.begin);
+    if (stream && reinterpret_cast<uintptr_t>(at) % 32 == 0) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(at), bytes);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), bytes);
+    }
+  }
+  for (; i < range.end; i += kLanes) {
+    const int64_t count = range.end - i;
+    store_q<kBits>(q + q_byte_offset(kBits, i - range.begin), rounder.quantize(load_in<kIn>(input, i, count)), count);
+  }
 }
 
 template <ScalarType kIn, int kBits>
 QuantizeResult quantize_groups(const QuantizeArgs& args, int64_t group_begin, int64_t group_end) {
+  constexpr int64_t kBytes = type_bytes<kIn>();
   QuantizeResult result;
   if (group_begin >= group_end) return result;
-  uint32_t absmax_bits = group_absmax_bits<kIn>(args.input, group_range(args.n, args.group_size, group_begin));
+  const bool stream = args.n >= kStreamMinElements;
+  // The first kPrefetchBytes, which no conversion loop prefetches.
+  const int64_t first = group_range(args.n, args.group_size, group_begin).begin * kBytes;
+  const int64_t first_end = std::min(args.n * kBytes, first + kPrefetchBytes);
+  for (int64_t at = first; at < first_end; at += 64) prefetch_input(static_cast<const char*>(args.input) + at);
   for (int64_t g = group_begin; g < group_end; ++g) {
     const GroupRange range = group_range(args.n, args.group_size, g);
-    const GroupRange next = g + 1 < group_end ? group_range(args.n, args.group_size, g + 1) : GroupRange{0, 0};
-    auto next_absmax = [&] { return next.begin < next.end ? group_absmax_bits<kIn>(args.input, next) : 0u; };
+    const uint32_t absmax_bits = group_absmax_bits<kIn>(args.input, range);
     if (absmax_bits >= kF32ExponentMask) {
       flag_nonfinite_group<kIn>(args, g, range, result);
-      absmax_bits = next_absmax();
       continue;
     }
     const float scale = group_scale(absmax_bits, kBits == 8 ? 127 : 7);
     if (scale == 0.0f) {
       write_zero_group(args, g, range);
-      absmax_bits = next_absmax();
       continue;
     }
     args.scales[g] = scale;
     const WorkingScale working = working_scale(scale);
     if (working.prescale == 1.0f) {
-      absmax_bits = quantize_group<kIn, kBits>(args, range, next, Rounder<false>(working));
+      quantize_group<kIn, kBits>(args, range, Rounder<false>(working), stream);
     } else {
-      absmax_bits = quantize_group<kIn, kBits>(args, range, next, Rounder<true>(working));
+      quantize_group<kIn, kBits>(args, range, Rounder<true>(working), stream);
     }
   }
+  if (stream) _mm_sfence();  // order the weakly-ordered stores before whatever the caller does next
   return result;
 }
 
@@ -335,23 +428,147 @@ inline void store_out(void* out, int64_t i, __m256 value, int64_t count) {
   }
 }
 
+// bf16 bits of finite fp32 values, rounded to nearest even as float_to_bf16 rounds, in the high half of each
+// 32-bit lane.
+inline __m256i bf16_high(__m256 value) {
+  const __m256i bits = _mm256_castps_si256(value);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+}
+
+template <bool kNonTemporal>
+inline void store_vector(void* at, __m256i value) {
+  if constexpr (kNonTemporal) {
+    _mm256_stream_si256(static_cast<__m256i*>(at), value);
+  } else {
+    _mm256_storeu_si256(static_cast<__m256i*>(at), value);
+  }
+}
+
+// The smallest scale dequantize_vectors takes: int8 to bf16 multiplies q * 2^24 by scale * 2^-24, exact (and
+// so rounded as q * scale) only while scale * 2^-24 is a normal fp32 number. 0 for the other cases.
+template <ScalarType kOut, int kBits>
+constexpr float kVectorMinScale = kBits == 8 && kOut == ScalarType::kBFloat16 ? 0x1p-98f : 0.0f;
+
+// A group's whole 32-byte vectors of q (32 int8 or 64 int4 values) to fp32 or bf16, for a finite scale >=
+// kVectorMinScale, with no tail test per vector; returns the first element not written. Every output value is
+// the scalar path's: q * scale in fp32, then rounded to bf16 (int4 to bf16 looks its 16 possible values up in
+// a table computed that way).
+template <ScalarType kOut, int kBits, bool kNonTemporal>
+int64_t dequantize_vectors(const DequantizeArgs& args, GroupRange range, float scale_value) {
+  constexpr int64_t kVector = kBits == 8 ? 32 : 64;  // elements per 32 bytes of q
+  constexpr int64_t kQAhead = 1024;                  // q is prefetched this far ahead, as on the AVX-512 path
+  const uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
+  const int64_t q_end = q_byte_offset(kBits, args.n + 1);
+  // int4 to bf16: the bf16 output of each nibble (0-7, then -8 to -1), its low bytes and its high bytes as
+  // two byte tables, in both 128-bit lanes for vpshufb.
+  __m256i table_low = _mm256_setzero_si256(), table_high = _mm256_setzero_si256();
+  if constexpr (kBits == 4 && kOut == ScalarType::kBFloat16) {
+    const __m256 scale = _mm256_set1_ps(scale_value);
+    const __m256i nonneg = _mm256_srli_epi32(bf16_high(_mm256_mul_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), scale)), 16);
+    const __m256i neg = _mm256_srli_epi32(bf16_high(_mm256_mul_ps(_mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1), scale)), 16);
+    // 16 words in nibble order: packus keeps them (each < 2^16) and orders them per lane, the permute fixes it
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(nonneg, neg), 0xD8);
+    // low bytes of the 16 words, then high bytes, per 128-bit lane; then each table in both lanes
+    const __m256i split = _mm256_permute4x64_epi64(
+        _mm256_shuffle_epi8(words, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
+                                                    0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)),
+        0xD8);  // qword order: low bytes of words 0-7, of 8-15, high bytes of 0-7, of 8-15
+    table_low = _mm256_permute4x64_epi64(split, 0x44);   // qwords 0, 1, 0, 1
+    table_high = _mm256_permute4x64_epi64(split, 0xEE);  // qwords 2, 3, 2, 3
+  }
+  int64_t i = range.begin;
+  for (; i + kVector <= range.end; i += kVector) {
+    const int64_t at = q_byte_offset(kBits, i);
+    if (at % 64 == 0 && at + kQAhead < q_end) {
+      _mm_prefetch(reinterpret_cast<const char*>(args.q + at + kQAhead), _MM_HINT_T0);
+    }
+    const uint8_t* const src = q + q_byte_offset(kBits, i - range.begin);
+    if constexpr (kBits == 8 && kOut == ScalarType::kFloat32) {
+      const __m256 scale = _mm256_set1_ps(scale_value);
+      float* const out = static_cast<float*>(args.out) + i;
+      for (int k = 0; k < 4; ++k) {
+        const __m256i values = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * k)));
+        store_vector<kNonTemporal>(out + 8 * k, _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(values), scale)));
+      }
+    } else if constexpr (kBits == 8) {
+      // Word d of 16 q bytes, sign-extended to 32 bits: shifted left by 24 it is q_2d * 2^24, with its low byte
+      // cleared q_2d+1 * 2^8; the scales make up for the shifts (kVectorMinScale). The two bf16 halves merge
+      // with no shuffle.
+      const __m256 scale_even = _mm256_set1_ps(scale_value * 0x1p-24f);
+      const __m256 scale_odd = _mm256_set1_ps(scale_value * 0x1p-8f);
+      const __m256i high_bytes = _mm256_set1_epi32(static_cast<int>(0xFFFFFF00u));
+      const __m256i high_words = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+      uint16_t* const out = static_cast<uint16_t*>(args.out) + i;
+      for (int k = 0; k < 2; ++k) {
+        const __m256i words = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k)));
+        const __m256 even = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_slli_epi32(words, 24)), scale_even);
+        const __m256 odd = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(words, high_bytes)), scale_odd);
+        store_vector<kNonTemporal>(out + 16 * k, _mm256_or_si256(_mm256_srli_epi32(bf16_high(even), 16),
+                                                                 _mm256_and_si256(bf16_high(odd), high_words)));
+      }
+    } else if constexpr (kOut == ScalarType::kFloat32) {
+      // Output vector k is q dword k's eight nibbles: each lane shifts its nibble to the top, then back down
+      // arithmetically (sign-extended), as load_q does.
+      const __m256 scale = _mm256_set1_ps(scale_value);
+      const __m256i shifts = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+      float* const out = static_cast<float*>(args.out) + i;
+      for (int k = 0; k < 8; ++k) {
+        int32_t dword;
+        std::memcpy(&dword, src + 4 * k, 4);
+        const __m256i values = _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(dword), shifts), 28);
+        store_vector<kNonTemporal>(out + 8 * k, _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(values), scale)));
+      }
+    } else {
+      // 16 outputs (32 bytes) from 8 q bytes: output byte p comes from q byte p / 4 (both lanes hold the 8 q
+      // bytes), from its low nibble for p % 4 < 2 and its high nibble otherwise (the odd words shifted right
+      // by 4), and is the low or high byte of that nibble's bf16 (p even or odd).
+      const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,  //
+                                              4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+      const __m256i odd_bytes = _mm256_set1_epi16(static_cast<short>(0xFF00));
+      const __m256i nibble = _mm256_set1_epi8(0x0F);
+      uint16_t* const out = static_cast<uint16_t*>(args.out) + i;
+      for (int k = 0; k < 4; ++k) {
+        int64_t qword;
+        std::memcpy(&qword, src + 8 * k, 8);
+        const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi64x(qword), spread);
+        const __m256i nibbles = _mm256_and_si256(_mm256_blend_epi16(bytes, _mm256_srli_epi16(bytes, 4), 0xAA), nibble);
+        const __m256i low = _mm256_shuffle_epi8(table_low, nibbles);
+        const __m256i high = _mm256_shuffle_epi8(table_high, nibbles);
+        store_vector<kNonTemporal>(out + 16 * k, _mm256_blendv_epi8(low, high, odd_bytes));
+      }
+    }
+  }
+  return i;
+}
+
 template <ScalarType kOut, int kBits>
 void dequantize_groups(const DequantizeArgs& args, int64_t group_begin, int64_t group_end) {
-  // As on the AVX-512 path: q prefetched 1 KiB ahead, and a large output written with non-temporal stores
-  // wherever a whole vector's address is aligned.
+  // q prefetched 1 KiB ahead, and a large output written with non-temporal stores wherever a whole vector's
+  // address is aligned.
   constexpr int64_t kQAhead = 1024;
   constexpr int64_t kOutBytes = kOut == ScalarType::kFloat32 ? 4 : 2;
   const int64_t q_end = q_byte_offset(kBits, args.n + 1);
   const bool stream = args.n >= kStreamMinElements;
   for (int64_t g = group_begin; g < group_end; ++g) {
-    if (args.scales[g] != args.scales[g]) {  // NaN: a group quantize flagged
+    const float scale_value = args.scales[g];
+    if (scale_value != scale_value) {  // NaN: a group quantize flagged
       dequantize_group_scalar<kOut>(args, g);
       continue;
     }
     const GroupRange range = group_range(args.n, args.group_size, g);
-    const __m256 scale = _mm256_set1_ps(args.scales[g]);
+    int64_t i = range.begin;
+    if constexpr (kOut != ScalarType::kFloat16) {
+      if (scale_value >= kVectorMinScale<kOut, kBits> && scale_value <= std::numeric_limits<float>::max()) {
+        const auto address = reinterpret_cast<uintptr_t>(static_cast<char*>(args.out) + range.begin * kOutBytes);
+        i = stream && address % 32 == 0 ? dequantize_vectors<kOut, kBits, true>(args, range, scale_value)
+                                        : dequantize_vectors<kOut, kBits, false>(args, range, scale_value);
+      }
+    }
+    // The rest, 8 at a time: what is left after the whole vectors, fp16 output, and scales the vectors do not take.
+    const __m256 scale = _mm256_set1_ps(scale_value);
     const uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
-    for (int64_t i = range.begin; i < range.end; i += kLanes) {
+    for (; i < range.end; i += kLanes) {
       const int64_t at = q_byte_offset(kBits, i);
       if (at + kQAhead < q_end) _mm_prefetch(reinterpret_cast<const char*>(args.q + at + kQAhead), _MM_HINT_T0);
       const int64_t count = range.end - i;
