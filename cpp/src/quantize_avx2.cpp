@@ -498,14 +498,13 @@ int64_t dequantize_vectors(const DequantizeArgs& args, GroupRange range, float s
       const __m256 scale_even = _mm256_set1_ps(scale_value * 0x1p-24f);
       const __m256 scale_odd = _mm256_set1_ps(scale_value * 0x1p-8f);
       const __m256i high_bytes = _mm256_set1_epi32(static_cast<int>(0xFFFFFF00u));
-      const __m256i high_words = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
       uint16_t* const out = static_cast<uint16_t*>(args.out) + i;
       for (int k = 0; k < 2; ++k) {
         const __m256i words = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k)));
         const __m256 even = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_slli_epi32(words, 24)), scale_even);
         const __m256 odd = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(words, high_bytes)), scale_odd);
-        store_vector<kNonTemporal>(out + 16 * k, _mm256_or_si256(_mm256_srli_epi32(bf16_high(even), 16),
-                                                                 _mm256_and_si256(bf16_high(odd), high_words)));
+        store_vector<kNonTemporal>(out + 16 * k, _mm256_blend_epi16(_mm256_srli_epi32(bf16_high(even), 16),
+                                                                    bf16_high(odd), 0xAA));
       }
     } else if constexpr (kOut == ScalarType::kFloat32) {
       // Output vector k is q dword k's eight nibbles: each lane shifts its nibble to the top, then back down
