@@ -331,34 +331,17 @@ void quantize_group(const QuantizeArgs& args, GroupRange range, const R& rounder
 
 template <ScalarType kIn, int kBits>
 QuantizeResult quantize_groups(const QuantizeArgs& args, int64_t group_begin, int64_t group_end) {
-  constexpr int64_t kBytes = type_bytes<kIn>();
-  QuantizeResult result;
-  if (group_begin >= group_end) return result;
   const bool stream = args.n >= kStreamMinElements;
-  // The first kPrefetchBytes, which no conversion loop prefetches.
-  const int64_t first = group_range(args.n, args.group_size, group_begin).begin * kBytes;
-  const int64_t first_end = std::min(args.n * kBytes, first + kPrefetchBytes);
-  for (int64_t at = first; at < first_end; at += 64) prefetch_input(static_cast<const char*>(args.input) + at);
-  for (int64_t g = group_begin; g < group_end; ++g) {
-    const GroupRange range = group_range(args.n, args.group_size, g);
-    const uint32_t absmax_bits = group_absmax_bits<kIn>(args.input, range);
-    if (absmax_bits >= kF32ExponentMask) {
-      flag_nonfinite_group<kIn>(args, g, range, result);
-      continue;
-    }
-    const float scale = group_scale(absmax_bits, kBits == 8 ? 127 : 7);
-    if (scale == 0.0f) {
-      write_zero_group(args, g, range);
-      continue;
-    }
-    args.scales[g] = scale;
-    const WorkingScale working = working_scale(scale);
-    if (working.prescale == 1.0f) {
-      quantize_group<kIn, kBits>(args, range, Rounder<false>(working), stream);
-    } else {
-      quantize_group<kIn, kBits>(args, range, Rounder<true>(working), stream);
-    }
-  }
+  const QuantizeResult result = quantize_group_loop<kIn, kBits>(
+      args, group_begin, group_end, stream, kPrefetchBytes,
+      [&](GroupRange range) { return group_absmax_bits<kIn>(args.input, range); }, prefetch_input,
+      [&](GroupRange range, const WorkingScale& working, bool streaming) {
+        if (working.prescale == 1.0f) {
+          quantize_group<kIn, kBits>(args, range, Rounder<false>(working), streaming);
+        } else {
+          quantize_group<kIn, kBits>(args, range, Rounder<true>(working), streaming);
+        }
+      });
   if (stream) _mm_sfence();  // order the weakly-ordered stores before whatever the caller does next
   return result;
 }

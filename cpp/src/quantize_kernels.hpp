@@ -173,6 +173,39 @@ void dequantize_group_scalar(const DequantizeArgs& args, int64_t g) {
   }
 }
 
+// The SIMD quantize paths' loop over groups [group_begin, group_end). Each group's max |x| comes from
+// absmax(range) (fp32 bits without the sign); a group holding inf/NaN is flagged, an all-zero one written as
+// zeros, any other gets its scale and quantize(range, working_scale, stream) writes its q. Before the first
+// group, prefetch(address) is called for every 64-byte line of its first prefetch_bytes of input (the
+// conversion loops prefetch the rest, that far ahead). stream: q is large enough for non-temporal stores,
+// which the caller fences after the call.
+template <ScalarType kIn, int kBits, typename AbsMax, typename Prefetch, typename Quantize>
+QuantizeResult quantize_group_loop(const QuantizeArgs& args, int64_t group_begin, int64_t group_end, bool stream,
+                                   int64_t prefetch_bytes, AbsMax absmax, Prefetch prefetch, Quantize quantize) {
+  constexpr int64_t kBytes = kIn == ScalarType::kFloat32 ? 4 : 2;
+  QuantizeResult result;
+  if (group_begin >= group_end) return result;
+  const int64_t first = group_range(args.n, args.group_size, group_begin).begin * kBytes;
+  const int64_t first_end = std::min(args.n * kBytes, first + prefetch_bytes);
+  for (int64_t at = first; at < first_end; at += 64) prefetch(static_cast<const char*>(args.input) + at);
+  for (int64_t g = group_begin; g < group_end; ++g) {
+    const GroupRange range = group_range(args.n, args.group_size, g);
+    const uint32_t absmax_bits = absmax(range);
+    if (absmax_bits >= kF32ExponentMask) {
+      flag_nonfinite_group<kIn>(args, g, range, result);
+      continue;
+    }
+    const float scale = group_scale(absmax_bits, kBits == 8 ? 127 : 7);
+    if (scale == 0.0f) {
+      write_zero_group(args, g, range);
+      continue;
+    }
+    args.scales[g] = scale;
+    quantize(range, working_scale(scale), stream);
+  }
+  return result;
+}
+
 // Adds one range's findings into the total (first_nonfinite: the smallest index).
 inline void merge_results(QuantizeResult& total, const QuantizeResult& part) {
   if (part.nonfinite_count == 0) return;
