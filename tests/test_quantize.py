@@ -216,12 +216,13 @@ def test_odd_sizes_and_partial_last_group(bits, dtype):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_large_threaded_with_nontemporal_stores(bits, path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_threaded_with_nontemporal_stores(bits, path, dtype):
     # 2^20 + 37 elements: split over the kernel threads, q and the output written with non-temporal stores
     # where their lines are aligned (from 2^20 elements on, SIMD paths), and with regular stores into slices
     # that start an element into their buffers.
     n, group_size = 2**20 + 37, 2048
-    x = make_input("mixed", n, group_size, bits, torch.float32, seed=5, zero_groups=True)
+    x = make_input("mixed", n, group_size, bits, dtype, seed=5, zero_groups=True)
     with ops.force_simd_path(path):
         _check_large(x, n, bits, group_size)
 

@@ -435,25 +435,33 @@ inline void store_vector(void* at, __m256i value) {
 template <ScalarType kOut, int kBits>
 constexpr float kVectorMinScale = kBits == 8 && kOut == ScalarType::kBFloat16 ? 0x1p-98f : 0.0f;
 
-// A group's whole 32-byte vectors of q (32 int8 or 64 int4 values) to fp32 or bf16, for a finite scale >=
-// kVectorMinScale, with no tail test per vector; returns the first element not written. Every output value is
-// the scalar path's: q * scale in fp32, then rounded to bf16 (int4 to bf16 looks its 16 possible values up in
-// a table computed that way).
+// A group's whole 32-byte vectors of q (32 int8 or 64 int4 values) to fp32, bf16 or fp16, for a finite scale
+// >= kVectorMinScale, with no tail test per vector; returns the first element not written. Every output value
+// is the scalar path's: q * scale in fp32, then rounded to the output dtype (int4 to bf16 or fp16 looks its 16
+// possible values up in a table computed that way).
 template <ScalarType kOut, int kBits, bool kNonTemporal>
 int64_t dequantize_vectors(const DequantizeArgs& args, GroupRange range, float scale_value) {
   constexpr int64_t kVector = kBits == 8 ? 32 : 64;  // elements per 32 bytes of q
   constexpr int64_t kQAhead = 1024;                  // q is prefetched this far ahead, as on the AVX-512 path
   const uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
   const int64_t q_end = q_byte_offset(kBits, args.n + 1);
-  // int4 to bf16: the bf16 output of each nibble (0-7, then -8 to -1), its low bytes and its high bytes as
+  // int4 to bf16 or fp16: the output of each nibble (0-7, then -8 to -1), its low bytes and its high bytes as
   // two byte tables, in both 128-bit lanes for vpshufb.
   __m256i table_low = _mm256_setzero_si256(), table_high = _mm256_setzero_si256();
-  if constexpr (kBits == 4 && kOut == ScalarType::kBFloat16) {
+  if constexpr (kBits == 4 && kOut != ScalarType::kFloat32) {
     const __m256 scale = _mm256_set1_ps(scale_value);
-    const __m256i nonneg = _mm256_srli_epi32(bf16_high(_mm256_mul_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), scale)), 16);
-    const __m256i neg = _mm256_srli_epi32(bf16_high(_mm256_mul_ps(_mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1), scale)), 16);
-    // 16 words in nibble order: packus keeps them (each < 2^16) and orders them per lane, the permute fixes it
-    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(nonneg, neg), 0xD8);
+    const __m256 nonneg = _mm256_mul_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), scale);
+    const __m256 neg = _mm256_mul_ps(_mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1), scale);
+    __m256i words;  // the 16 outputs in nibble order
+    if constexpr (kOut == ScalarType::kBFloat16) {
+      // packus keeps each bf16 (< 2^16) and orders them per lane; the permute fixes the order
+      words = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_srli_epi32(bf16_high(nonneg), 16),
+                                                           _mm256_srli_epi32(bf16_high(neg), 16)),
+                                       0xD8);
+    } else {
+      words = _mm256_set_m128i(_mm256_cvtps_ph(neg, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                               _mm256_cvtps_ph(nonneg, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
     // low bytes of the 16 words, then high bytes, per 128-bit lane; then each table in both lanes
     const __m256i split = _mm256_permute4x64_epi64(
         _mm256_shuffle_epi8(words, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
@@ -475,6 +483,17 @@ int64_t dequantize_vectors(const DequantizeArgs& args, GroupRange range, float s
       for (int k = 0; k < 4; ++k) {
         const __m256i values = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * k)));
         store_vector<kNonTemporal>(out + 8 * k, _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(values), scale)));
+      }
+    } else if constexpr (kBits == 8 && kOut == ScalarType::kFloat16) {
+      const __m256 scale = _mm256_set1_ps(scale_value);
+      uint16_t* const out = static_cast<uint16_t*>(args.out) + i;
+      auto halves = [&](const uint8_t* at) {
+        const __m256i values = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
+        return _mm256_cvtps_ph(_mm256_mul_ps(_mm256_cvtepi32_ps(values), scale),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      };
+      for (int k = 0; k < 2; ++k) {
+        store_vector<kNonTemporal>(out + 16 * k, _mm256_set_m128i(halves(src + 16 * k + 8), halves(src + 16 * k)));
       }
     } else if constexpr (kBits == 8) {
       // Word d of 16 q bytes, sign-extended to 32 bits: shifted left by 24 it is q_2d * 2^24, with its low byte
@@ -506,7 +525,7 @@ int64_t dequantize_vectors(const DequantizeArgs& args, GroupRange range, float s
     } else {
       // 16 outputs (32 bytes) from 8 q bytes: output byte p comes from q byte p / 4 (both lanes hold the 8 q
       // bytes), from its low nibble for p % 4 < 2 and its high nibble otherwise (the odd words shifted right
-      // by 4), and is the low or high byte of that nibble's bf16 (p even or odd).
+      // by 4), and is the low or high byte of that nibble's output (p even or odd).
       const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,  //
                                               4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
       const __m256i odd_bytes = _mm256_set1_epi16(static_cast<short>(0xFF00));
@@ -542,14 +561,12 @@ void dequantize_groups(const DequantizeArgs& args, int64_t group_begin, int64_t 
     }
     const GroupRange range = group_range(args.n, args.group_size, g);
     int64_t i = range.begin;
-    if constexpr (kOut != ScalarType::kFloat16) {
-      if (scale_value >= kVectorMinScale<kOut, kBits> && scale_value <= std::numeric_limits<float>::max()) {
-        const auto address = reinterpret_cast<uintptr_t>(static_cast<char*>(args.out) + range.begin * kOutBytes);
-        i = stream && address % 32 == 0 ? dequantize_vectors<kOut, kBits, true>(args, range, scale_value)
-                                        : dequantize_vectors<kOut, kBits, false>(args, range, scale_value);
-      }
+    if (scale_value >= kVectorMinScale<kOut, kBits> && scale_value <= std::numeric_limits<float>::max()) {
+      const auto address = reinterpret_cast<uintptr_t>(static_cast<char*>(args.out) + range.begin * kOutBytes);
+      i = stream && address % 32 == 0 ? dequantize_vectors<kOut, kBits, true>(args, range, scale_value)
+                                      : dequantize_vectors<kOut, kBits, false>(args, range, scale_value);
     }
-    // The rest, 8 at a time: what is left after the whole vectors, fp16 output, and scales the vectors do not take.
+    // The rest, 8 at a time: what is left after the whole vectors, and scales the vectors do not take.
     const __m256 scale = _mm256_set1_ps(scale_value);
     const uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
     for (; i < range.end; i += kLanes) {
