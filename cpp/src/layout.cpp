@@ -99,7 +99,9 @@ std::vector<Piece> FlatLayout::rank_pieces(int64_t rank) const {
 
 std::vector<std::vector<int64_t>> FlatLayout::bucket_cuts() const {
   std::vector<int64_t> offset_in_bucket(offsets_.size());
-  for (size_t i = 0; i < offsets_.size(); ++i) offset_in_bucket[i] = offsets_[i] - buckets_[tensor_bucket_[i]].flat_start;
+  for (size_t i = 0; i < offsets_.size(); ++i) {
+    offset_in_bucket[i] = offsets_[i] - buckets_[tensor_bucket_[i]].flat_start;
+  }
   return zerocore::bucket_cuts(num_buckets(), tensor_bucket_, offset_in_bucket, sizes_);
 }
 
