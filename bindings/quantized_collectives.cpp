@@ -9,18 +9,18 @@
 // ----------------------------
 // Every contribution goes through the quantizer, the local one too, so that every rank computes with the same
 // values and a test can rebuild the result from explicitly quantized and dequantized shards: the all-gather's
-// result is, in every rank's slot, dequantize(quantize(that rank's shard)); the reduce-scatter's is
-// sum_n' dequantize(quantize(sum_l' dequantize(quantize(shard from rank (n', l'))))) in fp32, summed in index
-// order, rounded once to the bucket's dtype. Quantization groups start at each shard's first element (the
-// quantization group size is an option of Comm) and at every cut the bucket carries inside the shard: the
-// reducer and stage 3's gathers pass where each parameter's slot begins and ends, so no scale spans two
-// parameters. One shared scale let a parameter whose gradients are small beside its neighbour's (a norm's
-// weight, a bias) round to zero in int4 step after step and never train (Gemma 3's q_norm and k_norm in a
-// 2-layer model, 4 ranks: unchanged after 4 steps); DeepSpeed's qgZ keeps 1-D tensors out of its quantization
-// for the same reason. In the weight all-gather a shared scale cost precision only (a bias of ~0.01 beside a
-// norm weight of ~1 forwarded with steps of 1/127), but nothing is gained by sharing it (DeepSpeed's qwZ does).
-// The packed message of one shard is its pieces' q bytes (each piece's whole bytes), padded to 4, then their
-// scales, so scales stay aligned; every message is as long as the longest shard's.
+// result is, in every rank's slot, dequantize(quantize(that rank's shard)); the reduce-scatter's is sum_n'
+// dequantize(quantize(sum_l' dequantize(quantize(shard from rank (n', l'))))) in fp32, summed in index order,
+// rounded once to the bucket's dtype. Quantization groups start at each shard's first element (the quantization
+// group size is an option of Comm) and at every cut the bucket carries inside the shard: the reducer and stage 3's
+// gathers pass where each parameter's slot begins and ends (bucket_cuts in
+// cpp/include/zerocore/bucket_geometry.hpp), so no scale spans two parameters. One shared scale let a parameter
+// whose gradients are small beside its neighbour's (a norm's weight, a bias) round to zero in int4 step after step
+// and never train (Gemma 3's q_norm and k_norm in a 2-layer model, 4 ranks: unchanged after 4 steps); DeepSpeed's
+// qgZ keeps 1-D tensors out of its quantization for the same reason. In the weight all-gather a shared scale cost
+// precision only (a bias of ~0.01 beside a norm weight of ~1 forwarded with steps of 1/127), but nothing is gained
+// by sharing it (DeepSpeed's qwZ does). The packed message of one shard is its pieces' q bytes (each piece's whole
+// bytes), padded to 4, then their scales, so scales stay aligned; every message is as long as the longest shard's.
 //
 // A group holding inf or NaN is not quantized (Note [Quantization arithmetic]): it arrives as NaN, on every
 // rank alike, so a non-finite gradient is still seen as one by the overflow check that follows and a

@@ -78,8 +78,8 @@ class FlatLayout {
   // The pieces of one bucket's shard owned by `rank`, appended to `out`.
   void bucket_rank_pieces(int64_t bucket, int64_t rank, std::vector<Piece>& out) const;
 
-  // Per bucket: where its tensors begin and end, relative to the bucket's flat_start (bucket_cuts in
-  // bucket_geometry.hpp, the same cuts the gradient reducer quantizes by).
+  // Per bucket: where its non-empty tensors begin and end, relative to the bucket's flat_start (bucket_cuts in
+  // bucket_geometry.hpp, the cuts the gradient reducer quantizes by too).
   std::vector<std::vector<int64_t>> bucket_cuts() const;
 
  private:
