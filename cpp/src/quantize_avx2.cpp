@@ -128,12 +128,10 @@ struct Rounder {
 
   // round_half_even(x / scale), exactly (the tails: one vector at a time).
   inline __m256i quantize(__m256 x) const {
-    __m256 r;
-    const __m256i bits = guess(x, &r);
-    // |r| < scale / 2: q is right (nearly always: one compare). Otherwise fix the lanes past or on a half.
-    const __m256 abs_r = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), r);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(abs_r, half, _CMP_GE_OQ)) == 0) return to_int(bits);
-    return to_int(correct(bits, r));
+    const __m256 one[1] = {x};
+    __m256i bits[1];
+    quantize_n<1>(one, bits);
+    return to_int(bits[0]);
   }
 
   // The guess as the AVX-512 path makes it: t = xs * (1 / scale) + 1.5 * 2^23 in one FMA rounds the product
@@ -147,7 +145,8 @@ struct Rounder {
     return _mm256_castps_si256(t);
   }
 
-  // K vectors' guesses, corrected: one test on the largest |r| of all of them.
+  // K vectors' guesses, corrected: |r| < scale / 2 means q is right (nearly always), so one test on the largest
+  // |r| of all of them, and only past or on a half are the lanes fixed.
   template <int K>
   inline void quantize_n(const __m256 (&x)[K], __m256i (&bits)[K]) const {
     __m256 r[K];
@@ -214,13 +213,10 @@ inline void store_q(uint8_t* out, __m256i q, int64_t count) {
 template <int kBits>
 constexpr int64_t kBlockElements = kBits == 8 ? 32 : 64;
 
-// Four vectors of int32 q (guess bits from bits[at]) as 32 signed bytes in element order: two packs give, per
-// 128-bit lane, elements 4d..4d+3 of each vector in turn, and one dword permute puts them in order (exact:
-// |q| <= 127).
-template <typename R, int K>
-inline __m256i pack4(const __m256i (&bits)[K], int at) {
-  const __m256i lanes = _mm256_packs_epi16(_mm256_packs_epi32(R::to_int(bits[at]), R::to_int(bits[at + 1])),
-                                           _mm256_packs_epi32(R::to_int(bits[at + 2]), R::to_int(bits[at + 3])));
+// Four vectors of int32 values in [-128, 127] as 32 signed bytes, a's first: two packs give, per 128-bit lane,
+// elements 4d..4d+3 of each vector in turn, and one dword permute puts them in order.
+inline __m256i pack_bytes_in_order(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i lanes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
   return _mm256_permutevar8x32_epi32(lanes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
@@ -264,8 +260,7 @@ inline __m256i quantize_block(const void* input, int64_t i, const R& rounder) {
     } else {
       __m256i p[4];
       for (int k = 0; k < 4; ++k) p[k] = q_pairs_bf16<4>(input, i + k * 2 * kLanes, rounder);
-      const __m256i lanes = _mm256_packs_epi16(_mm256_packs_epi32(p[0], p[1]), _mm256_packs_epi32(p[2], p[3]));
-      return _mm256_permutevar8x32_epi32(lanes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      return pack_bytes_in_order(p[0], p[1], p[2], p[3]);
     }
   } else {
     auto q32 = [&](int64_t at) {
@@ -280,7 +275,7 @@ inline __m256i quantize_block(const void* input, int64_t i, const R& rounder) {
         bits[2 * half] = b[0];
         bits[2 * half + 1] = b[1];
       }
-      return pack4<R>(bits, 0);
+      return pack_bytes_in_order(R::to_int(bits[0]), R::to_int(bits[1]), R::to_int(bits[2]), R::to_int(bits[3]));
     };
     if constexpr (kBits == 8) {
       return q32(i);
@@ -377,12 +372,17 @@ inline __m256i load_q(const uint8_t* q, int64_t count) {
   }
 }
 
-// Round to nearest even, (bits + 0x7FFF + lsb) >> 16, for values that are not NaN (a group with a NaN
-// scale is dequantized by dequantize_group_scalar); a byte shuffle gathers the high 16-bit word of each lane.
-inline __m128i float_to_bf16(__m256 value) {
+// bf16 bits of values that are not NaN (a group with a NaN scale is dequantized by dequantize_group_scalar),
+// rounded to nearest even, (bits + 0x7FFF + lsb) >> 16, in the high half of each 32-bit lane.
+inline __m256i bf16_high(__m256 value) {
   const __m256i bits = _mm256_castps_si256(value);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+  return _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+}
+
+// 8 bf16 values: bf16_high's, a byte shuffle gathering the high 16-bit word of each lane.
+inline __m128i float_to_bf16(__m256 value) {
+  const __m256i rounded = bf16_high(value);
   const __m256i high_words = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
                                               2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(rounded, high_words), 0x08);
@@ -416,14 +416,6 @@ inline void store_out(void* out, int64_t i, __m256 value, int64_t count) {
   }
 }
 
-// bf16 bits of finite fp32 values, rounded to nearest even as float_to_bf16 rounds, in the high half of each
-// 32-bit lane.
-inline __m256i bf16_high(__m256 value) {
-  const __m256i bits = _mm256_castps_si256(value);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  return _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
-}
-
 template <bool kNonTemporal>
 inline void store_vector(void* at, __m256i value) {
   if constexpr (kNonTemporal) {
@@ -432,6 +424,9 @@ inline void store_vector(void* at, __m256i value) {
     _mm256_storeu_si256(static_cast<__m256i*>(at), value);
   }
 }
+
+// How far ahead dequantize prefetches q, a thin stream beside the output's (as on the AVX-512 path).
+constexpr int64_t kQAhead = 1024;
 
 // The smallest scale dequantize_vectors takes: int8 to bf16 multiplies q * 2^24 by scale * 2^-24, exact (and
 // so rounded as q * scale) only while scale * 2^-24 is a normal fp32 number. 0 for the other cases.
@@ -445,7 +440,6 @@ constexpr float kVectorMinScale = kBits == 8 && kOut == ScalarType::kBFloat16 ? 
 template <ScalarType kOut, int kBits, bool kNonTemporal>
 int64_t dequantize_vectors(const DequantizeArgs& args, GroupRange range, float scale_value) {
   constexpr int64_t kVector = kBits == 8 ? 32 : 64;  // elements per 32 bytes of q
-  constexpr int64_t kQAhead = 1024;                  // q is prefetched this far ahead, as on the AVX-512 path
   const uint8_t* const q = args.q + q_byte_offset(kBits, range.begin);
   const int64_t q_end = q_byte_offset(kBits, args.n + 1);
   // int4 to bf16 or fp16: the output of each nibble (0-7, then -8 to -1), its low bytes and its high bytes as
@@ -550,9 +544,8 @@ int64_t dequantize_vectors(const DequantizeArgs& args, GroupRange range, float s
 
 template <ScalarType kOut, int kBits>
 void dequantize_groups(const DequantizeArgs& args, int64_t group_begin, int64_t group_end) {
-  // q prefetched 1 KiB ahead, and a large output written with non-temporal stores wherever a whole vector's
+  // q prefetched kQAhead ahead, and a large output written with non-temporal stores wherever a whole vector's
   // address is aligned.
-  constexpr int64_t kQAhead = 1024;
   constexpr int64_t kOutBytes = kOut == ScalarType::kFloat32 ? 4 : 2;
   const int64_t q_end = q_byte_offset(kBits, args.n + 1);
   const bool stream = args.n >= kStreamMinElements;
