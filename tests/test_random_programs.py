@@ -10,9 +10,15 @@ windows, evaluation (also inside a window; after one, maybe empty_partition_cach
 same engine, a resume into a fresh engine, writes inside gathered(), lr writes, zero_grad(), forwards that
 raise on every rank or on one (caught, the batch skipped, as the README asks), a parameter frozen for a
 window, a block every rank or one rank skips, and state reads. The engine's parameters must stay within the
-fp32 reference's rounding noise of the float64 run (tests/_parity.py) after every read and at the end. The
-seeds are fixed, so a run is deterministic; ZEROCORE_RANDOM_PROGRAMS=FIRST:COUNT runs other ones (e.g. `0:200`
-to hunt)."""
+fp32 reference's rounding noise of the float64 run (tests/_parity.py) after every read and at the end.
+
+With ZeRO++ (world 4 as 2 nodes of 2) quantization moves the values, so a program is held to what it still
+fixes: the ranks in lockstep, save and load changing nothing, evaluation on the parameters' values to within
+qwZ's rounding, the parameters moved as the reference's were up to the quantization's noise, and the same
+program again with settings that change no value reading the same bit for bit.
+
+The seeds are fixed, so a run is deterministic; ZEROCORE_RANDOM_PROGRAMS=FIRST:COUNT runs other ones (e.g. `0:200`
+to hunt; ZEROCORE_RANDOM_PROGRAMS_PRECISIONS=fp32,bf16,fp16 the ZeRO++ programs' compute dtypes)."""
 
 from __future__ import annotations
 
@@ -126,6 +132,43 @@ def draw_config(rng: random.Random, directory: str) -> dict:
             "zero_optimization": zero}
 
 
+def draw_zeropp(rng: random.Random, zero: dict) -> None:
+    """ZeRO++ over a drawn config, for world 4 as 2 nodes of 2: qgZ at stage 2; at stage 3 any of qwZ (frozen
+    shards too, or not), hpZ and qgZ, at least one. Its own stream, so the program's draws stay as they were."""
+    stage = rng.choice([2, 3, 3])
+    if stage != zero["stage"]:
+        for key in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+            zero.pop(key, None)
+        zero.pop("offload_param", None)
+        zero["stage"] = stage
+        if stage == 3:
+            zero.update(stage3_param_persistence_threshold=rng.choice([0, 20, 100_000]),
+                        stage3_prefetch_bucket_size=rng.choice([0, 300, 50_000]),
+                        stage3_max_live_parameters=rng.choice([1, 1_000_000_000]))
+    zero["zero_node_size"] = 2
+    options = {"qgz"} if stage == 2 else {o for o in ("qwz", "hpz", "qgz") if rng.random() < 0.6} or {"qwz", "qgz"}
+    if "qgz" in options:
+        zero.update(zero_quantized_gradients=True, reduce_scatter=True)
+    if "qwz" in options:
+        zero.update(zero_quantized_weights=True, zero_quantized_nontrainable_weights=rng.random() < 0.5)
+    if "hpz" in options:
+        zero["zero_hpz_partition_size"] = 2
+
+
+def vary_what_changes_no_value(zero: dict) -> None:
+    """Settings that move no value (bit for bit): hpZ (its backward gathers the forward's values again),
+    overlap_comm, stage 3's prefetch, and the optimizer state in memory or on the host."""
+    zero["overlap_comm"] = not zero["overlap_comm"]
+    if zero["stage"] == 3:
+        zero["zero_hpz_partition_size"] = 2 if zero.get("zero_hpz_partition_size", 1) == 1 else 1
+        zero["stage3_prefetch_bucket_size"] = 0 if zero["stage3_prefetch_bucket_size"] else 50_000
+    where = zero.get("offload_optimizer", {}).get("device", "none")
+    if where == "none":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    elif where == "cpu":
+        del zero["offload_optimizer"]
+
+
 def batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100_000 + 1000 * step + 10 * rank + micro)
     return torch.randn(3, 8, generator=g), torch.randn(3, 4, generator=g)
@@ -140,14 +183,20 @@ def param_groups(model: nn.Module) -> list[dict]:
 class Program:
     """One rank's run of a drawn program beside the reference; ``trace`` names what ran."""
 
-    def __init__(self, rank: int, seed: int, directory: str, precision: str = "fp32") -> None:
-        self.rank, self.seed, self.directory = rank, seed, directory
+    def __init__(self, rank: int, seed: int, directory: str, precision: str = "fp32", world: int = WORLD,
+                 zeropp: bool = False, varied: bool = False) -> None:
+        self.rank, self.seed, self.directory, self.world, self.zeropp = rank, seed, directory, world, zeropp
         self.rng = random.Random(seed)
         # draws of what a program adds since its seeds were chosen (DeepSpeed's manual accumulation boundary),
         # apart so that a seed still draws the config and operations it did
         self.side = random.Random(seed + 7_000_003)
         self.releases = random.Random(seed + 11_000_007)  # (its own stream: the side stream's draws stay)
         self.config = draw_config(self.rng, directory)
+        if zeropp:
+            draw_zeropp(random.Random(seed + 13_000_019), self.config["zero_optimization"])
+        if varied:
+            vary_what_changes_no_value(self.config["zero_optimization"])
+        self.reads: list[dict[str, torch.Tensor]] = []  # the full state at every check
         self.precision = precision
         if precision != "fp32":  # fp16: a dynamic loss scale starting low enough to skip some steps
             self.config[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
@@ -162,6 +211,7 @@ class Program:
             param_groups(m), lr=params["lr"], weight_decay=params["weight_decay"], betas=(0.9, 0.99), foreach=False))
         for replica in self.reference.models:
             replica.rank = -1
+        self.initial = {name: value.clone() for name, value in self.model.state_dict().items()}
         self.engine = zerocore.initialize(self.model, self.config, param_groups=param_groups(self.model))
         self.step = 0
         self.trace: list[str] = []
@@ -191,13 +241,40 @@ class Program:
     def check(self, when: str) -> None:
         label = f"seed {self.seed} {when} {self.config} {sorted(self.features)} {self.trace}"
         state = self.engine.full_state_dict(rank0_only=False)
-        if self.precision == "fp32":
+        self.reads.append(state)
+        if self.precision == "fp32" and not self.zeropp:
             self.reference.assert_matches(state, label=label)
             return
-        # 16-bit: no fp32 parity to hold it to; every rank holds the same finite values
+        # 16 bits or ZeRO++'s quantized collectives: no fp32 parity to hold it to; every rank holds the same
+        # finite values
         sums = {name: float(value.double().sum()) for name, value in state.items()}
         assert all(math.isfinite(v) for v in sums.values()), label
         assert all(other == sums for other in all_gather_json(self.engine.comm, sums, torch.device("cpu"))), label
+        if self.zeropp and self.precision == "fp32" and when == "end":
+            self._assert_moved_as_the_reference(state, label)
+
+    def _assert_moved_as_the_reference(self, state: dict[str, torch.Tensor], label: str) -> None:
+        """Quantized collectives change the values, not where training goes: the parameters together moved the
+        way the fp32 reference's did, and each parameter the reference moved has moved about as far (a dropped
+        gradient or a lost update leaves it where it was). Not per parameter by direction: a row near an
+        expert's routing boundary takes the other expert under quantized weights or drifted parameters, and the
+        few rows an expert sees then differ."""
+        reference = self.reference.models[0].state_dict()
+        expected, moved, ratios = [], [], {}
+        for name, initial in self.initial.items():
+            e, m = reference[name].double() - initial.double(), state[name].double() - initial.double()
+            expected.append(e.flatten())
+            moved.append(m.flatten())
+            if float(e.norm()) > 1e-6 * max(float(initial.double().norm()), 1.0):  # trained in the reference
+                ratios[name] = float(m.norm() / e.norm())
+        if not ratios:
+            return  # nothing trained
+        e, m = torch.cat(expected), torch.cat(moved)
+        cosine = float((e * m).sum() / (e.norm() * m.norm()).clamp_min(1e-30))
+        # seeds 0-299 in fp32: cosine >= 0.86, ratios 0.75-1.75
+        assert cosine > 0.7, f"the parameters moved at cosine {cosine:.3f} to the reference's update; {label}"
+        off = {name: round(ratio, 3) for name, ratio in ratios.items() if not 0.4 < ratio < 2.5}
+        assert not off, f"moved this many times as far as in the reference: {off}; {label}"
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(self.engine(x.to(self.dtype)).float(), y)
@@ -227,13 +304,13 @@ class Program:
     def _reference_window(self, micro_batches: int, skip: tuple[int | str, int] | None = None) -> None:
         def loss_of(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
             total = 0
-            for rank in range(WORLD):
+            for rank in range(self.world):
                 module.skip = None if skip is None or skip[0] not in ("all", rank) else ("all", skip[1])
                 for micro in range(micro_batches):
                     x, y = batch(self.step, rank, micro)
                     total = total + F.mse_loss(module(as_dtype(x, dtype)), as_dtype(y, dtype))
             module.skip = None
-            return total / (micro_batches * WORLD)
+            return total / (micro_batches * self.world)
 
         self.reference.train_step(loss_of, clip=self.config["gradient_clipping"])
         self.step += 1
@@ -260,19 +337,46 @@ class Program:
     def eval(self) -> None:
         self.engine.eval()
         x, _ = batch(self.step, self.rank, 9)
-        with torch.no_grad():
-            out, expected = self.engine(x.to(self.dtype)).float(), self.reference.fp32(x)
+        seen: dict[str, torch.Tensor] = {}  # the values each module's forward ran with (stage 3: as gathered)
+        hooks = [module.register_forward_pre_hook(lambda m, args, prefix=prefix: seen.update(
+                     {f"{prefix}.{k}": p.detach().clone() for k, p in m.named_parameters(recurse=False)}))
+                 for prefix, module in self.engine.module.named_modules() if prefix]
+        try:
+            with torch.no_grad():
+                out, expected = self.engine(x.to(self.dtype)).float(), self.reference.fp32(x)
+        finally:
+            for hook in hooks:
+                hook.remove()
         self.engine.train()
         if self.releases.random() < 0.5:  # DeepSpeed's call after an evaluation: stage 3's whole units go
             self.engine.empty_partition_cache()
             self.trace[-1] += "(cache emptied)"
-        if self.precision == "fp32":
+        if self.precision == "fp32" and not self.zeropp:
             assert float((out - expected).norm() / expected.norm()) < 1e-4, self.trace
+            return
+        state = self.engine.full_state_dict(rank0_only=False)
+        own = copy.deepcopy(self.reference.models[0])
+        if self.zeropp:
+            # the forward ran with the parameters' values, or with qwZ's int8 of them: within half a quantization
+            # step (a group's absmax / 127, groups inside one parameter) of each, and rounded to the compute dtype
+            # (the output itself is not compared with the reference: a row near an expert's routing boundary may
+            # take the other expert)
+            rounding = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[self.dtype]
+            for name, value in seen.items():
+                exact = state[name].double()
+                bound = float(exact.abs().max()) / 254 * (1 + 1e-3) + exact.abs() * 2 * rounding + 1e-30
+                assert bool(((value.double() - exact).abs() <= bound).all()), (name, self.trace)
+            # a parameter of two names (tied, shared) was seen under one of them
+            params = dict(own.named_parameters(remove_duplicate=False))
+            ran_with = {id(params[name]): value.float() for name, value in seen.items()}
+            own.load_state_dict({name: ran_with.get(id(params.get(name)), value) for name, value in state.items()})
+            with torch.no_grad():
+                computed = own.to(self.dtype)(x.to(self.dtype)).float()
+            assert float((out - computed).norm() / computed.norm()) < 1e-3, (float((out - computed).norm() / computed.norm()), sorted(seen), self.config["zero_optimization"], sorted(self.features), self.trace)
             return
         # 16 bits: near the fp32 reference, or else (16-bit training drifts from it, and a row near the experts'
         # routing boundary takes the other expert) what the engine's own parameters compute in 16 bits
-        own = copy.deepcopy(self.reference.models[0])
-        own.load_state_dict(self.engine.full_state_dict(rank0_only=False))
+        own.load_state_dict(state)
         with torch.no_grad():
             computed = own.to(self.dtype)(x.to(self.dtype)).float()
         assert (float((out - expected).norm() / expected.norm()) < 0.2
@@ -344,10 +448,10 @@ class Program:
         self._failing("all", 0)
 
     def fail_one(self) -> None:
-        self._failing(self.rng.choice(range(WORLD)), 0)
+        self._failing(self.rng.choice(range(self.world)), 0)
 
     def fail_mid(self) -> None:
-        self._failing(self.rng.choice(range(WORLD)), self.rng.randrange(self.accumulation))
+        self._failing(self.rng.choice(range(self.world)), self.rng.randrange(self.accumulation))
 
     def freeze(self) -> None:  # frozen for one window: left alone, as torch's AdamW leaves a None .grad
         name = self.rng.choice([n for n, p in self.model.named_parameters() if p.requires_grad])
@@ -373,11 +477,27 @@ class Program:
         self._skipping("all")
 
     def skip_one(self) -> None:  # stage 3: a unit one rank skips is a divergence (raised), so every rank skips
-        self._skipping(self.rng.choice(range(WORLD)) if self.stage < 3 else "all")
+        self._skipping(self.rng.choice(range(self.world)) if self.stage < 3 else "all")
 
 
-def program_worker(rank: int, world: int, seed: int, directory: str, precision: str = "fp32") -> list[str]:
-    return Program(rank, seed, directory, precision).run()
+def program_worker(rank: int, world: int, seed: int, directory: str, precision: str = "fp32",
+                   zeropp: bool = False) -> list[str]:
+    return Program(rank, seed, directory, precision, world, zeropp).run()
+
+
+def zeropp_program_worker(rank: int, world: int, seed: int, directory: str, precision: str) -> list[str]:
+    """The ZeRO++ program, then again with settings that change no value: every read the same, bit for bit."""
+    first = Program(rank, seed, directory, precision, world, zeropp=True)
+    first.run()
+    again = Program(rank, seed, directory, precision, world, zeropp=True, varied=True)
+    again.run()
+    assert again.trace == first.trace, (first.trace, again.trace)
+    label = f"seed {seed}: {first.config['zero_optimization']} then {again.config['zero_optimization']}, {first.trace}"
+    assert len(first.reads) == len(again.reads), label
+    for when, (one, other) in enumerate(zip(first.reads, again.reads)):
+        changed = [name for name in one if not torch.equal(one[name], other[name])]
+        assert not changed, f"read {when} differs in {changed}; {label}"
+    return first.trace
 
 
 def _seeds() -> list[int]:
@@ -395,8 +515,37 @@ def test_a_random_program_trains_like_the_replicated_reference(seed, tmp_path):
     run_ranks(program_worker, WORLD, seed, str(tmp_path), timeout=180, pg_timeout=60)
 
 
+def _world_4_seeds() -> list[int]:
+    return _seeds() if os.environ.get("ZEROCORE_RANDOM_PROGRAMS") else [4, 30]
+
+
+@pytest.mark.parametrize("seed", _world_4_seeds())
+def test_a_random_program_at_world_4_trains_like_the_replicated_reference(seed, tmp_path):
+    """Four ranks: shards, buckets and stage 3's units cut at other places, a failing or skipping rank among
+    three that go on."""
+    run_ranks(program_worker, 4, seed, str(tmp_path), "fp32", False, timeout=300, pg_timeout=60)
+
+
 @pytest.mark.parametrize("precision,seed", [("bf16", 6), ("bf16", 24), ("fp16", 17), ("fp16", 38)])
 def test_a_random_program_in_16_bits_keeps_the_ranks_in_lockstep(precision, seed, tmp_path):
     """The same programs with bf16 or fp16 compute (fp16's loss scale skipping steps): every rank ends each
     read with the same finite values, and evaluation computes what the fp32 reference computes, to 16 bits."""
     run_ranks(program_worker, WORLD, seed, str(tmp_path), precision, timeout=180, pg_timeout=60)
+
+
+def _zeropp_cases() -> list[tuple[str, int]]:
+    chosen = os.environ.get("ZEROCORE_RANDOM_PROGRAMS")
+    if chosen:
+        precisions = os.environ.get("ZEROCORE_RANDOM_PROGRAMS_PRECISIONS", "fp32").split(",")
+        return [(precision, seed) for precision in precisions for seed in _seeds()]
+    return [("fp32", 1), ("fp32", 6), ("fp32", 12), ("bf16", 3), ("fp16", 5)]
+
+
+@pytest.mark.parametrize("precision,seed", _zeropp_cases())
+def test_a_random_program_with_zeropp_trains_like_the_reference_and_like_itself(precision, seed, tmp_path):
+    """The programs at world 4 as 2 nodes of 2 with ZeRO++'s quantized collectives (qgZ; at stage 3 also qwZ,
+    hpZ): every rank ends each read with the same finite values, save and load change nothing, evaluation runs
+    on the parameters' values to within qwZ's rounding, the parameters (fp32) end where the reference's updates
+    sent them to within the quantization's noise, and the same program with settings that change no value
+    (hpZ, overlap_comm, prefetch, optimizer state in memory or on the host) reads the same, bit for bit."""
+    run_ranks(zeropp_program_worker, 4, seed, str(tmp_path), precision, timeout=300, pg_timeout=60)
