@@ -1,4 +1,4 @@
-"""Random training programs at world 2 against a replicated reference that sees every rank's batches.
+"""Random training programs at world 2 (and 4) against a replicated reference that sees every rank's batches.
 
 The model's layers route each row to one of two experts inside them, so the ranks' backwards reach different
 parameters of the same unit.
@@ -10,12 +10,14 @@ windows, evaluation (also inside a window; after one, maybe empty_partition_cach
 same engine, a resume into a fresh engine, writes inside gathered(), lr writes, zero_grad(), forwards that
 raise on every rank or on one (caught, the batch skipped, as the README asks), a parameter frozen for a
 window, a block every rank or one rank skips, and state reads. The engine's parameters must stay within the
-fp32 reference's rounding noise of the float64 run (tests/_parity.py) after every read and at the end.
+fp32 reference's rounding noise of the float64 run (tests/_parity.py) after every read and at the end, and
+the same program run again with settings that change no value (overlap, prefetch, where the optimizer state
+and stage 3's parameter shards live) must read the same, bit for bit.
 
 With ZeRO++ (world 4 as 2 nodes of 2) quantization moves the values, so a program is held to what it still
 fixes: the ranks in lockstep, save and load changing nothing, evaluation on the parameters' values to within
-qwZ's rounding, the parameters moved as the reference's were up to the quantization's noise, and the same
-program again with settings that change no value reading the same bit for bit.
+qwZ's rounding, the parameters moved as the reference's were up to the quantization's noise, and the run
+with settings that change no value (hpZ among them) reading the same bit for bit.
 
 The seeds are fixed, so a run is deterministic; ZEROCORE_RANDOM_PROGRAMS=FIRST:COUNT runs other ones (e.g. `0:200`
 to hunt; ZEROCORE_RANDOM_PROGRAMS_PRECISIONS=fp32,bf16,fp16 the ZeRO++ programs' compute dtypes)."""
@@ -155,17 +157,30 @@ def draw_zeropp(rng: random.Random, zero: dict) -> None:
         zero["zero_hpz_partition_size"] = 2
 
 
-def vary_what_changes_no_value(zero: dict) -> None:
-    """Settings that move no value (bit for bit): hpZ (its backward gathers the forward's values again),
-    overlap_comm, stage 3's prefetch, and the optimizer state in memory or on the host."""
+def vary_what_changes_no_value(zero: dict, directory: str) -> None:
+    """Settings that move no value (bit for bit): overlap_comm, stage 3's prefetch and live-parameter budget,
+    hpZ (its backward gathers the forward's values again), where the optimizer state lives (memory, host,
+    NVMe in sub-groups: the same kernel on the same elements), stage 3's parameter shards on NVMe, and without
+    qwZ (which leaves persistent parameters unquantized) stage 3's persistence threshold."""
     zero["overlap_comm"] = not zero["overlap_comm"]
     if zero["stage"] == 3:
-        zero["zero_hpz_partition_size"] = 2 if zero.get("zero_hpz_partition_size", 1) == 1 else 1
         zero["stage3_prefetch_bucket_size"] = 0 if zero["stage3_prefetch_bucket_size"] else 50_000
+        zero["stage3_max_live_parameters"] = 1 if zero["stage3_max_live_parameters"] > 1 else 1_000_000_000
+        if "zero_node_size" in zero:
+            zero["zero_hpz_partition_size"] = 2 if zero.get("zero_hpz_partition_size", 1) == 1 else 1
+        if not zero.get("zero_quantized_weights"):
+            zero["stage3_param_persistence_threshold"] = 0 if zero["stage3_param_persistence_threshold"] else 100_000
     where = zero.get("offload_optimizer", {}).get("device", "none")
+    zero.pop("offload_param", None)
+    zero.pop("sub_group_size", None)
     if where == "none":
         zero["offload_optimizer"] = {"device": "cpu"}
     elif where == "cpu":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": directory}
+        zero["sub_group_size"] = 700
+        if zero["stage"] == 3:
+            zero["offload_param"] = {"device": "nvme", "nvme_path": directory, "max_in_cpu": 0}
+    else:
         del zero["offload_optimizer"]
 
 
@@ -195,7 +210,7 @@ class Program:
         if zeropp:
             draw_zeropp(random.Random(seed + 13_000_019), self.config["zero_optimization"])
         if varied:
-            vary_what_changes_no_value(self.config["zero_optimization"])
+            vary_what_changes_no_value(self.config["zero_optimization"], directory)
         self.reads: list[dict[str, torch.Tensor]] = []  # the full state at every check
         self.precision = precision
         if precision != "fp32":  # fp16: a dynamic loss scale starting low enough to skip some steps
@@ -482,14 +497,10 @@ class Program:
 
 def program_worker(rank: int, world: int, seed: int, directory: str, precision: str = "fp32",
                    zeropp: bool = False) -> list[str]:
-    return Program(rank, seed, directory, precision, world, zeropp).run()
-
-
-def zeropp_program_worker(rank: int, world: int, seed: int, directory: str, precision: str) -> list[str]:
-    """The ZeRO++ program, then again with settings that change no value: every read the same, bit for bit."""
-    first = Program(rank, seed, directory, precision, world, zeropp=True)
+    """The program, then again with settings that change no value: every read the same, bit for bit."""
+    first = Program(rank, seed, directory, precision, world, zeropp)
     first.run()
-    again = Program(rank, seed, directory, precision, world, zeropp=True, varied=True)
+    again = Program(rank, seed, directory, precision, world, zeropp, varied=True)
     again.run()
     assert again.trace == first.trace, (first.trace, again.trace)
     label = f"seed {seed}: {first.config['zero_optimization']} then {again.config['zero_optimization']}, {first.trace}"
@@ -548,4 +559,4 @@ def test_a_random_program_with_zeropp_trains_like_the_reference_and_like_itself(
     on the parameters' values to within qwZ's rounding, the parameters (fp32) end where the reference's updates
     sent them to within the quantization's noise, and the same program with settings that change no value
     (hpZ, overlap_comm, prefetch, optimizer state in memory or on the host) reads the same, bit for bit."""
-    run_ranks(zeropp_program_worker, 4, seed, str(tmp_path), precision, timeout=300, pg_timeout=60)
+    run_ranks(program_worker, 4, seed, str(tmp_path), precision, True, timeout=300, pg_timeout=60)
