@@ -537,7 +537,13 @@ def test_a_random_program_at_world_4_trains_like_the_replicated_reference(seed, 
     run_ranks(program_worker, 4, seed, str(tmp_path), "fp32", False, timeout=300, pg_timeout=60)
 
 
-@pytest.mark.parametrize("precision,seed", [("bf16", 6), ("bf16", 24), ("fp16", 17), ("fp16", 38)])
+def _16_bit_cases() -> list[tuple[str, int]]:
+    if os.environ.get("ZEROCORE_RANDOM_PROGRAMS"):
+        return [(precision, seed) for precision in ("bf16", "fp16") for seed in _seeds()]
+    return [("bf16", 6), ("bf16", 24), ("fp16", 17), ("fp16", 38)]
+
+
+@pytest.mark.parametrize("precision,seed", _16_bit_cases())
 def test_a_random_program_in_16_bits_keeps_the_ranks_in_lockstep(precision, seed, tmp_path):
     """The same programs with bf16 or fp16 compute (fp16's loss scale skipping steps): every rank ends each
     read with the same finite values, and evaluation computes what the fp32 reference computes, to 16 bits."""
