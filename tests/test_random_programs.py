@@ -157,12 +157,17 @@ def draw_zeropp(rng: random.Random, zero: dict) -> None:
         zero["zero_hpz_partition_size"] = 2
 
 
-def vary_what_changes_no_value(zero: dict, directory: str) -> None:
+def vary_what_changes_no_value(config: dict, directory: str) -> None:
     """Settings that move no value (bit for bit): overlap_comm, stage 3's prefetch and live-parameter budget,
     hpZ (its backward gathers the forward's values again), where the optimizer state lives (memory, host,
-    NVMe in sub-groups: the same kernel on the same elements), stage 3's parameter shards on NVMe, and without
-    qwZ (which leaves persistent parameters unquantized) stage 3's persistence threshold."""
+    NVMe in sub-groups: the same kernel on the same elements), stage 3's parameter shards on NVMe, without
+    qwZ (which leaves persistent parameters unquantized) stage 3's persistence threshold, and without
+    accumulation stage 1 or 2 (with it, stage 1 sums the micro-steps before reducing and stage 2 after, as in
+    DeepSpeed: other roundings)."""
+    zero = config["zero_optimization"]
     zero["overlap_comm"] = not zero["overlap_comm"]
+    if zero["stage"] < 3 and config["gradient_accumulation_steps"] == 1 and not zero.get("zero_quantized_gradients"):
+        zero["stage"] = 3 - zero["stage"]
     if zero["stage"] == 3:
         zero["stage3_prefetch_bucket_size"] = 0 if zero["stage3_prefetch_bucket_size"] else 50_000
         zero["stage3_max_live_parameters"] = 1 if zero["stage3_max_live_parameters"] > 1 else 1_000_000_000
@@ -210,7 +215,7 @@ class Program:
         if zeropp:
             draw_zeropp(random.Random(seed + 13_000_019), self.config["zero_optimization"])
         if varied:
-            vary_what_changes_no_value(self.config["zero_optimization"], directory)
+            vary_what_changes_no_value(self.config, directory)
         self.reads: list[dict[str, torch.Tensor]] = []  # the full state at every check
         self.precision = precision
         if precision != "fp32":  # fp16: a dynamic loss scale starting low enough to skip some steps
