@@ -551,7 +551,8 @@ def _16_bit_cases() -> list[tuple[str, int]]:
 @pytest.mark.parametrize("precision,seed", _16_bit_cases())
 def test_a_random_program_in_16_bits_keeps_the_ranks_in_lockstep(precision, seed, tmp_path):
     """The same programs with bf16 or fp16 compute (fp16's loss scale skipping steps): every rank ends each
-    read with the same finite values, and evaluation computes what the fp32 reference computes, to 16 bits."""
+    read with the same finite values, evaluation computes what the fp32 reference computes, to 16 bits, and
+    the run with settings that change no value reads the same, bit for bit."""
     run_ranks(program_worker, WORLD, seed, str(tmp_path), precision, timeout=180, pg_timeout=60)
 
 
@@ -569,5 +570,5 @@ def test_a_random_program_with_zeropp_trains_like_the_reference_and_like_itself(
     hpZ): every rank ends each read with the same finite values, save and load change nothing, evaluation runs
     on the parameters' values to within qwZ's rounding, the parameters (fp32) end where the reference's updates
     sent them to within the quantization's noise, and the same program with settings that change no value
-    (hpZ, overlap_comm, prefetch, optimizer state in memory or on the host) reads the same, bit for bit."""
+    (hpZ, overlap_comm, prefetch, where the optimizer state lives) reads the same, bit for bit."""
     run_ranks(program_worker, 4, seed, str(tmp_path), precision, True, timeout=300, pg_timeout=60)
