@@ -158,8 +158,10 @@ def draw_zeropp(rng: random.Random, zero: dict) -> None:
         zero["zero_hpz_partition_size"] = 2
 
 
-def vary_what_changes_no_value(config: dict, directory: str) -> None:
-    """Settings that move no value (bit for bit): overlap_comm, stage 3's prefetch and live-parameter budget,
+def vary_what_changes_no_value(config: dict, directory: str, world: int) -> None:
+    """Settings that move no value (bit for bit): overlap_comm, at world 2 reduce_scatter (an all-reduce and a
+    reduce-scatter both add the two ranks' values, a + b == b + a; at world 4 they sum in other orders, another
+    rounding), stage 3's prefetch and live-parameter budget,
     hpZ (its backward gathers the forward's values again), where the optimizer state lives (memory, host,
     NVMe in sub-groups: the same kernel on the same elements), stage 3's parameter shards on NVMe, without
     qwZ (which leaves persistent parameters unquantized) stage 3's persistence threshold, and without
@@ -167,6 +169,8 @@ def vary_what_changes_no_value(config: dict, directory: str) -> None:
     DeepSpeed: other roundings)."""
     zero = config["zero_optimization"]
     zero["overlap_comm"] = not zero["overlap_comm"]
+    if world == 2 and not zero.get("zero_quantized_gradients"):  # qgZ reduces through its own all-to-all
+        zero["reduce_scatter"] = not zero["reduce_scatter"]
     if zero["stage"] < 3 and config["gradient_accumulation_steps"] == 1 and not zero.get("zero_quantized_gradients"):
         zero["stage"] = 3 - zero["stage"]
     if zero["stage"] == 3:
@@ -216,7 +220,7 @@ class Program:
         if zeropp:
             draw_zeropp(random.Random(seed + 13_000_019), self.config["zero_optimization"])
         if varied:
-            vary_what_changes_no_value(self.config, directory)
+            vary_what_changes_no_value(self.config, directory, world)
         self.reads: list[dict[str, torch.Tensor]] = []  # the full state at every check
         self.precision = precision
         if precision != "fp32":  # fp16: a dynamic loss scale starting low enough to skip some steps
