@@ -14,7 +14,7 @@ import pytest
 import torch
 import zerocore
 from _dist import run_ranks
-from test_zeropp import _qdq_pieces
+from test_zeropp import quantized_forward_values
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.dist]
 
@@ -102,11 +102,16 @@ def train_worker(rank: int, world: int, family: str, steps: int) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_hugging_face_family_trains_at_stage_3_as_the_unsharded_model(family):
+def require(family: str) -> None:
+    """Skips without transformers 5 or without the family's model class in the installed version."""
     transformers = pytest.importorskip("transformers", minversion="5")
     if not hasattr(transformers, FAMILIES[family][1]):
         pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[family][1]}")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_hugging_face_family_trains_at_stage_3_as_the_unsharded_model(family):
+    require(family)
     for failures in run_ranks(train_worker, 2, family, 3, timeout=240):
         assert not failures, "\n".join(failures)
 
@@ -132,18 +137,7 @@ def forward_values_worker(rank: int, world: int, family: str, group: int) -> lis
     with torch.no_grad():
         engine(**batch(2, rank))
     exact = engine.full_state_dict(rank0_only=False)
-    expected: dict[str, torch.Tensor] = {}
-    for unit in engine.stage3.units:
-        buffer = unit.buffer
-        flat = torch.zeros(buffer.full.numel())
-        for name, param, offset in zip(unit.spec.param_names, buffer.params, buffer.offsets):
-            flat[offset:offset + param.numel()] = exact[name].flatten()
-        shard = flat.numel() // world
-        cuts = sorted({c for p, o in zip(buffer.params, buffer.offsets) for c in (o, o + p.numel())})
-        values = torch.cat([_qdq_pieces(flat[r * shard:(r + 1) * shard], r * shard, cuts, 8, group)
-                            for r in range(world)])
-        for name, param, offset in zip(unit.spec.param_names, buffer.params, buffer.offsets):
-            expected[name] = values[offset:offset + param.numel()]
+    expected = quantized_forward_values(engine, exact, world, group)
     assert seen, "no module's forward ran"
     failures = []
     for name, value in seen.items():
@@ -158,8 +152,6 @@ def forward_values_worker(rank: int, world: int, family: str, group: int) -> lis
 
 @pytest.mark.parametrize("family", ["albert", "bart", "bloom", "gemma3", "mixtral", "qwen2moe"])
 def test_qwz_forward_sees_exactly_the_quantized_shards_in_a_hugging_face_family(family):
-    transformers = pytest.importorskip("transformers", minversion="5")
-    if not hasattr(transformers, FAMILIES[family][1]):
-        pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[family][1]}")
+    require(family)
     for failures in run_ranks(forward_values_worker, 4, family, 256, timeout=240):
         assert not failures, "\n".join(failures)

@@ -202,6 +202,29 @@ def test_qwz_gathers_int8_and_the_forward_sees_the_dequantized_shards():
         assert a["losses"] == b["losses"] and a["state"] == b["state"]
 
 
+def quantized_forward_values(engine, exact: dict[str, torch.Tensor], world: int, group: int,
+                             rank: int | None = None) -> dict[str, torch.Tensor]:
+    """What qwZ's forward must see of each unit's parameters (flattened, by the unit's names for them): the
+    unit's flat buffer of the ``exact`` values, each rank's shard quantized piece by piece (a group starts at
+    every parameter). With ``rank``, also checks that rank's shard of the exact values is its fp32 master."""
+    expected = {}
+    for unit in engine.stage3.units:
+        buffer = unit.buffer
+        flat = torch.zeros(buffer.full.numel())
+        for name, param, offset in zip(unit.spec.param_names, buffer.params, buffer.offsets):
+            flat[offset:offset + param.numel()] = exact[name].flatten()
+        shard = flat.numel() // world
+        if rank is not None:
+            (mine,) = buffer.optimizer_shards  # the state dict is exact: this rank's part of it is its master
+            assert torch.equal(flat[rank * shard:(rank + 1) * shard], mine.master)
+        cuts = sorted({c for p, o in zip(buffer.params, buffer.offsets) for c in (o, o + p.numel())})
+        values = torch.cat([_qdq_pieces(flat[r * shard:(r + 1) * shard], r * shard, cuts, 8, group)
+                            for r in range(world)])
+        for name, param, offset in zip(unit.spec.param_names, buffer.params, buffer.offsets):
+            expected[name] = values[offset:offset + param.numel()]
+    return expected
+
+
 def forward_values_worker(rank: int, world: int, group: int) -> bool:
     """Inside the forward, every parameter equals dequantize(quantize(its owner's shard)) of the unit's flat
     buffer, in groups that start at each parameter's first element (``group`` larger than the layout's
@@ -224,19 +247,9 @@ def forward_values_worker(rank: int, world: int, group: int) -> bool:
     for unit in engine.stage3.units:
         for shard in unit.buffer.optimizer_shards:
             masters[id(shard)] = shard.master.clone()
-    for unit in engine.stage3.units:
-        buffer = unit.buffer
-        flat = torch.zeros(buffer.full.numel())
-        for name, param, offset in zip(unit.spec.param_names, buffer.params, buffer.offsets):
-            flat[offset:offset + param.numel()] = exact[name].flatten()
-        shard = flat.numel() // world
-        (mine,) = buffer.optimizer_shards  # the state dict is exact: this rank's part of it is its fp32 master
-        assert torch.equal(flat[rank * shard:(rank + 1) * shard], mine.master)
-        cuts = sorted({c for p, o in zip(buffer.params, buffer.offsets) for c in (o, o + p.numel())})
-        expected = torch.cat([_qdq_pieces(flat[r * shard:(r + 1) * shard], r * shard, cuts, 8, group)
-                              for r in range(world)])
-        for name, param, offset in zip(unit.spec.param_names, buffer.params, buffer.offsets):
-            assert torch.equal(seen[name].flatten(), expected[offset:offset + param.numel()]), name
+    expected = quantized_forward_values(engine, exact, world, group, rank)
+    for name, value in expected.items():
+        assert torch.equal(seen[name].flatten(), value), name
     state = engine.full_state_dict(rank0_only=False)
     assert all(torch.equal(state[k], v) for k, v in exact.items())
     with zerocore.gathered(list(engine.module.parameters()), modifier_rank=0):
