@@ -139,14 +139,17 @@ def forward_values_worker(rank: int, world: int, family: str, group: int) -> lis
     exact = engine.full_state_dict(rank0_only=False)
     expected = quantized_forward_values(engine, exact, world, group)
     assert seen, "no module's forward ran"
+    # a tied or shared tensor is in the units once, under one of its names: each name's owner is the unit's
+    named = list(engine.module.named_parameters(remove_duplicate=False))
+    unit_name = {id(p): n for n, p in named if n in expected}
+    owner = {n: unit_name.get(id(p)) for n, p in named}
     failures = []
     for name, value in seen.items():
-        # a tied or shared tensor is in the units once, under one of its names
-        owners = [n for n in expected if n == name or torch.equal(exact[n].flatten(), exact[name].flatten())]
-        if not owners and torch.equal(value, exact[name]):
-            continue  # a parameter outside the units (persistent): gathered exact, never quantized
-        if not any(torch.equal(value.flatten().float(), expected[n]) for n in owners):
-            failures.append(f"{name}: not dequantize(quantize(shard)) of {owners or 'any unit'}")
+        if owner[name] is None:
+            if not torch.equal(value, exact[name]):  # outside the units (persistent): gathered exact
+                failures.append(f"{name}: outside the units, yet not its exact value")
+        elif not torch.equal(value.flatten().float(), expected[owner[name]]):
+            failures.append(f"{name}: not dequantize(quantize(shard)) of {owner[name]}")
     return failures
 
 
