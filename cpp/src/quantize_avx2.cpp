@@ -139,10 +139,18 @@ struct Rounder {
   // are 0x4B400000 + q), at most one off; r = xs - q * scale, exact or rounded where that cannot change the
   // decision (Note [Quantization arithmetic]). Returns t's bits.
   inline __m256i guess(__m256 x, __m256* r) const {
+    __m256 q;
+    return _mm256_castps_si256(guess_biased(x, magic, &q, r));
+  }
+
+  // guess's t with 1.5 * 2^23 + an even bias in place of 1.5 * 2^23 (still a sum rounded half to even to an
+  // integer: t = bias + 1.5 * 2^23 + q), q exactly as a float, and r. Returns t.
+  inline __m256 guess_biased(__m256 x, __m256 biased_magic, __m256* q, __m256* r) const {
     const __m256 xs = kLift ? _mm256_mul_ps(x, prescale) : x;
-    const __m256 t = _mm256_fmadd_ps(xs, inverse, magic);
-    *r = _mm256_fnmadd_ps(_mm256_sub_ps(t, magic), scale, xs);
-    return _mm256_castps_si256(t);
+    const __m256 t = _mm256_fmadd_ps(xs, inverse, biased_magic);
+    *q = _mm256_sub_ps(t, biased_magic);
+    *r = _mm256_fnmadd_ps(*q, scale, xs);
+    return t;
   }
 
   // K vectors' guesses, corrected: |r| < scale / 2 means q is right (nearly always), so one test on the largest
@@ -245,24 +253,80 @@ inline __m256i q_pairs_bf16(const void* input, int64_t i, const R& rounder) {
   return _mm256_or_si256(_mm256_and_si256(bits[0], keep), _mm256_slli_epi32(R::to_int(bits[1]), kShift));
 }
 
+// The fast path of a bf16 block, 16 elements: each pair (2j, 2j + 1)'s output bits in the low byte (int4) or
+// 16 bits (int8) of an int32, the rest of it zero, unless a guess may be off: `largest` takes the pairs' |r|
+// and the caller checks it once per block. The even element's t carries a bias of kBias * (1 + kShift), so
+// fma(q_odd, kShift, t_even) = 1.5 * 2^23 + (q_even + kBias) + kShift * (q_odd + kBias) exactly (an integer
+// below 2^24): both biased values lie in [1, 2 * kBias - 1], so neither borrows from the other, and xor with
+// kBias in each field turns them into two's complement. One FMA and one xor per pair, where shifting and
+// masking two q vectors took four.
+template <int kBits, typename R>
+inline __m256i pair_bits_bf16(const void* input, int64_t i, const R& rounder, __m256* largest) {
+  constexpr int kShift = kBits == 8 ? 256 : 16;
+  constexpr int kBias = kShift / 2;
+  constexpr int kBiasBits = kBias * (1 + kShift);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(input) + i));
+  const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  __m256 q_even, q_odd, r_even, r_odd;
+  const __m256 t_even =
+      rounder.guess_biased(even, _mm256_set1_ps(R::kMagic + static_cast<float>(kBiasBits)), &q_even, &r_even);
+  rounder.guess_biased(odd, rounder.magic, &q_odd, &r_odd);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  *largest = _mm256_max_ps(*largest, _mm256_max_ps(_mm256_andnot_ps(sign, r_even), _mm256_andnot_ps(sign, r_odd)));
+  const __m256 pair = _mm256_fmadd_ps(q_odd, _mm256_set1_ps(static_cast<float>(kShift)), t_even);
+  return _mm256_xor_si256(_mm256_castps_si256(pair), _mm256_set1_epi32(R::kMagicBits + kBiasBits));
+}
+
+// One bf16 block's 32 bytes of q, in order, if no guess in it may be off (true); else nothing written.
+template <int kBits, typename R>
+inline bool quantize_block_bf16_fast(const void* input, int64_t i, const R& rounder, __m256i* bytes) {
+  __m256 largest = _mm256_setzero_ps();
+  if constexpr (kBits == 8) {
+    const __m256i first = pair_bits_bf16<8>(input, i, rounder, &largest);
+    const __m256i second = pair_bits_bf16<8>(input, i + 2 * kLanes, rounder, &largest);
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(largest, rounder.half, _CMP_GE_OQ)) != 0, 0)) return false;
+    // per lane, pairs 4d..4d+3 of the first 16 elements, then of the second; the qwords in order
+    *bytes = _mm256_permute4x64_epi64(_mm256_packus_epi32(first, second), 0xD8);
+  } else {
+    __m256i p[4];
+    for (int k = 0; k < 4; ++k) p[k] = pair_bits_bf16<4>(input, i + k * 2 * kLanes, rounder, &largest);
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(largest, rounder.half, _CMP_GE_OQ)) != 0, 0)) return false;
+    // as pack_bytes_in_order, unsigned: each int32 is a byte 0..255
+    const __m256i lanes = _mm256_packus_epi16(_mm256_packus_epi32(p[0], p[1]), _mm256_packus_epi32(p[2], p[3]));
+    *bytes = _mm256_permutevar8x32_epi32(lanes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+  return true;
+}
+
+// One bf16 block's 32 bytes of q, in order, each guess corrected where it may be off: the rare case of
+// quantize_block_bf16_fast (a tie, or a product within fp32 rounding of one), out of line so that the fast
+// loop keeps its registers.
+template <int kBits, typename R>
+__attribute__((noinline)) __m256i quantize_block_bf16_exact(const void* input, int64_t i, const R& rounder) {
+  if constexpr (kBits == 8) {
+    // Per lane, pairs 4d..4d+3 of the first 16 elements, then of the second; the qwords in order.
+    const __m256i first = q_pairs_bf16<8>(input, i, rounder);
+    const __m256i second = q_pairs_bf16<8>(input, i + 2 * kLanes, rounder);
+    return _mm256_permute4x64_epi64(_mm256_packs_epi32(first, second), 0xD8);
+  } else {
+    __m256i p[4];
+    for (int k = 0; k < 4; ++k) p[k] = q_pairs_bf16<4>(input, i + k * 2 * kLanes, rounder);
+    return pack_bytes_in_order(p[0], p[1], p[2], p[3]);
+  }
+}
+
 // One block's 32 bytes of q, in order.
 template <ScalarType kIn, int kBits, typename R>
 inline __m256i quantize_block(const void* input, int64_t i, const R& rounder) {
-  // Two fp32 vectors at a time: four, with their r and q, spilled some of AVX2's 16 registers (on the AVX2-only
-  // EPYC VM, one thread, in L2, three alternating runs: from fp32 int8 33.4 -> 36.5 GB/s, int4 25.0 -> 27.4;
-  // from bf16 +2%).
   if constexpr (kIn == ScalarType::kBFloat16) {
-    if constexpr (kBits == 8) {
-      // Per lane, pairs 4d..4d+3 of the first 16 elements, then of the second; the qwords in order.
-      const __m256i first = q_pairs_bf16<8>(input, i, rounder);
-      const __m256i second = q_pairs_bf16<8>(input, i + 2 * kLanes, rounder);
-      return _mm256_permute4x64_epi64(_mm256_packs_epi32(first, second), 0xD8);
-    } else {
-      __m256i p[4];
-      for (int k = 0; k < 4; ++k) p[k] = q_pairs_bf16<4>(input, i + k * 2 * kLanes, rounder);
-      return pack_bytes_in_order(p[0], p[1], p[2], p[3]);
-    }
+    __m256i bytes;
+    if (__builtin_expect(quantize_block_bf16_fast<kBits>(input, i, rounder, &bytes), 1)) return bytes;
+    return quantize_block_bf16_exact<kBits>(input, i, rounder);
   } else {
+    // Two fp32 vectors at a time: four, with their r and q, spilled some of AVX2's 16 registers (on the
+    // AVX2-only EPYC VM, one thread, in L2, three alternating runs: from fp32 int8 33.4 -> 36.5 GB/s, int4
+    // 25.0 -> 27.4).
     auto q32 = [&](int64_t at) {
       __m256i bits[4];
       for (int half = 0; half < 2; ++half) {
