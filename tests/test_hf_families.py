@@ -14,6 +14,7 @@ import pytest
 import torch
 import zerocore
 from _dist import run_ranks
+from _forward_values import recorded_forward_values
 from test_zeropp import quantized_forward_values
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.dist]
@@ -127,15 +128,9 @@ def forward_values_worker(rank: int, world: int, family: str, group: int) -> lis
     for step in range(2):  # trained: scales no longer those of the initial values
         engine.backward(engine(**batch(step, rank)).loss)
         engine.step()
-    seen: dict[str, torch.Tensor] = {}
-    for name, module in engine.module.named_modules():
-        if next(module.parameters(recurse=False), None) is not None:
-            module.register_forward_pre_hook(
-                lambda m, args, kwargs, prefix=f"{name}." if name else "": seen.update(
-                    {prefix + k: p.detach().clone() for k, p in m.named_parameters(recurse=False)}),
-                with_kwargs=True)
-    with torch.no_grad():
-        engine(**batch(2, rank))
+    with recorded_forward_values(engine.module) as seen:
+        with torch.no_grad():
+            engine(**batch(2, rank))
     exact = engine.full_state_dict(rank0_only=False)
     expected = quantized_forward_values(engine, exact, world, group)
     assert seen, "no module's forward ran"

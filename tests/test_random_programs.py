@@ -37,6 +37,7 @@ from torch import nn
 import zerocore
 from zerocore._model_checks import all_gather_json
 from _dist import run_ranks
+from _forward_values import recorded_forward_values
 from _parity import ReferencePair, as_dtype
 
 pytestmark = pytest.mark.timeout(600)
@@ -362,16 +363,10 @@ class Program:
     def eval(self) -> None:
         self.engine.eval()
         x, _ = batch(self.step, self.rank, 9)
-        seen: dict[str, torch.Tensor] = {}  # ZeRO++: the values each module's forward ran with (as gathered)
-        hooks = [module.register_forward_pre_hook(lambda m, args, prefix=prefix: seen.update(
-                     {f"{prefix}.{k}": p.detach().clone() for k, p in m.named_parameters(recurse=False)}))
-                 for prefix, module in self.engine.module.named_modules() if prefix and self.zeropp]
-        try:
+        # ZeRO++: the values each module's forward ran with (as gathered)
+        with recorded_forward_values(self.engine.module, lambda module: self.zeropp) as seen:
             with torch.no_grad():
                 out, expected = self.engine(x.to(self.dtype)).float(), self.reference.fp32(x)
-        finally:
-            for hook in hooks:
-                hook.remove()
         self.engine.train()
         if self.releases.random() < 0.5:  # DeepSpeed's call after an evaluation: stage 3's whole units go
             self.engine.empty_partition_cache()

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
+from _forward_values import recorded_forward_values
 from zerocore import _C
 from zerocore._topology import build_topology
 
@@ -234,14 +235,9 @@ def forward_values_worker(rank: int, world: int, group: int) -> bool:
     engine = zerocore.initialize(Net(), _config(3, "fp32", zero_quantized_weights=True,
                                                 zero_quantization_group_size=group))
     _train(engine, rank, 1)  # units still whole from initialize have released: every one is gathered anew
-    seen = {}
-    for name, module in engine.module.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            module.register_forward_pre_hook(
-                lambda m, args, name=name: seen.update({f"{name}.{k}": p.detach().clone()
-                                                         for k, p in m.named_parameters(recurse=False)}))
-    with torch.no_grad():
-        engine(torch.randint(0, 40, (2, 3)))
+    with recorded_forward_values(engine.module, lambda m: isinstance(m, (nn.Linear, nn.Embedding))) as seen:
+        with torch.no_grad():
+            engine(torch.randint(0, 40, (2, 3)))
     exact = engine.full_state_dict(rank0_only=False)  # the exact values, never the quantized ones
     masters = {}
     for unit in engine.stage3.units:
