@@ -4,6 +4,8 @@ shards, on one machine pretending to be nodes of 2 ranks; and the engine's qwZ, 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -270,6 +272,68 @@ def test_qgz_reduces_int4_across_two_nodes_and_trains_like_the_exact_reduction()
         bf16_ring = reduce["logical_elements"] * 2 * 3 / 4  # what a bf16 reduce-scatter sends per rank at world 4
         assert reduce["algorithm_bytes"] <= 0.30 * bf16_ring, reduce
         assert b["report"]["algorithms"]["reduce_scatter"] == "hierarchical"
+
+
+def qgz_gradients_worker(rank: int, world: int, stage: int) -> list[str]:
+    """The gradients a qgZ step applies (safe_get_full_grad, between backward and step) against every rank's
+    local gradients from an unsharded copy, prescaled by 1 / world as the reducer does and reduced explicitly:
+    per bucket and shard, int4 quantize-dequantize and sum within each node, then again across the nodes, a
+    group starting at every parameter. Several buckets per buffer; at stage 3 one buffer per unit."""
+    from zerocore.deepspeed.utils import safe_get_full_grad
+
+    torch.manual_seed(0)
+    model = Net()
+    local = copy.deepcopy(model)
+    group = 256  # above the layout's 64-element alignment, so that groups would span parameters without the cuts
+    engine = zerocore.initialize(model, _config(stage, "fp32", zero_quantized_gradients=True, reduce_bucket_size=700,
+                                                zero_quantization_group_size=group))
+    g = torch.Generator().manual_seed(rank)
+    tokens, target = torch.randint(0, 40, (8, 6), generator=g), torch.randint(0, 40, (8,), generator=g)
+    nn.functional.cross_entropy(local(tokens), target).backward()
+    engine.backward(nn.functional.cross_entropy(engine(tokens).float(), target))
+    names, sizes = zip(*[(n, p.numel()) for n, p in local.named_parameters()])
+    every = [torch.empty(sum(sizes)) for _ in range(world)]
+    dist.all_gather(every, torch.cat([p.grad.flatten() for p in local.parameters()]))
+    local_grads = [dict(zip(names, flat.split(sizes))) for flat in every]
+    node_size = 2
+    failures = []
+    for buffer in engine.buffers:
+        layout = buffer.layout
+        flats = []
+        for grads in local_grads:
+            flat = torch.zeros(layout.total_size)
+            for name, param, offset in zip(buffer.names, buffer.params, buffer.offsets):
+                flat[offset:offset + param.numel()] = grads[name] / world
+            flats.append(flat)
+        expected = torch.zeros(layout.total_size)
+        for bucket, cuts in enumerate(layout.bucket_cuts()):
+            start = layout.buckets[bucket].flat_start
+            for owner in range(world):
+                a, e = layout.shard_range(bucket, owner)
+                if a == e:
+                    continue
+                total = torch.zeros(e - a)
+                for node in range(world // node_size):
+                    partial = torch.zeros(e - a)
+                    for r in range(node * node_size, (node + 1) * node_size):
+                        partial += _qdq_pieces(flats[r][a:e], a - start, cuts, 4, group)
+                    total += _qdq_pieces(partial, a - start, cuts, 4, group)
+                expected[a:e] = total
+        if layout.num_buckets < 2 and stage == 2:
+            failures.append(f"{buffer.label}: one bucket, the test wants several")
+        for name, param, offset in zip(buffer.names, buffer.params, buffer.offsets):
+            grad = safe_get_full_grad(param)
+            if not torch.equal(grad.flatten(), expected[offset:offset + param.numel()]):
+                far = float((grad.flatten() - expected[offset:offset + param.numel()]).abs().max())
+                failures.append(f"{name}: not the explicit two-stage int4 reduction (max difference {far:.3g})")
+    engine.step()
+    return failures
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_qgz_step_applies_exactly_the_explicitly_quantized_reduction(stage):
+    for failures in run_ranks(qgz_gradients_worker, 4, stage, timeout=180):
+        assert not failures, "\n".join(failures)
 
 
 def test_all_three_at_stage_3_train_like_none():
