@@ -5,6 +5,7 @@ shards, on one machine pretending to be nodes of 2 ranks; and the engine's qwZ, 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -37,6 +38,20 @@ def _qdq_pieces(values: torch.Tensor, begin: int, cuts: list[int], bits: int, gr
     return torch.cat([_qdq(values[a:b], bits, group) for a, b in zip(starts, starts[1:])])
 
 
+def _two_stage_int4(contributions: list[torch.Tensor], node_size: int, begin: int = 0, cuts: Sequence[int] = (),
+                    group: int = GROUP) -> torch.Tensor:
+    """qgZ's reduction of one shard, explicitly: each rank's fp32 contribution (in rank order) int4 quantized and
+    dequantized and summed within its node, then each node's sum again, summed across the nodes; a group starts
+    at every cut (the shard begins at ``begin`` of the bucket the cuts are in)."""
+    total = torch.zeros_like(contributions[0])
+    for node in range(len(contributions) // node_size):
+        partial = torch.zeros_like(contributions[0])
+        for contribution in contributions[node * node_size:(node + 1) * node_size]:
+            partial += _qdq_pieces(contribution, begin, cuts, 4, group)
+        total += _qdq_pieces(partial, begin, cuts, 4, group)
+    return total
+
+
 def _bucket(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * seed + rank)
     return (torch.randn(numel, generator=g) * (1 + rank)).to(dtype)
@@ -58,14 +73,8 @@ def collectives_worker(rank: int, world: int, node_size: int) -> dict:
         # reduce-scatter: stage one sums the node's int4 contributions, stage two the nodes' int4 partials
         bucket = _bucket(rank, numel, dtype, seed + 50)
         comm.reduce_scatter(bucket, seed).wait()
-        nodes = world // node_size
         me = slice(rank * shard, (rank + 1) * shard)
-        total = torch.zeros(shard)
-        for n in range(nodes):
-            partial = torch.zeros(shard)
-            for local in range(node_size):
-                partial += _qdq(_bucket(n * node_size + local, numel, dtype, seed + 50)[me].float(), 4)
-            total += _qdq(partial, 4)
+        total = _two_stage_int4([_bucket(r, numel, dtype, seed + 50)[me].float() for r in range(world)], node_size)
         assert torch.equal(bucket[me], total.to(dtype)), (shard, dtype, bucket[me], total)
     # with cuts (where the bucket's parameters begin and end), groups also start at every cut in a shard; a
     # piece of odd length, a piece inside one group, and a cut on a shard's edge
@@ -81,12 +90,8 @@ def collectives_worker(rank: int, world: int, node_size: int) -> dict:
     bucket = _bucket(rank, numel, dtype, 77)
     comm.reduce_scatter(bucket, 77, cuts=cuts).wait()
     me = slice(rank * shard, (rank + 1) * shard)
-    total = torch.zeros(shard)
-    for n in range(world // node_size):
-        partial = torch.zeros(shard)
-        for local in range(node_size):
-            partial += _qdq_pieces(_bucket(n * node_size + local, numel, dtype, 77)[me].float(), rank * shard, cuts, 4)
-        total += _qdq_pieces(partial, rank * shard, cuts, 4)
+    total = _two_stage_int4([_bucket(r, numel, dtype, 77)[me].float() for r in range(world)], node_size,
+                            rank * shard, cuts)
     assert torch.equal(bucket[me], total.to(dtype)), "cuts"
     with pytest.raises(ValueError, match="cuts must be increasing"):
         comm.reduce_scatter(bucket, 78, cuts=[5, 5])
@@ -312,13 +317,7 @@ def qgz_gradients_worker(rank: int, world: int, stage: int) -> list[str]:
                 a, e = layout.shard_range(bucket, owner)
                 if a == e:
                     continue
-                total = torch.zeros(e - a)
-                for node in range(world // node_size):
-                    partial = torch.zeros(e - a)
-                    for r in range(node * node_size, (node + 1) * node_size):
-                        partial += _qdq_pieces(flats[r][a:e], a - start, cuts, 4, group)
-                    total += _qdq_pieces(partial, a - start, cuts, 4, group)
-                expected[a:e] = total
+                expected[a:e] = _two_stage_int4([flat[a:e] for flat in flats], node_size, a - start, cuts, group)
         if layout.num_buckets < 2 and stage == 2:
             failures.append(f"{buffer.label}: one bucket, the test wants several")
         for name, param, offset in zip(buffer.names, buffer.params, buffer.offsets):
