@@ -10,9 +10,10 @@ windows, evaluation (also inside a window; after one, maybe empty_partition_cach
 same engine, a resume into a fresh engine, writes inside gathered(), lr writes, zero_grad(), forwards that
 raise on every rank or on one (caught, the batch skipped, as the README asks), a parameter frozen for a
 window, a block every rank or one rank skips, and state reads. The engine's parameters must stay within the
-fp32 reference's rounding noise of the float64 run (tests/_parity.py) after every read and at the end, and
-the same program run again with settings that change no value (overlap, prefetch, where the optimizer state
-and stage 3's parameter shards live) must read the same, bit for bit.
+fp32 references' rounding noise of the float64 run (tests/_parity.py; two references, one backpropagating each
+window's loss at once and one each rank's micro-batches on their own) after every read and at the end, and the
+same program run again with settings that change no value (overlap, prefetch, where the optimizer state and
+stage 3's parameter shards live) must read the same, bit for bit.
 
 With ZeRO++ (world 4 as 2 nodes of 2) quantization moves the values, so a program is held to what it still
 fixes: the ranks in lockstep, save and load changing nothing, evaluation on the parameters' values to within
@@ -234,7 +235,8 @@ class Program:
         torch.manual_seed(seed)
         self.model = Net(features=self.features)
         self.reference = ReferencePair(self.model, lambda m: torch.optim.AdamW(
-            param_groups(m), lr=params["lr"], weight_decay=params["weight_decay"], betas=(0.9, 0.99), foreach=False))
+            param_groups(m), lr=params["lr"], weight_decay=params["weight_decay"], betas=(0.9, 0.99), foreach=False),
+            piecewise=True)
         for replica in self.reference.models:
             replica.rank = -1
         self.initial = {name: value.clone() for name, value in self.model.state_dict().items()}
@@ -328,17 +330,24 @@ class Program:
         self.engine.set_gradient_accumulation_boundary(None)
 
     def _reference_window(self, micro_batches: int, skip: tuple[int | str, int] | None = None) -> None:
-        def loss_of(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-            total = 0
+        def losses(module: nn.Module, dtype: torch.dtype) -> list[torch.Tensor]:
+            pieces = []
             for rank in range(self.world):
                 module.skip = None if skip is None or skip[0] not in ("all", rank) else ("all", skip[1])
                 for micro in range(micro_batches):
                     x, y = batch(self.step, rank, micro)
-                    total = total + F.mse_loss(module(as_dtype(x, dtype)), as_dtype(y, dtype))
+                    pieces.append(F.mse_loss(module(as_dtype(x, dtype)), as_dtype(y, dtype)))
             module.skip = None
+            return pieces
+
+        def loss_of(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+            total = 0
+            for piece in losses(module, dtype):
+                total = total + piece
             return total / (micro_batches * self.world)
 
-        self.reference.train_step(loss_of, clip=self.config["gradient_clipping"])
+        self.reference.train_step(loss_of, clip=self.config["gradient_clipping"], pieces_of=lambda module, dtype: [
+            piece / (micro_batches * self.world) for piece in losses(module, dtype)])
         self.step += 1
 
     def window(self) -> None:
