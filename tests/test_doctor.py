@@ -114,6 +114,25 @@ def test_a_bad_config_is_a_failed_check_and_bad_ranks_raise():
         doctor(None, world_size=2, local_world_size=3)
 
 
+def test_a_hugging_face_trainer_config_is_planned_with_its_precision_and_hidden_size(tmp_path):
+    """A Trainer's config ("auto" lr, clipping, batch sizes, precision, buckets): the plan needs only the
+    precision and the hidden size, as the estimate's command line (tests/test_estimate.py); its plan is then the
+    one of the config as the Trainer fills it in."""
+    from test_estimate import HF_ZERO3, _filled_as_the_trainer_would
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    refused = by_name(doctor(str(path), params=10**6, world_size=8))["config"]
+    assert refused["status"] == "fail" and "--bf16, --fp16 or --fp32" in refused["detail"]
+    assert "--hidden-size" in refused["detail"] and "optimizer.params.lr" not in refused["detail"]
+    planned = doctor(str(path), params=10**6, world_size=8, precision="fp16", hidden_size=64)
+    assert "config" not in by_name(planned)
+    filled = doctor(_filled_as_the_trainer_would(64, bf16=False, fp16=True), params=10**6, world_size=8)
+    assert planned["plan"]["compute_dtype"] == "float16" and planned["plan"]["bytes"] == filled["plan"]["bytes"]
+    with pytest.raises(ValueError, match="precision must be one of bf16, fp16, fp32"):
+        doctor(HF_ZERO3, precision="int8")
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zerocore.doctor", *args], capture_output=True, text=True,
                           timeout=240)

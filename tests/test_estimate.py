@@ -275,3 +275,83 @@ def test_one_element_sub_groups_of_a_7b_model_are_planned_without_building_them(
                                     "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}
     report = zerocore.estimate_memory(7e9, config, 8)  # billions of sub-groups: built one by one, it ran for hours
     assert report["nvme_file_bytes"] >= 7e9 / 8 * 2 * 4096  # each state of each element 4 KiB aligned
+
+
+# Hugging Face's published ZeRO-3 config (transformers' DeepSpeed docs), "auto" wherever the Trainer fills in;
+# its parameter offload to the CPU left out (zerocore refuses it on a GPU: offload_param nvme or none there).
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "overlap_comm": True,
+                          "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def _filled_as_the_trainer_would(hidden: int, bf16: bool, fp16: bool) -> dict:
+    """HF_ZERO3 as a Trainer at world 8 with lr 3e-5, clipping 0.5, 4 accumulation steps, ... hands it to DeepSpeed."""
+    config = json.loads(json.dumps(HF_ZERO3))
+    config["fp16"]["enabled"], config["bf16"]["enabled"] = fp16, bf16
+    config["optimizer"]["params"] = {"lr": 3e-5, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+    config["scheduler"]["params"] = {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 100,
+                                     "total_num_steps": 1000}
+    config["zero_optimization"].update(reduce_bucket_size=hidden * hidden,
+                                       stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
+                                       stage3_param_persistence_threshold=10 * hidden)
+    config.update(gradient_accumulation_steps=4, gradient_clipping=0.5, train_micro_batch_size_per_gpu=2,
+                  train_batch_size=64)
+    return config
+
+
+@pytest.mark.parametrize("flag,bf16,fp16", [("--bf16", True, False), ("--fp16", False, True),
+                                            ("--fp32", False, False)])
+def test_cli_reads_a_hugging_face_trainer_config_as_it_is(flag, bf16, fp16, tmp_path, capsys):
+    """Finding: `python -m zerocore.estimate --config ds.json` refused the config a Trainer user has, naming its
+    "auto" lr, clipping, accumulation steps and scheduler steps, none of which changes a byte; the estimate
+    now equals the one of the config as the Trainer fills it in, with --hidden-size for the bucket sizes and a
+    precision flag for the "auto" precision."""
+    from zerocore.estimate import main
+
+    path = tmp_path / "ds_config_zero3.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    assert main(["--params", "7e9", "--world", "8", "--config", str(path), flag, "--hidden-size", "4096",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    expected = zerocore.estimate_memory(7 * 10**9, _filled_as_the_trainer_would(4096, bf16, fp16), 8,
+                                        device="cuda")
+    assert result["compute_dtype"] == {"--bf16": "bfloat16", "--fp16": "float16", "--fp32": "float32"}[flag]
+    assert result["bytes"] == expected["bytes"] and result["total_bytes"] == expected["total_bytes"]
+    assert result["optimizer_placement"] == "cpu" and result["bytes"]["params"] > 0
+
+
+def test_cli_names_what_a_trainer_config_still_needs(tmp_path, capsys):
+    from zerocore.estimate import main
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    assert main(["--params", "7e9", "--world", "8", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert 'bf16.enabled and fp16.enabled: "auto"' in err and "pass --bf16, --fp16 or --fp32" in err
+    assert "zero_optimization.reduce_bucket_size" in err and "pass --hidden-size" in err
+    assert "optimizer.params.lr" not in err and "gradient_clipping" not in err
+    # the batch sizes still follow DeepSpeed's rule: 30 is not 4 * gas * 8 for any gas
+    path.write_text(json.dumps({**HF_ZERO3, "train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}))
+    assert main(["--params", "7e9", "--world", "8", "--config", str(path), "--bf16", "--hidden-size", "64"]) == 2
+    assert "train_batch_size" in capsys.readouterr().err
+
+
+def test_every_training_argument_auto_is_either_a_placeholder_or_the_precision():
+    """A Trainer "auto" added to _hf_auto's list must be decided here: memory-neutral (a placeholder) or not."""
+    from zerocore._hf_auto import _TRAINING_ARGUMENTS, TRAINING_ONLY_PLACEHOLDERS
+
+    assert set(_TRAINING_ARGUMENTS) == set(TRAINING_ONLY_PLACEHOLDERS) | {"bf16.enabled", "fp16.enabled"}

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ._estimate_cli import _parse_count
+from ._estimate_cli import _parse_count, add_planning_arguments
 from .doctor import doctor
 
 _MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}
@@ -52,11 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nvme-path", action="append", default=[], help="another directory to probe (repeatable)")
     parser.add_argument("--probe-size", type=_parse_size, default=256 << 20,
                         help="bytes written and read back per directory (default 256M)")
+    add_planning_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
     args = parser.parse_args(argv)
     try:
         result = doctor(args.config, params=args.params, world_size=args.world, local_world_size=args.local_world,
-                        nvme_paths=args.nvme_path, probe_bytes=args.probe_size)
+                        nvme_paths=args.nvme_path, probe_bytes=args.probe_size, precision=args.precision,
+                        hidden_size=args.hidden_size)
     except ValueError as error:
         parser.error(str(error))
     if args.json:

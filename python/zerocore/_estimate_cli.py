@@ -10,11 +10,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ._deepspeed_json import load_json
+from ._hf_auto import PRECISIONS, for_planning
 from .config import ZeroConfig
 from .estimate import INT64_MAX, estimate_memory
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-
 
 def _parse_count(text: str) -> int:
     """``7e9``, ``7B``, ``6.7b``, ``7_000_000_000``."""
@@ -28,6 +29,17 @@ def _parse_count(text: str) -> int:
     if not 1 <= value <= INT64_MAX or value != int(value):  # inf and nan fail the range before int() sees them
         raise argparse.ArgumentTypeError(f"not a whole number of parameters in [1, 2**63 - 1]: {text!r}")
     return int(value)
+
+
+def add_planning_arguments(parser: argparse.ArgumentParser) -> None:
+    """--bf16 / --fp16 / --fp32 and --hidden-size: what a Hugging Face Trainer's config leaves "auto" and a plan
+    needs (the estimate's and the doctor's command lines)."""
+    precision = parser.add_mutually_exclusive_group()
+    for name in PRECISIONS:
+        what = "fp32 compute (no bf16, no fp16)" if name == "fp32" else f"{name} compute"
+        precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
+                               help=f"override: {what}; needed where the config's precision is \"auto\"")
+    parser.add_argument("--hidden-size", type=int, help="the model's hidden size, for 'auto' bucket sizes")
 
 
 def _gib(nbytes: int) -> str:
@@ -61,27 +73,27 @@ def _table(result: dict[str, Any], params: int) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m zerocore.estimate",
-        description="Per-rank memory of a zerocore ZeRO run, planned by the engine's own layout code.")
+        description="Per-rank memory of a zerocore ZeRO run, planned by the engine's own layout code. A Hugging "
+                    "Face Trainer's DeepSpeed config is read as it is: its \"auto\" training arguments (lr, "
+                    "clipping, ...) change no byte; an \"auto\" precision needs --bf16, --fp16 or --fp32 and \"auto\" "
+                    "bucket sizes --hidden-size.")
     parser.add_argument("--params", type=_parse_count, required=True,
                         help="trainable parameters (7e9, 7B): one flat tensor, so padding is a lower bound")
     parser.add_argument("--world", type=int, required=True, help="data-parallel ranks")
     parser.add_argument("--config", help="a DeepSpeed JSON config (default: zerocore's defaults, stage 1 fp32)")
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), help="override zero_optimization.stage")
-    parser.add_argument("--bf16", action="store_true", help="override: bf16 compute")
     parser.add_argument("--device", default="cuda", help="where the engine runs: cuda (default) or cpu")
     parser.add_argument("--rank", type=int, help="report this rank (default: the largest of any rank)")
-    parser.add_argument("--hidden-size", type=int, help="the model's hidden size, for 'auto' bucket sizes")
+    add_planning_arguments(parser)
     parser.add_argument("--no-strict", action="store_true", help="ignore unsupported DeepSpeed keys (warns)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     try:
-        config = ZeroConfig.from_deepspeed(args.config if args.config else {}, strict=not args.no_strict,
-                                           hidden_size=args.hidden_size)
+        data = for_planning(load_json(args.config) if args.config else {}, args.precision, args.hidden_size)
+        config = ZeroConfig.from_deepspeed(data, strict=not args.no_strict, hidden_size=args.hidden_size)
         if args.stage is not None:
             config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
                 config.zero_optimization, stage=args.stage))
-        if args.bf16:
-            config = dataclasses.replace(config, bf16=True)
         result = estimate_memory(args.params, config, args.world, args.rank, device=args.device,
                                  hidden_size=args.hidden_size)
     except (ValueError, OSError) as error:

@@ -14,11 +14,15 @@ lr. The rest come from the user's ``TrainingArguments``, which zerocore does not
 every such key and the training argument it stands for. Any other ``"auto"`` in ``zero_optimization`` (and its
 offload sections) the Trainer leaves as it is, and DeepSpeed's config models read it as the key's default: there
 it counts as absent (_deepspeed_json.py), but for ``stage``, whose DeepSpeed default is no ZeRO at all.
+A memory plan (``python -m zerocore.estimate``, the doctor) needs none of the training arguments but the
+precision: ``for_planning`` stands placeholders in for the others, and the caller names the precision and,
+for the bucket sizes, the hidden size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +65,64 @@ _TRAINING_ARGUMENTS = {
 FROM_HIDDEN = {"reduce_bucket_size": ("h^2", lambda h: h * h),
                 "stage3_prefetch_bucket_size": ("0.9 h^2", lambda h: int(0.9 * h * h)),
                 "stage3_param_persistence_threshold": ("10 h", lambda h: 10 * h)}
+
+
+# The "auto" values a Hugging Face Trainer fills in from its TrainingArguments that change no byte a rank holds:
+# a memory plan reads a Trainer's config as it is, these standing in (initialize() still asks for the real
+# ones). The precision ("auto" bf16 / fp16) does change the bytes: the caller says which.
+TRAINING_ONLY_PLACEHOLDERS: dict[str, Any] = {
+    "optimizer.params.lr": 1e-3,
+    "optimizer.params.betas": [0.9, 0.999],
+    "optimizer.params.eps": 1e-8,
+    "optimizer.params.weight_decay": 0.0,
+    "gradient_clipping": 1.0,
+    "gradient_accumulation_steps": 1,
+    "scheduler.params.warmup_max_lr": 1e-3,
+    "scheduler.params.warmup_num_steps": 1,
+    "scheduler.params.total_num_steps": 1,
+}
+PRECISIONS = {"bf16": (True, False), "fp16": (False, True), "fp32": (False, False)}  # (bf16, fp16) enabled
+
+
+def for_planning(data: Any, precision: str | None, hidden_size: int | None) -> Any:
+    """For a memory plan (the estimate's and the doctor's): a copy of a DeepSpeed config with the Trainer's
+    memory-neutral "auto" values filled in and ``precision`` ("bf16", "fp16", "fp32" or None) applied; a
+    ValueError names what the caller must still say (the precision, the hidden size)."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} or None, got {precision!r}")
+    if not isinstance(data, dict):
+        return data  # from_deepspeed names what is wrong with it
+    data = json.loads(json.dumps(data))  # a deep copy of plain JSON
+    for path, placeholder in TRAINING_ONLY_PLACEHOLDERS.items():
+        *sections, key = path.split(".")
+        section = data
+        for name in sections:
+            section = section.get(name) if isinstance(section, dict) else None
+        if not isinstance(section, dict) or section.get(key) != "auto":
+            continue
+        if key == "gradient_accumulation_steps" and any(
+                isinstance(data.get(n), (int, float)) for n in ("train_batch_size", "train_micro_batch_size_per_gpu")):
+            continue  # DeepSpeed's batch-size rule derives it (an inconsistent config must still fail)
+        section[key] = placeholder
+    problems = []
+    if precision is not None:
+        for name, enabled in zip(("bf16", "fp16"), PRECISIONS[precision]):
+            section = data.get(name)
+            data[name] = {**(section if isinstance(section, dict) else {}), "enabled": enabled}
+    else:
+        auto = [f"{name}.enabled" for name in ("bf16", "fp16")
+                if isinstance(data.get(name), dict) and data[name].get("enabled") == "auto"]
+        if auto:
+            problems.append(f'{" and ".join(auto)}: "auto" (the Trainer\'s --bf16 / --fp16): pass --bf16, --fp16 or '
+                            "--fp32 (precision=) to say which precision to plan")
+    zero = data.get("zero_optimization")
+    auto = [f"zero_optimization.{name}" for name in FROM_HIDDEN if isinstance(zero, dict) and zero.get(name) == "auto"]
+    if auto and hidden_size is None:
+        problems.append(f'{", ".join(auto)}: "auto" (the Trainer derives them from the model\'s hidden size): pass '
+                        "--hidden-size (hidden_size=; the model's config.hidden_size)")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return data
 
 
 def _is_auto(value: Any) -> bool:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._deepspeed_json import load_json
+from ._hf_auto import PRECISIONS, for_planning
 from ._info import build_info, cpu_cores
 from ._native import _C
 from ._nvme_state import NamelessFile
@@ -54,7 +56,8 @@ class Check:
 
 def doctor(config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
            params: int | nn.Module | None = None, world_size: int | None = None, local_world_size: int | None = None,
-           nvme_paths: Iterable[str] = (), probe_bytes: int = 256 << 20) -> dict[str, Any]:
+           nvme_paths: Iterable[str] = (), probe_bytes: int = 256 << 20, precision: str | None = None,
+           hidden_size: int | None = None) -> dict[str, Any]:
     """Checks this machine for ``config`` (Note [Doctor]).
 
     Args:
@@ -66,14 +69,19 @@ def doctor(config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | Non
         local_world_size: ranks on this machine (default: ``LOCAL_WORLD_SIZE``, else ``world_size``).
         nvme_paths: more directories to probe.
         probe_bytes: bytes written to and read back from each directory (rounded up to 4 KiB).
+        precision, hidden_size: for a Hugging Face Trainer's DeepSpeed config (dict or path), whose "auto"
+            training arguments (lr, clipping, ...) change no byte of the plan: "bf16", "fp16" or "fp32" overrides
+            its precision (and settles an "auto" one), ``hidden_size`` gives its "auto" bucket sizes.
 
     Returns:
         ``{"ok": no check failed, "checks": [{"name", "status", "detail"}], "disks": {path: measurements},
         "cpu": {...}, "gpus": [per visible GPU: memory and pinned copy GB/s], "plan": estimate_memory's result
         or None, "prediction": {...} or None}``.
     """
+    if precision is not None and precision not in PRECISIONS:  # the caller's argument, not the config's
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} or None, got {precision!r}")
     checks: list[Check] = []
-    parsed = _read_config(config, checks)
+    parsed = _read_config(config, checks, precision, hidden_size)
     world = int(world_size or os.environ.get("WORLD_SIZE", 1))
     local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", 0) or world)
     if world < 1 or not 1 <= local <= world:
@@ -97,11 +105,13 @@ def doctor(config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | Non
             "cpu": cpu, "gpus": gpus, "plan": plan, "prediction": prediction}
 
 
-def _read_config(config: Any, checks: list[Check]) -> ZeroConfig | None:
+def _read_config(config: Any, checks: list[Check], precision: str | None,
+                 hidden_size: int | None) -> ZeroConfig | None:
     if config is None or isinstance(config, ZeroConfig):
         return config
     try:
-        return ZeroConfig.from_deepspeed(config)
+        data = load_json(config) if isinstance(config, (str, os.PathLike)) else config
+        return ZeroConfig.from_deepspeed(for_planning(data, precision, hidden_size), hidden_size=hidden_size)
     except (ValueError, TypeError, OSError) as error:
         checks.append(Check("config", "fail", str(error)))
         return None
