@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a lent device machine (see README "GPU check"): build with the CUDA kernels,
 # run the CUDA tests (kernels, and the engine on NCCL against the fp32/float64 reference), the GPU Adam
-# benchmark, and the demo on NCCL (world size 1, bf16, stages 1-3).
+# benchmark, the offload copies benchmark, and the demo on NCCL (world size 1, bf16, stages 1-3).
 # Prints a short table last. Logs go to $OUT when set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +64,11 @@ step "GPU Adam benchmark"
 python3 bench/gpu_adam.py --params 1e9 --json-out "$OUT/gpu_adam.json" 2>&1 | tee "$OUT/gpu_adam.log" | tail -12
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+step "offload copies benchmark (offload_optimizer: cpu, Note [Offload copies], issue 11)"
+timeout 300 python3 bench/offload_copies.py --params 2e8 --json-out "$OUT/offload_copies.json" 2>&1 \
+  | tee "$OUT/offload_copies.log" | tail -4
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
 step "GPU quantize benchmark (ZeRO++ kernels, issue 12)"
 python3 - "$OUT/gpu_quantize.json" <<'PY' 2>&1 | tee "$OUT/gpu_quantize.log" | tail -10
 import json, sys, torch
@@ -114,6 +119,12 @@ try:
         print(f"{row['name']:<34} {row['ms']:9.2f} ms  {row['gbps']:8.1f} GB/s  {row['fraction_of_copy']:.2f} of copy")
 except Exception as e:  # noqa: BLE001
     print("no gpu_adam.json:", e)
+try:
+    r = json.loads((out / "offload_copies.json").read_text())
+    print(f"offload copies: step {r['summary']['streams']['step_s'] * 1e3:.1f} ms on streams, "
+          f"{r['summary']['current stream']['step_s'] * 1e3:.1f} ms on the current stream ({r['step_ratio']:.3f})")
+except Exception as e:  # noqa: BLE001
+    print("no offload_copies.json:", e)
 for stage in (1, 2, 3):
     log = out / f"demo_stage{stage}.log"
     last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["missing"]

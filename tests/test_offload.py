@@ -302,3 +302,99 @@ def test_a_killed_run_leaves_no_state_file_behind(tmp_path):
         proc.stdout.close()
         stderr.close()
     assert os.listdir(path) == []
+
+
+class DeferredCopies:
+    """The copy streams of Note [Offload copies] as the CPU can run them: a copy to the host lands only when
+    waited for (its stream running behind) and its destination reads NaN until then, so an update that reads a
+    staging buffer before waiting for it, or after waiting for another shard's copies, goes NaN."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.queue: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.landed = 0
+        self.log: list[str] = []
+
+    def to_host(self, pairs):
+        for dst, _ in pairs:
+            dst.fill_(float("nan"))
+        self.queue.append(list(pairs))
+        self.log.append("to_host")
+        return len(self.queue)
+
+    def wait_on_host(self, ticket: int) -> None:
+        for pairs in self.queue[self.landed:ticket]:  # one stream: everything queued before lands first
+            for dst, src in pairs:
+                dst.copy_(src)
+        self.landed = max(self.landed, ticket)
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+        self.log.append("to_device")
+
+
+def _optimizer_state(dtype: torch.dtype, staged: bool):
+    """Three shards (one of them two param groups) of ``dtype`` parameters, the state on the host: as it is
+    on a CPU-only machine, or (``staged``) as offloaded from a GPU: a separate fp32 master and host staging
+    buffers the gradients come into and the parameters leave from, through DeferredCopies."""
+    from zerocore._optimizer_state import OptimizerState
+    from zerocore._shard_geometry import ShardPiece, ShardRun
+
+    state = OptimizerState(torch.device("cpu"))
+    if staged:
+        state.stages_through_host = lambda device: True
+        state.keeps_separate_master = lambda dtype, device: True
+        state.copies_type = DeferredCopies
+    g = torch.Generator().manual_seed(0)
+    for index, numel in enumerate((37, 64, 5)):
+        master = torch.randn(numel, generator=g)
+        runs = [ShardRun(0, numel, 0)] if index != 1 else [ShardRun(0, 40, 0), ShardRun(40, numel, 1)]
+        state.add_shard(f"shard{index}", master.to(dtype), torch.zeros(numel), runs,
+                        [ShardPiece(f"p{index}", (numel,), 0, 0, numel)], master_values=master)
+    state.build()
+    return state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_shard_load", [False, True])
+def test_the_offloaded_step_waits_for_each_shards_copies_and_updates_as_in_memory(dtype, per_shard_load):
+    """Note [Offload copies]: every shard's gradients (and 16-bit parameters) are queued to the host before the
+    first update (or, with parameter shards on NVMe, each once loaded), each update waits for its own shard's
+    copies, and the parameters go back before ``after_shard``: the result is bitwise the in-memory step's."""
+    groups = [{"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01, "adamw_mode": True,
+               "bias_correction": True}, {"lr": 3e-3, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.0,
+                                          "adamw_mode": True, "bias_correction": True}]
+    plain, staged = _optimizer_state(dtype, False), _optimizer_state(dtype, True)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        for index, shard in enumerate(plain.shards):
+            grads = torch.randn(shard.numel, generator=g)
+            shard.grads.copy_(grads)
+            staged.shards[index].grads.copy_(grads)
+        seen = []
+
+        def after_shard(index: int) -> None:  # (stages 1-2 all-gather the shard's parameters here)
+            seen.append((index, staged.shards[index].params.clone()))
+
+        loaded = []
+        before = (lambda index: loaded.append(index)) if per_shard_load else None
+        plain.step(groups, grad_scale=0.5)
+        if per_shard_load:  # OptimizerState.step passes before_shard itself for NVMe parameter shards
+            staged._load_params = lambda index, writes_every_param: loaded.append(index)
+            staged.shards[0].param_home = _NoHome()
+        staged.step(groups, grad_scale=0.5, after_shard=after_shard)
+        staged.shards[0].param_home = None
+        for index, (shard, other) in enumerate(zip(plain.shards, staged.shards)):
+            assert torch.equal(shard.params, other.params), (step, index)
+            assert torch.equal(shard.master, other.master) and torch.equal(shard.exp_avg, other.exp_avg)
+            assert torch.equal(seen[index][1], shard.params), "after_shard ran before the parameters were back"
+        log = staged._copies.log
+        assert log.count("to_host") == 3 * (step + 1) and staged._copies.landed == len(staged._copies.queue)
+        this_step = log[-6:]
+        assert this_step == (["to_host", "to_device"] * 3 if per_shard_load else ["to_host"] * 3 + ["to_device"] * 3)
+
+
+class _NoHome:
+    """A parameter home that does nothing (the step then loads and unloads shards through ``before_shard``)."""
+
+    def unload_shard(self, written: bool, in_step: bool) -> None:
+        pass

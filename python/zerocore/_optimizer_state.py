@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import ops
+from ._host_copies import StreamCopies
 from ._shard_geometry import ShardPiece, ShardRun, shard_segments
 
 _WRITE_CHECK_BLOCK = 1 << 18  # elements compared at a time: a temporary that stays in L2
@@ -140,6 +141,8 @@ class OptimizerState:
         self.idle_steps: dict[str, int] = {}  # per parameter name: applied steps it got no gradient for
         self._plan_key: Any = None  # what the cached slices were made for (see _cache_slices)
         self._built = False
+        self.copies_type: Callable[[torch.device], Any] = StreamCopies  # Note [Offload copies]
+        self._copies: Any = None
 
     def add_shard(self, label: str, params: torch.Tensor, grads: torch.Tensor, runs: Sequence[ShardRun],
                   pieces: Sequence[ShardPiece], master_values: torch.Tensor | None = None) -> Shard:
@@ -405,21 +408,44 @@ class OptimizerState:
         if after_shard is None and not self._staged:
             self._update(self._slices_by_group, param_groups, grad_scale)
             return
+        # Offloaded from a GPU: the gradients come over, the parameters go back, on copy streams of their own
+        # (Note [Offload copies]); what the kernel leaves alone goes back as it was, and .data writes reach the
+        # master (Note [Writes through .data]).
+        copies = self._host_copies() if self._staged else None
+        tickets: dict[int, Any] = {}
+
+        def send_to_host(index: int) -> None:
+            staging, shard = self._staged.get(index), self.shards[index]
+            if staging is not None:
+                tickets[index] = copies.to_host([(staging[0], shard.grads)] +
+                                                ([] if staging[1] is None else [(staging[1], shard.params)]))
+
+        if copies is not None and before_shard is None:
+            for index in range(len(self.shards)):
+                send_to_host(index)
         for index, calls in enumerate(self._slices_by_shard):
             shard = self.shards[index]
             if before_shard is not None:
                 before_shard(index)
+                if copies is not None:
+                    send_to_host(index)
             staging = self._staged.get(index)
-            if staging is not None:  # offloaded from a GPU: the gradients come over, the parameters go back
-                staging[0].copy_(shard.grads)
-                if staging[1] is not None:  # what the kernel leaves alone goes back as it was; .data writes
-                    staging[1].copy_(shard.params)  # reach the master (Note [Writes through .data])
+            if staging is not None:
+                copies.wait_on_host(tickets.pop(index))
+                if staging[1] is not None:
                     _take_untracked_writes(shard.master, staging[1])
             self._update(calls, param_groups, grad_scale)
             if staging is not None:
-                shard.params.copy_(staging[1] if staging[1] is not None else shard.master, non_blocking=True)
+                copies.to_device(shard.params, staging[1] if staging[1] is not None else shard.master)
             if after_shard is not None:
                 after_shard(index)
+
+    def _host_copies(self) -> Any:
+        """The copy streams of the staged shards' device, made at the first offloaded step."""
+        if self._copies is None:
+            device = next(self.shards[index].params.device for index in self._staged)
+            self._copies = self.copies_type(device)
+        return self._copies
 
     def _load_params(self, index: int, writes_every_param: bool) -> None:
         shard = self.shards[index]
