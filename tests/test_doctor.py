@@ -129,6 +129,9 @@ def test_a_hugging_face_trainer_config_is_planned_with_its_precision_and_hidden_
     assert "config" not in by_name(planned)
     filled = doctor(_filled_as_the_trainer_would(64, bf16=False, fp16=True), params=10**6, world_size=8)
     assert planned["plan"]["compute_dtype"] == "float16" and planned["plan"]["bytes"] == filled["plan"]["bytes"]
+    before = json.dumps(HF_ZERO3)
+    assert "config" not in by_name(doctor(HF_ZERO3, world_size=8, precision="bf16", hidden_size=64))
+    assert json.dumps(HF_ZERO3) == before  # the caller's dict is left as it was
     with pytest.raises(ValueError, match="precision must be one of bf16, fp16, fp32"):
         doctor(HF_ZERO3, precision="int8")
 

@@ -17,6 +17,7 @@ from .estimate import INT64_MAX, estimate_memory
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
+
 def _parse_count(text: str) -> int:
     """``7e9``, ``7B``, ``6.7b``, ``7_000_000_000``."""
     cleaned = text.strip().lower().replace("_", "").replace(",", "")

@@ -21,8 +21,8 @@ for the bucket sizes, the hidden size.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +92,7 @@ def for_planning(data: Any, precision: str | None, hidden_size: int | None) -> A
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} or None, got {precision!r}")
     if not isinstance(data, dict):
         return data  # from_deepspeed names what is wrong with it
-    data = json.loads(json.dumps(data))  # a deep copy of plain JSON
+    data = copy.deepcopy(data)  # the caller's stays as it was
     for path, placeholder in TRAINING_ONLY_PLACEHOLDERS.items():
         *sections, key = path.split(".")
         section = data
