@@ -51,7 +51,7 @@ def run(copies: type, width: int, layers: int, stage: int, steps: int) -> dict:
     generator = torch.Generator().manual_seed(1)
     step_times, totals = [], []
     for index in range(steps + 2):  # two warm-up steps
-        x = torch.randn(8, width, generator=generator).cuda()
+        x = torch.randn(8, width, generator=generator).cuda().bfloat16()  # the model's dtype under bf16
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.backward(engine(x).float().square().mean())
