@@ -65,7 +65,7 @@ python3 bench/gpu_adam.py --params 1e9 --json-out "$OUT/gpu_adam.json" 2>&1 | te
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "offload copies benchmark (offload_optimizer: cpu, Note [Offload copies], issue 11)"
-timeout 300 python3 bench/offload_copies.py --params 2e8 --json-out "$OUT/offload_copies.json" 2>&1 \
+timeout 300 python3 bench/offload_copies.py --params 1e8 --json-out "$OUT/offload_copies.json" 2>&1 \
   | tee "$OUT/offload_copies.log" | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
