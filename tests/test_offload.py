@@ -354,6 +354,13 @@ def _optimizer_state(dtype: torch.dtype, staged: bool):
     return state
 
 
+class _NoHome:
+    """A parameter home that does nothing (the step then loads and unloads shards through ``before_shard``)."""
+
+    def unload_shard(self, written: bool, in_step: bool) -> None:
+        pass
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_shard_load", [False, True])
 def test_the_offloaded_step_waits_for_each_shards_copies_and_updates_as_in_memory(dtype, per_shard_load):
@@ -376,13 +383,13 @@ def test_the_offloaded_step_waits_for_each_shards_copies_and_updates_as_in_memor
             seen.append((index, staged.shards[index].params.clone()))
 
         loaded = []
-        before = (lambda index: loaded.append(index)) if per_shard_load else None
         plain.step(groups, grad_scale=0.5)
         if per_shard_load:  # OptimizerState.step passes before_shard itself for NVMe parameter shards
             staged._load_params = lambda index, writes_every_param: loaded.append(index)
             staged.shards[0].param_home = _NoHome()
         staged.step(groups, grad_scale=0.5, after_shard=after_shard)
         staged.shards[0].param_home = None
+        assert loaded == ([0, 1, 2] if per_shard_load else [])
         for index, (shard, other) in enumerate(zip(plain.shards, staged.shards)):
             assert torch.equal(shard.params, other.params), (step, index)
             assert torch.equal(shard.master, other.master) and torch.equal(shard.exp_avg, other.exp_avg)
@@ -392,9 +399,3 @@ def test_the_offloaded_step_waits_for_each_shards_copies_and_updates_as_in_memor
         this_step = log[-6:]
         assert this_step == (["to_host", "to_device"] * 3 if per_shard_load else ["to_host"] * 3 + ["to_device"] * 3)
 
-
-class _NoHome:
-    """A parameter home that does nothing (the step then loads and unloads shards through ``before_shard``)."""
-
-    def unload_shard(self, written: bool, in_step: bool) -> None:
-        pass

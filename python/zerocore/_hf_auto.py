@@ -98,7 +98,7 @@ def for_planning(data: Any, precision: str | None, hidden_size: int | None) -> A
         section = data
         for name in sections:
             section = section.get(name) if isinstance(section, dict) else None
-        if not isinstance(section, dict) or section.get(key) != "auto":
+        if not isinstance(section, dict) or not _is_auto(section.get(key)):
             continue
         if key == "gradient_accumulation_steps" and any(
                 isinstance(data.get(n), (int, float)) for n in ("train_batch_size", "train_micro_batch_size_per_gpu")):
@@ -111,12 +111,12 @@ def for_planning(data: Any, precision: str | None, hidden_size: int | None) -> A
             data[name] = {**(section if isinstance(section, dict) else {}), "enabled": enabled}
     else:
         auto = [f"{name}.enabled" for name in ("bf16", "fp16")
-                if isinstance(data.get(name), dict) and data[name].get("enabled") == "auto"]
+                if isinstance(data.get(name), dict) and _is_auto(data[name].get("enabled"))]
         if auto:
             problems.append(f'{" and ".join(auto)}: "auto" (the Trainer\'s --bf16 / --fp16): pass --bf16, --fp16 or '
                             "--fp32 (precision=) to say which precision to plan")
     zero = data.get("zero_optimization")
-    auto = [f"zero_optimization.{name}" for name in FROM_HIDDEN if isinstance(zero, dict) and zero.get(name) == "auto"]
+    auto = [f"zero_optimization.{name}" for name in FROM_HIDDEN if isinstance(zero, dict) and _is_auto(zero.get(name))]
     if auto and hidden_size is None:
         problems.append(f'{", ".join(auto)}: "auto" (the Trainer derives them from the model\'s hidden size): pass '
                         "--hidden-size (hidden_size=; the model's config.hidden_size)")
