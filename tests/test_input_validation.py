@@ -403,3 +403,10 @@ def test_integer_like_arguments_are_accepted():
     assert torch.equal(ops.dequantize(q, scales, torch.tensor(64), 8, 16), ops.dequantize(q, scales, 64, 8, 16))
     layout = zerocore.layout.FlatLayout(torch.tensor([3, 2]), torch.tensor(2), 1, 8)
     assert layout.world_size == 2 and layout.shard_range(torch.tensor(0), 1) == layout.shard_range(0, 1)
+
+
+@pytest.mark.parametrize("call", [lambda t: ops.all_finite(t), lambda t: ops.multi_tensor_all_finite([t])])
+def test_a_finiteness_check_of_a_meta_tensor_is_a_value_error(call):
+    # a meta tensor has no values: an error naming the device, not torch's "item() on meta tensors"
+    with pytest.raises(ValueError, match="must be on the CPU or a CUDA device, got meta"):
+        call(torch.empty(3, device="meta"))

@@ -466,6 +466,8 @@ def _buffers(n=10, bits=8, group_size=4):
          "must be float32, bfloat16 or float16, got Int"),
         (lambda: ops.dequantize(*_buffers(), 10, 8, 4, out=torch.empty(20)[::2]), "out must be contiguous"),
         (lambda: ops.dequantize(*_buffers(), 12, 8, 4), "q must have 12 elements"),
+        (lambda: ops.dequantize(*_buffers(), 2**62, 8, 4), "q must have 4611686018427387904 elements"),
+        (lambda: ops.dequantize(*_buffers(10, 4, 4), 2**40, 4, 4), "q must have 549755813888 elements"),
         (lambda: ops.dequantize(*_buffers(10, 4, 4), 10, 4, 5), "group_size must be even for bits = 4"),
         (lambda: ops.dequantize(*_buffers(), 10, 8, 2), "scales must have 5 elements"),
         (lambda: ops.dequantize(*_buffers(), 10, 6, 4), "bits must be 8 .int8. or 4 .int4., got 6"),

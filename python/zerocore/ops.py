@@ -109,8 +109,11 @@ def adam_step(
 
 def all_finite(grad: torch.Tensor) -> bool:
     """True when every element of ``grad`` is finite; on the CPU it reads only ``grad``, once."""
-    if as_tensor("grad", grad).device.type == "cpu":
+    device = as_tensor("grad", grad).device
+    if device.type == "cpu":
         return _C.all_finite(grad.contiguous())
+    if device.type != "cuda":  # as multi_tensor_all_finite: a meta tensor has no values to check
+        raise ValueError(f"all_finite: grad must be on the CPU or a CUDA device, got {device.type}")
     return bool(torch.isfinite(grad).all().item())
 
 
@@ -264,6 +267,11 @@ def dequantize(
     if numel < 0:
         raise ValueError(f"dequantize: numel must be >= 0, got {numel}")
     if out is None:
+        # q's size before allocating numel elements: a wrong numel (say 2**40) must be an error naming it, not a
+        # failed (or granted) huge allocation first
+        if bits in (4, 8) and q.numel() != _C.quantized_bytes(numel, bits):
+            raise ValueError(f"dequantize: q must have {_C.quantized_bytes(numel, bits)} elements for numel {numel} "
+                             f"at {bits} bits, got {q.numel()}")
         out = torch.empty(numel, dtype=torch.float32 if dtype is None else dtype, device=q.device)
     elif dtype is not None and dtype != as_tensor("out", out).dtype:
         raise ValueError(f"dequantize: dtype is {dtype} but out is {out.dtype}; pass one of them, or make them agree")
