@@ -726,7 +726,6 @@ def test_spare_gather_storage_hands_pages_over_and_refuses_what_it_cannot():
     spares = GatherSpares(capacity=2 * 4000)
     full = torch.arange(1000, dtype=torch.float32)
     view = full[10:20]  # a parameter's view, as autograd would save it
-    address = full.data_ptr()
     spares.release(full)
     assert full.untyped_storage().nbytes() == 0 and spares.held_bytes == 4000
     other = torch.zeros(1000)

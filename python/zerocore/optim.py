@@ -22,7 +22,7 @@ State per parameter, as in torch: ``step`` (a 0-d float32 CPU tensor), ``exp_avg
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from itertools import chain
 from typing import Any, ClassVar
 
