@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerocore
 from _dist import run_ranks
 from _models import batch, build, loss_fn
-from _parity import ReferencePair, assert_within_reference_noise
+from _parity import ReferencePair, assert_within_reference_noise, sum_at_its_rounding_bound
 
 pytestmark = pytest.mark.timeout(300)
 STEPS, LR, WEIGHT_DECAY = 6, 3e-3, 0.01
@@ -41,13 +43,22 @@ def _train(rank: int, stage: int, bug: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def broken_worker(rank: int, world: int, stage: int) -> dict[str, str]:
+def broken_worker(rank: int, world: int, stage: int, piecewise: bool) -> dict[str, str]:
+    """``piecewise``: the references train on every rank's batch without DDP, the second fp32 one (the random
+    programs') from the ranks' pieces of the loss, its gradients moved by their rounding bound."""
     reference = ReferencePair(build("transformer"),
                               lambda m: torch.optim.AdamW(m.parameters(), lr=LR, betas=(0.9, 0.99), eps=1e-8,
-                                                          weight_decay=WEIGHT_DECAY, foreach=False), wrap=DDP)
+                                                          weight_decay=WEIGHT_DECAY, foreach=False),
+                              wrap=(lambda m: m) if piecewise else DDP, piecewise=piecewise)
     for step in range(STEPS):
-        x, y = batch("transformer", torch.Generator().manual_seed(10_000 * step + rank))
-        reference.train_step(lambda module, dtype: loss_fn("transformer", module(x), y))
+        batches = [batch("transformer", torch.Generator().manual_seed(10_000 * step + r)) for r in range(world)]
+        if piecewise:
+            def pieces_of(module, dtype):
+                return [loss_fn("transformer", module(x), y) / world for x, y in batches]
+            reference.train_step(lambda module, dtype: sum(pieces_of(module, dtype)), pieces_of=pieces_of)
+        else:
+            x, y = batches[rank]
+            reference.train_step(lambda module, dtype: loss_fn("transformer", module(x), y))
     outcomes = {}
     for bug in ("none", "weight decay twice", "lr 1% high", "one rank's gradient of one parameter dropped",
                 "a step lost"):
@@ -59,9 +70,9 @@ def broken_worker(rank: int, world: int, stage: int) -> dict[str, str]:
     return outcomes
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_the_parity_rule_catches_deliberately_broken_engines(stage):
-    for outcomes in run_ranks(broken_worker, 2, stage):
+@pytest.mark.parametrize("stage, piecewise", [(1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_the_parity_rule_catches_deliberately_broken_engines(stage, piecewise):
+    for outcomes in run_ranks(broken_worker, 2, stage, piecewise):
         assert outcomes.pop("none") == "passed"
         for bug, outcome in outcomes.items():
             assert outcome != "passed", f"stage {stage}: the parity rule missed the bug: {bug}"
@@ -79,3 +90,28 @@ def test_the_rule_itself():
                       ({"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}, "w: shape")):
         with pytest.raises(AssertionError, match=what):
             assert_within_reference_noise(bad, reference, exact)
+
+
+@given(st.lists(st.lists(st.floats(-1e3, 1e3, width=32), min_size=6, max_size=6), min_size=1, max_size=8),
+       st.randoms(use_true_random=False), st.sampled_from([1.0, 1 / 3, 0.1]))
+def test_the_rounding_bound_covers_any_order_of_the_sum(rows, order, scale):
+    """Every order of summing the pieces in fp32 (then scaling, as a reduction averages) lands within
+    sum_at_its_rounding_bound's move of the exact scaled sum, and it moves the sum by exactly that bound (the
+    random programs' second reference moves each element as far as any correct engine may)."""
+    pieces = [torch.tensor(row) * scale for row in rows]
+    exact = sum(p.double() for p in pieces)
+    moved = sum_at_its_rounding_bound(pieces, torch.Generator().manual_seed(0)).double()
+    bound = len(pieces) * 2.0**-24 * sum(p.double().abs() for p in pieces)
+    shuffled = [torch.tensor(row) for row in rows]
+    order.shuffle(shuffled)
+    total = shuffled[0].clone()
+    for piece in shuffled[1:]:
+        total += piece
+    total = total * scale
+    slack = 2.0**-24 * exact.abs() + 1e-30  # rounding the exact sum and the bound themselves
+    assert ((total.double() - exact).abs() <= bound + slack).all()
+    in_order = pieces[0].clone()
+    for piece in pieces[1:]:
+        in_order += piece
+    move = (moved - in_order.double()).abs()
+    assert ((move - bound).abs() <= 2.0**-23 * moved.abs() + 1e-30).all()  # the move rounded into fp32

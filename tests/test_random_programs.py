@@ -11,9 +11,10 @@ same engine, a resume into a fresh engine, writes inside gathered(), lr writes, 
 raise on every rank or on one (caught, the batch skipped, as the README asks), a parameter frozen for a
 window, a block every rank or one rank skips, and state reads. The engine's parameters must stay within the
 fp32 references' rounding noise of the float64 run (tests/_parity.py; two references, one backpropagating each
-window's loss at once and one each rank's micro-batches on their own) after every read and at the end, and the
-same program run again with settings that change no value (overlap, prefetch, where the optimizer state and
-stage 3's parameter shards live) must read the same, bit for bit.
+window's loss at once and one summing the ranks' and micro-batches' gradients, moved by that sum's rounding
+error bound) after every read and at the end, and the same program run again with settings that change no
+value (overlap, prefetch, where the optimizer state and stage 3's parameter shards live) must read the same,
+bit for bit.
 
 With ZeRO++ (world 4 as 2 nodes of 2) quantization moves the values, so a program is held to what it still
 fixes: the ranks in lockstep, save and load changing nothing, evaluation on the parameters' values to within
