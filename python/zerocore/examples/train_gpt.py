@@ -50,10 +50,16 @@ _DEFAULTS = {"stage": 2, "lr": 3e-3, "clip": 1.0, "grad_accum": 1, "batch_size":
 _FINAL_WINDOW = 5  # the final loss is the mean of this many last steps
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default, except None: those say in their help where the value comes from instead."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m zerocore.examples.train_gpt",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     d = "(default: %s, or the --config value)"
     p.add_argument("--config", metavar="PATH", help="DeepSpeed-style JSON config; explicit flags override it")
     p.add_argument("--stage", type=int, choices=(1, 2, 3), help="ZeRO stage " + d % _DEFAULTS["stage"])
