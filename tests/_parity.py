@@ -79,16 +79,21 @@ def assert_within_reference_noise(actual: Mapping[str, torch.Tensor], reference:
     assert not failures, f"{label}: outside the fp32 reference's rounding noise:\n  " + "\n  ".join(failures)
 
 
-def sum_at_its_rounding_bound(pieces: Sequence[torch.Tensor], generator: torch.Generator) -> torch.Tensor:
-    """The sum of ``pieces`` (one tensor's gradients from each piece of the loss) moved, element by element with
-    a random sign, by the bound on the rounding error of summing them in any order and scaling the result:
-    len(pieces) x u x sum |piece| (recursive summation: (n - 1) u sum |x|; one more u for the scaling)."""
+def sum_at_its_rounding_bound(pieces: Sequence[torch.Tensor], sign: torch.Generator | float,
+                              unit_roundoff: float | None = None) -> torch.Tensor:
+    """The sum of ``pieces`` (one tensor's gradients from each piece of the loss) moved, element by element
+    with a random sign (drawn from ``sign``, a generator) or the given one (+1 or -1), by the bound on the
+    rounding error of summing them in any order and scaling the result: len(pieces) x u x sum |piece|
+    (recursive summation: (n - 1) u sum |x|; one more u for the scaling), u the pieces' dtype's unit roundoff
+    unless given (a sum that may be rounded to 16 bits on its way)."""
     total, magnitude = pieces[0].clone(), pieces[0].abs()
     for piece in pieces[1:]:
         total += piece
         magnitude += piece.abs()
-    unit_roundoff = torch.finfo(total.dtype).eps / 2
-    sign = torch.randint(0, 2, total.shape, generator=generator, dtype=total.dtype) * 2 - 1
+    if unit_roundoff is None:
+        unit_roundoff = torch.finfo(total.dtype).eps / 2
+    if isinstance(sign, torch.Generator):
+        sign = torch.randint(0, 2, total.shape, generator=sign, dtype=total.dtype) * 2 - 1
     return total + sign * (len(pieces) * unit_roundoff) * magnitude
 
 
@@ -155,3 +160,87 @@ class ReferencePair:
     def assert_matches(self, actual: Mapping[str, torch.Tensor], label: str = "", **rule: float) -> None:
         assert_within_reference_noise(actual, self.models[0].state_dict(), self.models[1].state_dict(), label,
                                       others=[m.state_dict() for m in self.models[2:]], **rule)
+
+
+class MixedPrecisionReferences:
+    """Three references for 16-bit compute with fp32 master weights (how the engine trains under bf16): each
+    an fp32 master model and its 16-bit copy, which computes every piece of the loss; the pieces' 16-bit
+    gradients are summed in fp32 into the master's .grad, Adam steps the master, and the copy takes its
+    rounding. The first sums in order; the second and third move each sum up and down by the rounding error
+    bound of a sum that may be rounded to 16 bits on its way (a rank's accumulation in 16 bits, the wire).
+
+    Against the float64 run a 16-bit run's distance is mostly 16-bit rounding that every such run shares (a
+    write through a 16-bit parameter puts the same rounding into each master), so the rule here compares the
+    engine with the first reference directly: the masters may differ by ``factor`` x the larger spread between
+    it and the other two (plus ``floor``). Where the pieces of a gradient cancel to within that bound, a
+    correct engine's sum may land anywhere in it, zero included (two ranks' 16-bit sums of -0.00808 and 0.00807
+    rounded to one magnitude), and Adam's first step turns that into anything from -lr through 0 to +lr: the
+    two bounds' references take both ends (a random sign took one, and seed 0's bf16 program, whose engine took
+    no step there, failed). Later, once a master crosses a 16-bit rounding boundary and changes what the next
+    forwards compute, the spread grows as a correct engine's distance does. A dropped or doubled gradient
+    contribution moves a master by a share of lr at once."""
+
+    def __init__(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                 dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.masters = [copy.deepcopy(model).float() for _ in range(3)]
+        self.copies = [copy.deepcopy(master).to(dtype) for master in self.masters]
+        self.optimizers = [make_optimizer(master) for master in self.masters]
+
+    @property
+    def models(self) -> list[nn.Module]:
+        """Every model of both references (to set an attribute or requires_grad on all of them)."""
+        return self.masters + self.copies
+
+    def train_step(self, pieces_of: Callable[[nn.Module], list[torch.Tensor]], clip: float = 0.0) -> None:
+        """``pieces_of(copy)``: the pieces of the loss, computed by the 16-bit copy."""
+        for which, (master, replica, optimizer) in enumerate(zip(self.masters, self.copies, self.optimizers)):
+            pairs = [(m, c) for m, c in zip(master.parameters(), replica.parameters()) if c.requires_grad]
+            found: list[list[torch.Tensor]] = [[] for _ in pairs]
+            for loss in pieces_of(replica):
+                grads = torch.autograd.grad(loss, [c for _, c in pairs], allow_unused=True)
+                for into, grad in zip(found, grads):
+                    if grad is not None:
+                        into.append(grad.float())
+            for (param, _), pieces in zip(pairs, found):
+                if not pieces:
+                    param.grad = None
+                elif which == 0:
+                    param.grad = torch.stack(pieces).sum(0) if len(pieces) > 1 else pieces[0].clone()
+                else:
+                    param.grad = sum_at_its_rounding_bound(pieces, 1.0 if which == 1 else -1.0,
+                                                           torch.finfo(self.dtype).eps / 2)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for param, value in zip(replica.parameters(), master.parameters()):
+                    param.copy_(value)
+
+    def write(self, name: str, change: Callable[[torch.Tensor], None]) -> None:
+        """A write through the 16-bit parameter ``name`` (``change`` modifies it in place), taken by the master
+        where it changed the 16-bit value (Note [Writes through .data])."""
+        for master, replica in zip(self.masters, self.copies):
+            param, value = replica.get_parameter(name), master.get_parameter(name)
+            with torch.no_grad():
+                change(param)
+                value.copy_(torch.where(value.to(self.dtype) == param, value, param.float()))
+
+    def assert_matches(self, masters: Mapping[str, torch.Tensor], label: str = "", factor: float = FACTOR,
+                       floor: float = FLOOR) -> None:
+        """``masters``: the engine's fp32 value of every parameter (its master, with the writes through its
+        16-bit parameters taken; a frozen one's 16-bit value), by the names of ``named_parameters()``."""
+        first, *bounds = ({name: (param if param.requires_grad else replica.get_parameter(name).float())
+                           for name, param in master.named_parameters()}
+                          for master, replica in zip(self.masters, self.copies))
+        assert masters.keys() == first.keys(), f"{label}: names differ: {sorted(set(masters) ^ set(first))}"
+        failures = []
+        for name, value in masters.items():
+            ours = relative_distance(value, first[name])
+            spread = max(relative_distance(bound[name], first[name]) for bound in bounds)
+            if not ours <= factor * spread + floor:
+                failures.append(f"{name}: master {ours:.3g} from the mixed-precision reference's > {factor} x the "
+                                f"spread of such references {spread:.3g} + {floor:g}")
+        assert not failures, f"{label}: outside the mixed-precision references' rounding spread:\n  " + (
+            "\n  ".join(failures))
