@@ -163,8 +163,8 @@ class ReferencePair:
 
 
 class MixedPrecisionReferences:
-    """Three references for 16-bit compute with fp32 master weights (how the engine trains under bf16): each
-    an fp32 master model and its 16-bit copy, which computes every piece of the loss; the pieces' 16-bit
+    """Three references for 16-bit compute with fp32 master weights (how the engine trains in bf16 or fp16):
+    each an fp32 master model and its 16-bit copy, which computes every piece of the loss; the pieces' 16-bit
     gradients are summed in fp32 into the master's .grad, Adam steps the master, and the copy takes its
     rounding. The first sums in order; the second and third move each sum up and down by the rounding error
     bound of a sum that may be rounded to 16 bits on its way (a rank's accumulation in 16 bits, the wire).
@@ -192,8 +192,10 @@ class MixedPrecisionReferences:
         """Every model of both references (to set an attribute or requires_grad on all of them)."""
         return self.masters + self.copies
 
-    def train_step(self, pieces_of: Callable[[nn.Module], list[torch.Tensor]], clip: float = 0.0) -> None:
-        """``pieces_of(copy)``: the pieces of the loss, computed by the 16-bit copy."""
+    def train_step(self, pieces_of: Callable[[nn.Module], list[torch.Tensor]], clip: float = 0.0,
+                   unscale: float = 1.0) -> None:
+        """``pieces_of(copy)``: the pieces of the loss, computed by the 16-bit copy (scaled, for fp16); each
+        piece's gradient is multiplied by ``unscale`` in fp32."""
         for which, (master, replica, optimizer) in enumerate(zip(self.masters, self.copies, self.optimizers)):
             pairs = [(m, c) for m, c in zip(master.parameters(), replica.parameters()) if c.requires_grad]
             found: list[list[torch.Tensor]] = [[] for _ in pairs]
@@ -201,7 +203,9 @@ class MixedPrecisionReferences:
                 grads = torch.autograd.grad(loss, [c for _, c in pairs], allow_unused=True)
                 for into, grad in zip(found, grads):
                     if grad is not None:
-                        into.append(grad.float())
+                        into.append(grad.float() * unscale)
+                        assert torch.isfinite(into[-1]).all(), "a reference's 16-bit gradient overflowed where the " \
+                            "engine's did not (its step was applied): scale the loss less in this test"
             for (param, _), pieces in zip(pairs, found):
                 if not pieces:
                     param.grad = None
