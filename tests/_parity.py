@@ -97,6 +97,17 @@ def sum_at_its_rounding_bound(pieces: Sequence[torch.Tensor], sign: torch.Genera
     return total + sign * (len(pieces) * unit_roundoff) * magnitude
 
 
+def piece_gradients(losses: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                    convert: Callable[[torch.Tensor], torch.Tensor] = lambda grad: grad) -> list[list[torch.Tensor]]:
+    """For each of ``params``, ``convert`` of its gradient from each of ``losses`` that reaches it."""
+    found: list[list[torch.Tensor]] = [[] for _ in params]
+    for loss in losses:
+        for into, grad in zip(found, torch.autograd.grad(loss, list(params), allow_unused=True)):
+            if grad is not None:
+                into.append(convert(grad))
+    return found
+
+
 def as_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Floating inputs follow the model's dtype; integer inputs (tokens, class targets) stay as they are."""
     return value.to(dtype) if value.is_floating_point() else value
@@ -149,12 +160,7 @@ class ReferencePair:
         """Each trainable parameter's .grad: the sum of the pieces' gradients moved by its rounding error bound;
         None where no piece reached it (as one backward of the whole loss leaves it)."""
         trainable = [p for p in model.parameters() if p.requires_grad]
-        pieces: list[list[torch.Tensor]] = [[] for _ in trainable]
-        for loss in losses:
-            for found, grad in zip(pieces, torch.autograd.grad(loss, trainable, allow_unused=True)):
-                if grad is not None:
-                    found.append(grad)
-        for param, found in zip(trainable, pieces):
+        for param, found in zip(trainable, piece_gradients(losses, trainable)):
             param.grad = sum_at_its_rounding_bound(found, self.rounding_signs) if found else None
 
     def assert_matches(self, actual: Mapping[str, torch.Tensor], label: str = "", **rule: float) -> None:
@@ -189,7 +195,7 @@ class MixedPrecisionReferences:
 
     @property
     def models(self) -> list[nn.Module]:
-        """Every model of both references (to set an attribute or requires_grad on all of them)."""
+        """Every model of the three references (to set an attribute or requires_grad on all of them)."""
         return self.masters + self.copies
 
     def train_step(self, pieces_of: Callable[[nn.Module], list[torch.Tensor]], clip: float = 0.0,
@@ -198,14 +204,9 @@ class MixedPrecisionReferences:
         piece's gradient is multiplied by ``unscale`` in fp32."""
         for which, (master, replica, optimizer) in enumerate(zip(self.masters, self.copies, self.optimizers)):
             pairs = [(m, c) for m, c in zip(master.parameters(), replica.parameters()) if c.requires_grad]
-            found: list[list[torch.Tensor]] = [[] for _ in pairs]
-            for loss in pieces_of(replica):
-                grads = torch.autograd.grad(loss, [c for _, c in pairs], allow_unused=True)
-                for into, grad in zip(found, grads):
-                    if grad is not None:
-                        into.append(grad.float() * unscale)
-                        assert torch.isfinite(into[-1]).all(), "a reference's 16-bit gradient overflowed where the " \
-                            "engine's did not (its step was applied): scale the loss less in this test"
+            found = piece_gradients(pieces_of(replica), [c for _, c in pairs], lambda grad: grad.float() * unscale)
+            assert all(torch.isfinite(g).all() for pieces in found for g in pieces), (
+                "a reference's 16-bit gradient overflowed where the engine's did not (its step was applied)")
             for (param, _), pieces in zip(pairs, found):
                 if not pieces:
                     param.grad = None
