@@ -35,6 +35,7 @@ import copy
 import math
 import os
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -367,37 +368,34 @@ class Program:
         self.window_began = (self.engine.loss_scaler.scale, self.engine.skipped_steps)
 
     def _reference_window(self, micro_batches: int, skip: tuple[int | str, int] | None = None) -> None:
-        def losses(module: nn.Module, dtype: torch.dtype) -> list[torch.Tensor]:
+        def losses(module: nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+            """``loss(x, y)`` of every rank's micro-batches, each rank's forward skipping what its engine did."""
             pieces = []
             for rank in range(self.world):
                 module.skip = None if skip is None or skip[0] not in ("all", rank) else ("all", skip[1])
                 for micro in range(micro_batches):
-                    x, y = batch(self.step, rank, micro)
-                    pieces.append(F.mse_loss(module(as_dtype(x, dtype)), as_dtype(y, dtype)))
+                    pieces.append(loss(*batch(self.step, rank, micro)))
             module.skip = None
             return pieces
 
+        def in_dtype(module: nn.Module, dtype: torch.dtype) -> list[torch.Tensor]:
+            return losses(module, lambda x, y: F.mse_loss(module(as_dtype(x, dtype)), as_dtype(y, dtype)))
+
         def loss_of(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
             total = 0
-            for piece in losses(module, dtype):
+            for piece in in_dtype(module, dtype):
                 total = total + piece
             return total / (micro_batches * self.world)
 
         self.reference.train_step(loss_of, clip=self.config["gradient_clipping"], pieces_of=lambda module, dtype: [
-            piece / (micro_batches * self.world) for piece in losses(module, dtype)])
+            piece / (micro_batches * self.world) for piece in in_dtype(module, dtype)])
         loss_scale, skipped = self.window_began
         if self.mixed is not None and self.engine.skipped_steps == skipped:  # (fp16: an overflow skips the step)
-            def computed(module: nn.Module) -> list[torch.Tensor]:  # each rank's loss as the engine scaled it
-                pieces = []
-                for rank in range(self.world):
-                    module.skip = None if skip is None or skip[0] not in ("all", rank) else ("all", skip[1])
-                    for micro in range(micro_batches):
-                        x, y = batch(self.step, rank, micro)
-                        pieces.append(F.mse_loss(module(x.to(self.dtype)).float(), y) * (loss_scale / micro_batches))
-                module.skip = None
-                return pieces
+            def as_the_engine_scaled(module: nn.Module) -> list[torch.Tensor]:
+                return losses(module, lambda x, y: F.mse_loss(module(x.to(self.dtype)).float(), y)
+                              * (loss_scale / micro_batches))
 
-            self.mixed.train_step(computed, clip=self.config["gradient_clipping"],
+            self.mixed.train_step(as_the_engine_scaled, clip=self.config["gradient_clipping"],
                                   unscale=1 / (loss_scale * self.world))
         self.step += 1
 
