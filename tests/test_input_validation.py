@@ -162,6 +162,55 @@ def test_check_group_hyperparameters_accepts_what_torch_accepts_and_changes_noth
         _model_checks.check_group_hyperparameters([{"lr": -1.0}], where="optimizer.param_groups")
 
 
+def _drop_first_param(groups: list) -> None:
+    groups[0]["params"].pop()
+
+
+def _append_group(groups: list) -> None:
+    groups.append({**groups[0], "params": []})
+
+
+def _swap_groups(groups: list) -> None:
+    groups.reverse()
+
+
+@pytest.mark.parametrize("edit,named", [
+    (lambda groups: groups[0].update(amsgrad=True), r"param_groups\[0\]\.amsgrad: zerocore's Adam has no amsgrad"),
+    (lambda groups: groups[1].update(maximize=True), r"param_groups\[1\]\.maximize: .*negate the loss"),
+    (lambda groups: groups[0].update(decoupled_weight_decay=False), r"param_groups\[0\]\.decoupled_weight_decay.*adamw_mode"),
+    (_drop_first_param, r"param_groups\[0\]\['params'\] changed after zerocore\.initialize"),
+    (_swap_groups, r"param_groups\[0\]\['params'\] changed after zerocore\.initialize"),
+    (_append_group, r"holds 3 groups, but zerocore\.initialize laid out 2"),
+])
+def test_a_step_is_refused_when_param_groups_ask_for_what_it_would_not_do(edit, named):
+    """torch's Adam reads amsgrad, maximize and decoupled_weight_decay from its groups, and a group's params
+    say what it updates; the engine's step would ignore all of them (its shards are laid out at initialize),
+    training otherwise than the groups say. The step refuses, changing nothing, and trains once undone.
+    Keys a scheduler adds (initial_lr, OneCycleLR's max_lr, ...) and torch's amsgrad=False pass."""
+    model = _linear()
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "lr": 0.5}]
+    engine = zerocore.initialize(model, _CONFIG, param_groups=groups)
+    try:
+        saved = [dict(g, params=list(g["params"])) for g in engine.optimizer.param_groups]
+        x = torch.randn(4, 4)
+        engine.backward(engine(x).square().mean())
+        edit(engine.optimizer.param_groups)
+        before = engine.full_state_dict()
+        with pytest.raises(ValueError, match="the step was refused on every rank") as caught:
+            engine.step()
+        assert caught.match(named)
+        after = engine.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        engine.optimizer.param_groups[:] = saved
+        for group in engine.optimizer.param_groups:
+            group.update(amsgrad=False, initial_lr=group["lr"], max_lr=1.0)  # what torch's schedulers add
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        assert not all(torch.equal(after[k], v) for k, v in engine.full_state_dict().items())
+    finally:
+        engine.close()
+
+
 # ---- item 26 -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key", ["reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",

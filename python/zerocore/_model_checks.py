@@ -129,7 +129,8 @@ def _group_number(value: Any, path: str, wanted: str, ok: Any) -> None:
 def check_group_hyperparameters(groups: Sequence[Mapping[str, Any]], where: str = "param_groups") -> None:
     """Raises ValueError, naming the group and key (``param_groups[1].lr``), when a group's Adam
     hyper-parameters cannot be used: lr, eps or weight_decay negative, NaN or infinite, betas not two
-    numbers in [0, 1), adamw_mode or bias_correction not a bool. Changes nothing.
+    numbers in [0, 1), adamw_mode or bias_correction not a bool, or a torch Adam flag zerocore's Adam would
+    ignore (amsgrad or maximize set, decoupled_weight_decay other than adamw_mode). Changes nothing.
 
     ``initialize`` checks the user's groups with it; the engine can call it on ``optimizer.param_groups``
     before a step mutates anything, so a value set later (by an lr scheduler, or by hand) is caught too.
@@ -149,6 +150,16 @@ def check_group_hyperparameters(groups: Sequence[Mapping[str, Any]], where: str 
         for key in ("adamw_mode", "bias_correction"):
             if key in group and not isinstance(group[key], bool):
                 raise ValueError(f"{prefix}{key}: expected True or False, got {group[key]!r}")
+        # torch's Adam reads these from its groups; a step that ignored one set by hand would train otherwise
+        # than asked (a scheduler's own keys, initial_lr and the like, change no update and pass)
+        for key, instead in (("amsgrad", "use torch.optim.AdamW for AMSGrad"), ("maximize", "negate the loss")):
+            if group.get(key, False) is not False:
+                raise ValueError(f"{prefix}{key}: zerocore's Adam has no {key} ({group[key]!r} set); {instead}")
+        if "decoupled_weight_decay" in group and "adamw_mode" in group \
+                and group["decoupled_weight_decay"] != group["adamw_mode"]:
+            raise ValueError(f"{prefix}decoupled_weight_decay: {group['decoupled_weight_decay']!r} is not this "
+                             f"group's adamw_mode ({group['adamw_mode']!r}); zerocore's Adam reads "
+                             "adamw_mode: set that instead (True: AdamW's decoupled decay, False: L2 as in Adam)")
 
 
 def collect_trainable(

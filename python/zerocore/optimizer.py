@@ -25,6 +25,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         defaults = {key: first[key] for key in (*ADAM_HYPERPARAMETERS, "adamw_mode", "bias_correction")}
         super().__init__([dict(g) for g in groups], defaults)
         self._engine = engine
+        # each group's parameters as zerocore.initialize laid them out, in order: the step updates these with
+        # the hyper-parameters of the group at the same position, whatever param_groups say by then
+        self._laid_out = [tuple(map(id, group["params"])) for group in self.param_groups]
         # DeepSpeed's optimizers' flag: whether the last accumulation boundary's step was skipped for an fp16
         # overflow (what Accelerate's DeepSpeedOptimizerWrapper.step_was_skipped reads); set by the engine
         self.overflow = False
@@ -55,6 +58,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "(a group that should not train yet can start with lr=0.0 and be raised later through "
             "optimizer.param_groups[i]['lr'])"
         )
+
+    def layout_problem(self) -> str | None:
+        """What in ``param_groups`` no longer matches the groups laid out at ``zerocore.initialize`` (a group
+        appended or removed by hand, a group's ``params`` list edited), or None. The step would go on updating
+        the laid-out parameters with whichever group now sits at each position: training otherwise than the
+        groups say, so the step is refused instead."""
+        fix = ("the engine's shards and optimizer state are laid out at zerocore.initialize: pass the groups you "
+               "want to zerocore.initialize(model, config, param_groups=...); to stop training parameters, set "
+               "their requires_grad=False or their group's lr to 0")
+        if len(self.param_groups) != len(self._laid_out):
+            return (f"optimizer.param_groups holds {len(self.param_groups)} groups, but zerocore.initialize laid out "
+                    f"{len(self._laid_out)}: {fix}")
+        for index, (group, ids) in enumerate(zip(self.param_groups, self._laid_out)):
+            params = group.get("params")
+            if not isinstance(params, (list, tuple)) or tuple(map(id, params)) != ids:
+                return f"optimizer.param_groups[{index}]['params'] changed after zerocore.initialize: {fix}"
+        return None
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Refused: torch's format would hold no moments or master weights (they are sharded across ranks),
