@@ -1,7 +1,8 @@
 """Layer kinds the other parity tests do not cover, at stages 1-3 against DDP + AdamW (tests/_parity.py's
 rule), world 2: recurrent layers (whose forward reads its parameters through ``_flat_weights``), convolutions
 with BatchNorm and GroupNorm, ``nn.MultiheadAttention`` and ``nn.TransformerDecoder`` (fused in-projection
-weights read directly), ``weight_norm`` parametrizations (parameters under ``parametrizations.``), a
+weights read directly), ``weight_norm``, ``spectral_norm`` and ``orthogonal`` parametrizations (parameters
+under ``parametrizations.``, spectral_norm's buffers updated by every training forward), a
 ``ParameterList`` and ``ParameterDict``. Between steps an evaluation runs under ``torch.inference_mode()``
 (Lightning's validation loop); after training, an evaluation forward (BatchNorm's running statistics, rank 0's
 by DDP's rule) is compared by the same rule against DDP's."""
@@ -102,6 +103,21 @@ class WeightNormed(nn.Module):
         return self.out(x)
 
 
+class Reparametrized(nn.Module):
+    """Parametrizations that keep state or constrain the weight: spectral_norm's power iteration updates its
+    buffers _u and _v in every training forward (and an evaluation forward reads them), orthogonal maps its
+    ``original`` through a matrix exponential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spectral = nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16))
+        self.orthogonal = nn.utils.parametrizations.orthogonal(nn.Linear(16, 16), orthogonal_map="matrix_exp")
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.orthogonal(torch.tanh(self.spectral(x)))))
+
+
 class ParameterContainers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -147,6 +163,8 @@ ZOO: dict[str, tuple[Callable[[], nn.Module], Batch, Callable[..., torch.Tensor]
     "decoder": (Decoder, tokens, token_loss),
     "weight_norm": (WeightNormed, lambda g: (torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)),
                     F.mse_loss),
+    "reparametrized": (Reparametrized, lambda g: (torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)),
+                       F.mse_loss),
     "parameter_containers": (ParameterContainers,
                              lambda g: (torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)), F.mse_loss),
     "conv1d_transpose": (Conv1dTranspose,
