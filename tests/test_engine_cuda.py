@@ -360,3 +360,33 @@ def test_engine_compile_with_inductor_trains_as_eager_on_cuda(stage):
         runs[how] = transformer_losses(engine, 6)
         engine.close()
     torch.testing.assert_close(torch.tensor(runs["compiled"]), torch.tensor(runs["eager"]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_model_moved_off_the_gpu_is_refused_at_its_next_forward_and_trains_on_once_back(stage):
+    """``model.cpu()`` after initialize (to evaluate on the host, to free the GPU) moves stages 1-2's
+    parameters off the engine's storage: the next forward raises naming the parameter and both devices, with
+    nothing changed; moved back with ``.cuda()``, training goes on as if the model had never left."""
+    uninterrupted = zerocore.initialize(build("transformer").cuda(), make_config(stage))
+    expected = transformer_losses(uninterrupted, 3)
+    want = uninterrupted.full_state_dict(rank0_only=False)
+    uninterrupted.close()
+    model = build("transformer").cuda()
+    engine = zerocore.initialize(model, make_config(stage))
+    losses = transformer_losses(engine, 1)
+    model.cpu()
+    with pytest.raises(RuntimeError, match=r"parameter '.*' is on cpu but zerocore holds it on cuda"):
+        engine(torch.zeros(1))
+    model.cuda()
+    generator = torch.Generator().manual_seed(0)
+    batch("transformer", generator)  # the first step's batch, already taken
+    for _ in range(2):
+        inputs, target = (t.cuda() for t in batch("transformer", generator))
+        loss = loss_fn("transformer", engine(inputs), target)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses == expected
+    got = engine.full_state_dict(rank0_only=False)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    engine.close()

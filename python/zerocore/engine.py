@@ -440,7 +440,9 @@ class Engine(DeepSpeedAccessors):
     def _refuse_recast_params(self) -> None:
         """``model.half()`` / ``.to(dtype)`` after initialize gives the parameters new tensors of another dtype:
         stage 1's backward then failed inside torch, stage 2 trained one step in the new dtype and silently cast
-        back. The dtype is the config's (bf16 / fp16) and fixed at initialize."""
+        back. The dtype is the config's (bf16 / fp16) and fixed at initialize. So is the device: ``.cpu()`` moves
+        stages 1-2's parameters off the engine's storage (stage 3's sharded parameters refuse ``.to()``
+        themselves); moved back, they are taken as written (Note [Writes through .data] in _step.py)."""
         for buffer in self.param_storages:
             for name, param in zip(buffer.names, buffer.params):
                 if param.dtype != buffer.dtype:
@@ -449,6 +451,12 @@ class Engine(DeepSpeedAccessors):
                         "dtype fixed at initialize (was the model cast with .half(), .bfloat16(), .float() or "
                         ".to(dtype)?): set bf16.enabled or fp16.enabled in the config instead, and cast the model "
                         "back (or build it anew) before the next forward")
+                if not buffer.policy.params_sharded and param.device != buffer.device:
+                    raise RuntimeError(
+                        f"parameter {name!r} is on {param.device} but zerocore holds it on {buffer.device}, the "
+                        "device fixed at initialize (was the model moved with .to(device), .cpu() or .cuda()?): "
+                        f"move it back to {buffer.device} before the engine's next forward (to evaluate it where it "
+                        "is now, call the module itself: model(x))")
 
     def _abandon_backward(self, no_sync: bool, failed_here: bool) -> None:
         """A backward raised part-way (here, or on another rank: Note [Backward outcome]): the reductions it
