@@ -173,6 +173,32 @@ def test_rank_dependent_branch_raises_on_every_rank_naming_rank_step_and_module(
         assert "diverged at step 1" in message and "rank 1" in message and "blocks." in message, message
 
 
+def evaluation_on_rank_0_worker(rank: int, world: int, through: str) -> str:
+    """The commonest rank-dependent branch: an evaluation on rank 0 alone between steps (``if rank == 0:``
+    around the validation loop), through the module or the engine. Its gathers pair with the other rank's next
+    backward: every rank raises, naming the evaluation, instead of waiting forever in mismatched collectives."""
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config())
+    engine.backward(loss_of(engine, *data(0, rank)))
+    engine.step()
+    if rank == 0:
+        with torch.no_grad():
+            (engine if through == "engine" else model)(data(9, 0)[0])
+    try:
+        engine.backward(loss_of(engine, *data(1, rank)))
+        engine.step()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("through", ["module", "engine"])
+def test_an_evaluation_on_rank_0_alone_raises_on_every_rank_saying_so(through):
+    for message in run_ranks(evaluation_on_rank_0_worker, 2, through, timeout=120):
+        assert "diverged" in message and "evaluation or generate() on some ranks only" in message, message
+
+
 def memory_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = Zoo()
