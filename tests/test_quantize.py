@@ -335,6 +335,53 @@ def test_simd_paths_identical_on_groups_of_whole_vectors(group_size, dtype, bits
                     assert_bitwise_equal(a, b, f"{path} vs scalar: {name}, {kind}, offset {offset}")
 
 
+_SCALE_EDGES = [2.0**-149, 2.0**-126, 2.0**-98 * (1 - 2.0**-24), 2.0**-98, 2.0**-98 * (1 + 2.0**-23), 1.0,
+                2.0**100 * (1 - 2.0**-24), 2.0**100, 2.0**100 * (1 + 2.0**-23), 2.0**120, 3.4028234663852886e38]
+
+
+def _every_int8_value_at(scales: list[float], path: str) -> list[torch.Tensor]:
+    """Dequantized outputs of every int8 byte (-128 included) at each scale, one group of 256 per scale: whole
+    vectors of q, so the SIMD paths' vector loops take every group they can."""
+    q = torch.arange(-128, 128, dtype=torch.int8).repeat(len(scales))
+    scale = torch.tensor(scales, dtype=torch.float32)
+    with ops.force_simd_path(path):
+        return [ops.dequantize(q, scale, q.numel(), 8, 256, dtype=d) for d in DTYPES]
+
+
+@given(st.lists(st.integers(1, 0x7F7FFFFF), min_size=1, max_size=40))
+def test_dequantize_of_every_int8_value_at_any_scale_matches_the_scalar_path(words):
+    """Arbitrary positive finite scales (raw fp32 bit patterns: subnormal to the largest) and the edges of the
+    SIMD paths' own ranges (int8 to bf16 rounds in floating point only between 2^-98 and 2^100): every path
+    writes the scalar path's bytes for every q."""
+    scales = torch.tensor(words, dtype=torch.int32).view(torch.float32).tolist() + _SCALE_EDGES
+    expected = _every_int8_value_at(scales, "scalar")
+    for path in PATHS[1:]:
+        for dtype, a, b in zip(DTYPES, _every_int8_value_at(scales, path), expected):
+            assert_bitwise_equal(a, b, f"{path} vs scalar, int8 to {dtype}")
+
+
+def test_dequantize_in_a_directed_rounding_mode_matches_the_scalar_path():
+    """A caller that set a directed MXCSR rounding mode (fesetround, on this thread): int8 to bf16's vector
+    loop, which rounds in floating point, stands aside, and every path still writes the scalar path's bytes
+    (q * scale rounded in the caller's mode, then to bf16 to nearest even, as the scalar path does)."""
+    ctypes = pytest.importorskip("ctypes")
+    libc = ctypes.CDLL(None)
+    scales = [0.0123, 1.0 / 3.0, 2.0**-97 * 1.75, 7.0e20]
+    toward_zero = 0xC00  # FE_TOWARDZERO on x86-64
+    for mode in (toward_zero, 0x400, 0x800):  # toward zero, down, up
+        assert libc.fesetround(mode) == 0
+        try:
+            expected = _every_int8_value_at(scales, "scalar")
+            results = {path: _every_int8_value_at(scales, path) for path in PATHS[1:]}
+        finally:
+            libc.fesetround(0)
+        nearest = _every_int8_value_at(scales, "scalar")
+        assert not torch.equal(expected[0], nearest[0])  # the mode reached the kernels
+        for path, outs in results.items():
+            for dtype, a, b in zip(DTYPES, outs, expected):
+                assert_bitwise_equal(a, b, f"{path} vs scalar in rounding mode {mode:#x}, int8 to {dtype}")
+
+
 # -------------------------------------------------------------------------------------------------------------
 # Non-finite inputs
 # -------------------------------------------------------------------------------------------------------------

@@ -444,6 +444,18 @@ inline __m256i bf16_high(__m256 value) {
   return _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
 }
 
+// bf16_high's result (its low halves zero) in three floating-point operations instead of four integer ones,
+// for a normal value below 2^111 under round-to-nearest (dequantize_groups checks both): Veltkamp's split with
+// the constant 2^16 + 1 leaves c - (c - value) = value rounded to fp32's top 8 significant bits, to nearest
+// even (checked against bf16_high for every fp32 of a binade, ties included, when written; test_quantize checks
+// every q at arbitrary scales against the scalar path), and on Zen 3 the integer ports were where int8 to bf16
+// queued.
+inline __m256i bf16_high_split(__m256 value) {
+  __m256 c = _mm256_mul_ps(value, _mm256_set1_ps(65537.0f));
+  asm("" : "+x"(c));  // c rounded on its own: contracted into c - value as an FMA, the split is no split
+  return _mm256_castps_si256(_mm256_sub_ps(c, _mm256_sub_ps(c, value)));
+}
+
 // 8 bf16 values: bf16_high's, a byte shuffle gathering the high 16-bit word of each lane.
 inline __m128i float_to_bf16(__m256 value) {
   const __m256i rounded = bf16_high(value);
@@ -496,6 +508,10 @@ constexpr int64_t kQAhead = 1024;
 // so rounded as q * scale) only while scale * 2^-24 is a normal fp32 number. 0 for the other cases.
 template <ScalarType kOut, int kBits>
 constexpr float kVectorMinScale = kBits == 8 && kOut == ScalarType::kBFloat16 ? 0x1p-98f : 0.0f;
+// And the largest: int8 to bf16 rounds with bf16_high_split, whose 128 * scale * (2^16 + 1) must stay finite.
+template <ScalarType kOut, int kBits>
+constexpr float kVectorMaxScale =
+    kBits == 8 && kOut == ScalarType::kBFloat16 ? 0x1p100f : std::numeric_limits<float>::max();
 
 // A group's whole 32-byte vectors of q (32 int8 or 64 int4 values) to fp32, bf16 or fp16, for a finite scale
 // >= kVectorMinScale, with no tail test per vector; returns the first element not written. Every output value
@@ -568,8 +584,8 @@ int64_t dequantize_vectors(const DequantizeArgs& args, GroupRange range, float s
         const __m256i words = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k)));
         const __m256 even = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_slli_epi32(words, 24)), scale_even);
         const __m256 odd = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(words, high_bytes)), scale_odd);
-        store_vector<kNonTemporal>(out + 16 * k, _mm256_blend_epi16(_mm256_srli_epi32(bf16_high(even), 16),
-                                                                    bf16_high(odd), 0xAA));
+        store_vector<kNonTemporal>(out + 16 * k, _mm256_blend_epi16(_mm256_srli_epi32(bf16_high_split(even), 16),
+                                                                    bf16_high_split(odd), 0xAA));
       }
     } else if constexpr (kOut == ScalarType::kFloat32) {
       // Output vector k is q dword k's eight nibbles: each lane shifts its nibble to the top, then back down
@@ -613,6 +629,10 @@ void dequantize_groups(const DequantizeArgs& args, int64_t group_begin, int64_t 
   constexpr int64_t kOutBytes = kOut == ScalarType::kFloat32 ? 4 : 2;
   const int64_t q_end = q_byte_offset(kBits, args.n + 1);
   const bool stream = args.n >= kStreamMinElements;
+  // int8 to bf16's vectors round in floating point (bf16_high_split), right only under round-to-nearest; in
+  // another MXCSR mode every group takes the loop below, whose rounding is integer
+  const bool vectors_round_right =
+      !(kBits == 8 && kOut == ScalarType::kBFloat16) || (_mm_getcsr() & _MM_ROUND_MASK) == _MM_ROUND_NEAREST;
   for (int64_t g = group_begin; g < group_end; ++g) {
     const float scale_value = args.scales[g];
     if (scale_value != scale_value) {  // NaN: a group quantize flagged
@@ -621,7 +641,8 @@ void dequantize_groups(const DequantizeArgs& args, int64_t group_begin, int64_t 
     }
     const GroupRange range = group_range(args.n, args.group_size, g);
     int64_t i = range.begin;
-    if (scale_value >= kVectorMinScale<kOut, kBits> && scale_value <= std::numeric_limits<float>::max()) {
+    if (vectors_round_right && scale_value >= kVectorMinScale<kOut, kBits> &&
+        scale_value <= kVectorMaxScale<kOut, kBits>) {
       const auto address = reinterpret_cast<uintptr_t>(static_cast<char*>(args.out) + range.begin * kOutBytes);
       i = stream && address % 32 == 0 ? dequantize_vectors<kOut, kBits, true>(args, range, scale_value)
                                       : dequantize_vectors<kOut, kBits, false>(args, range, scale_value);
