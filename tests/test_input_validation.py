@@ -186,7 +186,7 @@ def test_a_step_is_refused_when_param_groups_ask_for_what_it_would_not_do(edit, 
     """torch's Adam reads amsgrad, maximize and decoupled_weight_decay from its groups, and a group's params
     say what it updates; the engine's step would ignore all of them (its shards are laid out at initialize),
     training otherwise than the groups say. The step refuses, changing nothing, and trains once undone.
-    Keys a scheduler adds (initial_lr, OneCycleLR's max_lr, ...) and torch's amsgrad=False pass."""
+    Keys a scheduler adds (initial_lr, OneCycleLR's max_lr, ...) and flags torch reads as false pass."""
     model = _linear()
     groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "lr": 0.5}]
     engine = zerocore.initialize(model, _CONFIG, param_groups=groups)
@@ -202,8 +202,8 @@ def test_a_step_is_refused_when_param_groups_ask_for_what_it_would_not_do(edit, 
         after = engine.full_state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
         engine.optimizer.param_groups[:] = saved
-        for group in engine.optimizer.param_groups:
-            group.update(amsgrad=False, initial_lr=group["lr"], max_lr=1.0)  # what torch's schedulers add
+        for group in engine.optimizer.param_groups:  # what torch's schedulers add; torch's falsy flags
+            group.update(initial_lr=group["lr"], max_lr=1.0, amsgrad=False, maximize=0)
         engine.backward(engine(x).square().mean())
         engine.step()
         assert not all(torch.equal(after[k], v) for k, v in engine.full_state_dict().items())

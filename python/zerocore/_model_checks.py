@@ -153,7 +153,7 @@ def check_group_hyperparameters(groups: Sequence[Mapping[str, Any]], where: str 
         # torch's Adam reads these from its groups; a step that ignored one set by hand would train otherwise
         # than asked (a scheduler's own keys, initial_lr and the like, change no update and pass)
         for key, instead in (("amsgrad", "use torch.optim.AdamW for AMSGrad"), ("maximize", "negate the loss")):
-            if group.get(key, False) is not False:
+            if group.get(key, False):
                 raise ValueError(f"{prefix}{key}: zerocore's Adam has no {key} ({group[key]!r} set); {instead}")
         if "decoupled_weight_decay" in group and "adamw_mode" in group \
                 and group["decoupled_weight_decay"] != group["adamw_mode"]:
