@@ -2,9 +2,12 @@
 and test_checkpoint): mixture-of-experts layers with 3-D expert weights and a router (Mixtral, Qwen2-MoE),
 normed queries and keys (Qwen3, Gemma 3), ALiBi and an embedding LayerNorm (BLOOM), one layer applied again
 and again (ALBERT), relative positions (DeBERTa-v2), embeddings shared by encoder, decoder and head (BART), a
-parallel attention + MLP block (GPT-J, Falcon, GPT-NeoX), learned positions (OPT). Each trains at stage 3 with
-the optimizer state on the host as the unsharded model does, and under qwZ every module's forward sees exactly
-dequantize(quantize(its owner's shard)) (skipped without transformers)."""
+parallel attention + MLP block (GPT-J, Falcon, GPT-NeoX), learned positions (OPT); beyond text, a convolutional
+feature encoder with a weight_norm-parametrized positional convolution (wav2vec2), an audio encoder-decoder
+whose decoder embedding is tied to its head (Whisper), two towers under a contrastive loss with a temperature
+at the root (CLIP), and a selective state-space scan reading its parameters directly (Mamba). Each trains at
+stage 3 with the optimizer state on the host as the unsharded model does, and under qwZ every module's forward
+sees exactly dequantize(quantize(its owner's shard)) (skipped without transformers)."""
 
 from __future__ import annotations
 
@@ -41,6 +44,25 @@ FAMILIES = {
     "bart": ("BartConfig", "BartForConditionalGeneration",
              {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
               "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128}, True),
+    # beyond text (their batches in BATCHES)
+    "wav2vec2": ("Wav2Vec2Config", "Wav2Vec2ForCTC",
+                 {"conv_dim": (16, 16), "conv_stride": (4, 2), "conv_kernel": (8, 4), "num_conv_pos_embeddings": 8,
+                  "num_conv_pos_embedding_groups": 4, "vocab_size": 16, "pad_token_id": 0,
+                  "ctc_loss_reduction": "mean", "mask_time_prob": 0.0, "layerdrop": 0.0}, True),
+    "whisper": ("WhisperConfig", "WhisperForConditionalGeneration",
+                {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+                 "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "num_mel_bins": 8,
+                 "max_source_positions": 16, "max_target_positions": 16, "pad_token_id": 0,
+                 "decoder_start_token_id": 1, "eos_token_id": 2, "bos_token_id": 1, "suppress_tokens": None,
+                 "begin_suppress_tokens": None}, True),
+    "clip": ("CLIPConfig", "CLIPModel",
+             {"text_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "intermediate_size": 64, "vocab_size": 64, "max_position_embeddings": 16,
+                              "bos_token_id": 0, "eos_token_id": 1},
+              "vision_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "intermediate_size": 64, "image_size": 16, "patch_size": 4},
+              "projection_dim": 16}, True),
+    "mamba": ("MambaConfig", "MambaForCausalLM", {"state_size": 4, "expand": 2, "conv_kernel": 4}, True),
 }
 
 
@@ -57,10 +79,31 @@ def build(family: str) -> torch.nn.Module:
     return getattr(transformers, model_class)(config)
 
 
-def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    tokens = torch.randint(1, SMALL["vocab_size"], (2, 16), generator=g)
-    return {"input_ids": tokens, "labels": tokens.clone()}
+def tokens(g: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, SMALL["vocab_size"], (2, 16), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+# The inputs of the families that read no tokens, or not only tokens (each returns its loss). CLIP's contrastive
+# loss couples a rank's batch, so the reference's mean of per-rank losses is what data parallelism trains.
+BATCHES = {
+    "wav2vec2": lambda g: {"input_values": torch.randn(2, 400, generator=g),
+                           "labels": torch.randint(1, 16, (2, 5), generator=g)},
+    "whisper": lambda g: {"input_features": torch.randn(2, 8, 32, generator=g),
+                          "labels": torch.randint(3, SMALL["vocab_size"], (2, 6), generator=g)},
+    "clip": lambda g: {"input_ids": torch.randint(2, 64, (3, 8), generator=g),
+                       "pixel_values": torch.randn(3, 3, 16, 16, generator=g), "return_loss": True},
+}
+
+
+def batch(family: str, step: int, rank: int) -> dict[str, torch.Tensor]:
+    return BATCHES.get(family, tokens)(torch.Generator().manual_seed(1000 * step + rank))
+
+
+def in_dtype_of(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Floating inputs (audio, pixels) in the dtype of ``model`` (the float64 reference's)."""
+    dtype = next(model.parameters()).dtype
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
 
 
 def train_worker(rank: int, world: int, family: str, steps: int) -> list[str]:
@@ -80,10 +123,11 @@ def train_worker(rank: int, world: int, family: str, steps: int) -> list[str]:
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                               "offload_optimizer": {"device": "cpu"}}})
     for step in range(steps):
-        engine.backward(engine(**batch(step, rank)).loss)
+        engine.backward(engine(**batch(family, step, rank)).loss)
         engine.step()
         for reference, optimizer in zip(references, optimizers):
-            (sum(reference(**batch(step, r)).loss for r in range(world)) / world).backward()
+            losses = [reference(**in_dtype_of(reference, batch(family, step, r))).loss for r in range(world)]
+            (sum(losses) / world).backward()
             optimizer.step()
             optimizer.zero_grad()
     ours = engine.full_state_dict(rank0_only=False)
@@ -126,11 +170,11 @@ def forward_values_worker(rank: int, world: int, family: str, group: int) -> lis
         "zero_optimization": {"stage": 3, "zero_node_size": 2, "zero_quantized_weights": True,
                               "zero_hpz_partition_size": 2, "zero_quantization_group_size": group}})
     for step in range(2):  # trained: scales no longer those of the initial values
-        engine.backward(engine(**batch(step, rank)).loss)
+        engine.backward(engine(**batch(family, step, rank)).loss)
         engine.step()
     with recorded_forward_values(engine.module) as seen:
         with torch.no_grad():
-            engine(**batch(2, rank))
+            engine(**batch(family, 2, rank))
     exact = engine.full_state_dict(rank0_only=False)
     expected = quantized_forward_values(engine, exact, world, group)
     assert seen, "no module's forward ran"
