@@ -159,8 +159,8 @@ def _end_window(engine: Engine) -> None:
 
 def hyperparameter_problem(engine: Engine) -> str | None:
     """What is wrong with this rank's ``optimizer.param_groups`` (an lr set to NaN by hand or driven to inf by a
-    scheduler, a group's params edited), or None. Groups are per rank, so the verdict travels with the step's all-reduce: raising here
-    on one rank alone would leave the others waiting in that collective."""
+    scheduler, a group's params edited), or None. Groups are per rank, so the verdict travels with the step's
+    all-reduce: raising here on one rank alone would leave the others waiting in that collective."""
     changed = engine.optimizer.layout_problem()
     if changed is not None:
         return changed

@@ -229,7 +229,7 @@ class _ZerocoreAdam(torch.optim.Optimizer):
         work = []
         index = 0
         for g, group in enumerate(self.param_groups):
-            hyper = self._group_hyper(g, group)
+            hyper = self._group_hyper(group)
             for i, param in enumerate(group["params"]):
                 label = f"param {index} (param_groups[{g}]['params'][{i}])"
                 index += 1
@@ -238,12 +238,8 @@ class _ZerocoreAdam(torch.optim.Optimizer):
                     work.append((label, param, hyper))
         return work
 
-    def _group_hyper(self, g: int, group: dict[str, Any]) -> dict[str, Any]:
-        name = type(self).__name__
-        if group.get("amsgrad", False):
-            raise ValueError(f"{name} does not support amsgrad=True (param_groups[{g}])")
-        if group.get("maximize", False):
-            raise ValueError(f"{name} does not support maximize=True (param_groups[{g}])")
+    @staticmethod
+    def _group_hyper(group: dict[str, Any]) -> dict[str, Any]:
         beta1, beta2 = (_as_float(beta, "betas") for beta in group["betas"])
         return dict(
             lr=_as_float(group["lr"], "lr"),
