@@ -119,7 +119,8 @@ class ReferencePair:
 
     ``wrap`` wraps each (e.g. in DDP); ``make_optimizer`` builds an optimizer for an unwrapped model (it may
     build param groups from the model). ``train_step(loss_of)`` calls ``loss_of(module, dtype)`` once per twin,
-    backpropagates, optionally clips, steps, and returns the fp32 loss and gradient norm (or None).
+    backpropagates, optionally clips (``clip``, ``norm_type``), steps, and returns the fp32 loss and gradient
+    norm (or None).
 
     ``piecewise``: a third model, a second fp32 reference, that ``train_step`` trains from
     ``pieces_of(module, dtype)`` (losses that sum to the loss), one gradient per piece, their sum moved by its
@@ -140,7 +141,7 @@ class ReferencePair:
 
     def train_step(self, loss_of: Callable[[nn.Module, torch.dtype], torch.Tensor], clip: float = 0.0,
                    pieces_of: Callable[[nn.Module, torch.dtype], list[torch.Tensor]] | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   norm_type: float = 2.0) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert (pieces_of is not None) == (len(self.models) == 3), "pieces_of goes with a piecewise reference"
         results = []
         for index, (model, module, optimizer) in enumerate(zip(self.models, self.modules, self.optimizers)):
@@ -150,7 +151,7 @@ class ReferencePair:
                 self._gradients_at_their_rounding_bound(model, losses)
             else:
                 losses[0].backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if clip else None
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type) if clip else None
             optimizer.step()
             optimizer.zero_grad()
             results.append((losses[0].detach().float(), norm))

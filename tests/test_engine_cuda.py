@@ -390,3 +390,37 @@ def test_a_model_moved_off_the_gpu_is_refused_at_its_next_forward_and_trains_on_
     got = engine.full_state_dict(rank0_only=False)
     assert all(torch.equal(got[k], want[k]) for k in want)
     engine.close()
+
+
+@pytest.mark.parametrize("stage,offload", [(1, None), (2, "cpu"), (3, None), (3, "cpu")])
+def test_clip_grad_norm_by_hand_trains_as_the_configs_clipping_on_cuda(stage, offload):
+    """engine.clip_grad_norm_ on GPU shards (and with the optimizer on the host): the norm is the step's, the
+    training that of the config's clipping at the same threshold (within fp32 rounding of the coefficient),
+    and the inf-norm is the largest gradient element's."""
+    trained = []
+    for by_hand in (False, True):
+        config = make_config(stage, gradient_clipping=0.0 if by_hand else 0.5)
+        if offload:
+            config["zero_optimization"]["offload_optimizer"] = {"device": offload}
+        model = build("transformer").cuda()
+        engine = zerocore.initialize(model, config)
+        generator = torch.Generator().manual_seed(0)
+        norms = []
+        for _ in range(4):
+            inputs, target = (t.cuda() for t in batch("transformer", generator))
+            engine.backward(loss_fn("transformer", engine(inputs), target))
+            if by_hand:
+                largest = max(zerocore.safe_get_full_grad(p).abs().max().item() for p in model.parameters())
+                assert engine.clip_grad_norm_(float("inf"), norm_type="inf").item() == pytest.approx(largest, rel=1e-6)
+                norm = engine.clip_grad_norm_(0.5)
+                assert norm.device.type == "cuda" and norm.dtype == torch.float32
+                norms.append(norm.item())
+            engine.step()
+            if not by_hand:
+                norms.append(engine.get_global_grad_norm())
+        trained.append((norms, engine.full_state_dict(rank0_only=False)))
+        engine.close()
+    (config_norms, config_state), (hand_norms, hand_state) = trained
+    assert hand_norms == pytest.approx(config_norms, rel=1e-5) and max(config_norms) > 0.5
+    for name, value in config_state.items():
+        torch.testing.assert_close(hand_state[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -248,6 +248,7 @@ def read_own(located: _Located, key: str, out: torch.Tensor, base: int) -> None:
     if key == "grad":
         buffer.settle_grads()  # (the boundary's backward left none stale; kept for the rule's sake)
         unscale = 1.0 / engine.loss_scaler.scale if engine.config.fp16.enabled else 1.0
+        unscale *= engine.optimizer_state.grad_coefficient  # a clip by hand (Note [Clipping by hand])
         for shard, start, at, length in _own_pieces(located):
             out[at - base : at - base + length] = shard.grads[start : start + length].float() * unscale
     else:
@@ -295,6 +296,7 @@ def write_own(located: _Located, key: str, flat: torch.Tensor, base: int) -> Non
     assert buffer is not None
     if key == "grad":
         buffer.settle_grads()
+        engine.optimizer_state.apply_grad_coefficient()  # the value written is the gradient as given
         scale = engine.loss_scaler.scale if engine.config.fp16.enabled else 1.0  # the gradients are held scaled
         for shard, start, at, length in _own_pieces(located):
             shard.grads[start : start + length] = flat[at - base : at - base + length] * scale

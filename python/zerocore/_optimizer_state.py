@@ -139,6 +139,9 @@ class OptimizerState:
         self.shards: list[Shard] = []
         self.step_count = 0
         self.idle_steps: dict[str, int] = {}  # per parameter name: applied steps it got no gradient for
+        # The window's gradients are the shards' values times this; set by a clip by hand, which then stands in
+        # for the config's clipping (Note [Clipping by hand] in _grad_clip.py); None: not clipped by hand.
+        self.hand_clip: float | None = None
         self._plan_key: Any = None  # what the cached slices were made for (see _cache_slices)
         self._built = False
         self.copies_type: Callable[[torch.device], Any] = StreamCopies  # Note [Offload copies]
@@ -339,11 +342,31 @@ class OptimizerState:
             self.store.close()
             self.store = None
 
+    @property
+    def grad_coefficient(self) -> float:
+        """What the gradient shards' values are multiplied by to give the window's gradients (1.0 unless
+        clipped by hand): every reader of the shards applies it, so a clip costs no pass over them and no
+        16-bit rounding of the clipped values."""
+        return 1.0 if self.hand_clip is None else self.hand_clip
+
+    def clip_by_hand(self, coefficient: float) -> None:
+        self.hand_clip = self.grad_coefficient * coefficient
+
+    def apply_grad_coefficient(self) -> None:
+        """Multiplies the coefficient into the gradient shards (before a write into them, which is taken as
+        given), keeping the window marked as clipped by hand."""
+        if self.grad_coefficient != 1.0:
+            with torch.no_grad():
+                for shard in self.shards:
+                    shard.grads.mul_(self.grad_coefficient)
+            self.hand_clip = 1.0
+
     def grad_sum_of_squares(self) -> torch.Tensor:
-        """Sum of squares of every gradient shard as a float64 scalar on the shards' device (padding is zero
-        and adds nothing); inf or NaN when any gradient is. Each block of ``_NORM_BLOCK`` elements is reduced
-        in fp32 and the blocks are summed in float64: one fp32 reduction over a whole shard loses ~1e-3
-        relative at 16M elements, this stays within ~3e-7 at any size, at the same speed."""
+        """Sum of squares of every gradient as a float64 scalar on the shards' device (padding is zero and
+        adds nothing; the shards' values times ``grad_coefficient``); inf or NaN when any gradient is. Each
+        block of ``_NORM_BLOCK`` elements is reduced in fp32 and the blocks are summed in float64: one fp32
+        reduction over a whole shard loses ~1e-3 relative at 16M elements, this stays within ~3e-7 at any
+        size, at the same speed."""
         device = self.shards[0].grads.device if self.shards else self.placement
         total = torch.zeros((), dtype=torch.float64, device=device)
         for shard in self.shards:
@@ -359,7 +382,7 @@ class OptimizerState:
                 total += blocks.double().square().sum()
             if whole < grads.numel():
                 total += torch.linalg.vector_norm(grads[whole:], dtype=torch.float32).double().square()
-        return total
+        return total if self.hand_clip is None else total * self.hand_clip ** 2
 
     def step(self, param_groups: Sequence[dict[str, Any]], grad_scale: float,
              after_shard: Callable[[int], None] | None = None, without_grad: frozenset[str] = frozenset()) -> None:
@@ -370,6 +393,7 @@ class OptimizerState:
         the three-deep I/O pipeline (Note [NVMe optimizer state]). The parameters named in ``without_grad``
         got no gradient on any rank and are left alone (Note [Parameters without gradients])."""
         self.step_count += 1
+        grad_scale *= self.grad_coefficient
         plan = self._plan(without_grad)
         if any(shard.param_home is not None for shard in self.shards):  # one offloaded shard in memory at a time
             # parameters a step leaves alone must be read to be written back (Note [Parameters without gradients])

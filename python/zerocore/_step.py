@@ -140,7 +140,8 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
                 "NaN or inf loss or gradient on some rank); the update is applied, as torch's AdamW applies it, "
                 "so the parameters become non-finite. Skip such batches before backward(), or lower the "
                 "learning rate", RuntimeWarning, stacklevel=4)
-        clip = engine.config.gradient_clipping
+        hand_clipped = engine.optimizer_state.hand_clip is not None  # Note [Clipping by hand]
+        clip = 0.0 if hand_clipped else engine.config.gradient_clipping
         if clip > 0:
             grad_scale *= min(1.0, clip / (norm + 1e-6))
         update_and_gather(engine, grad_scale, without_grad)

@@ -50,6 +50,7 @@ from ._divergence import RanksDivergedError, ShardReadError
 from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
 from ._gathered import refuse_managed, unregister
 from ._gathered import register as register_managed
+from ._grad_clip import clip_grad_norm
 from ._lifecycle import USABLE, EngineState, Lifecycle
 from ._loss_scaler import LossScaler
 from ._model_checks import (check_plain_model, check_same_config_on_all_ranks, check_same_model_on_all_ranks,
@@ -567,10 +568,21 @@ class Engine(DeepSpeedAccessors):
         """The global gradient norm of the last update (inf when fp16 overflow skipped it)."""
         return self._last_grad_norm
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float | str = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clips the reduced gradients in place to a global ``norm_type``-norm of ``max_norm`` and returns the
+        norm before clipping, as FSDP1's ``model.clip_grad_norm_`` (``torch.nn.utils.clip_grad_norm_`` sees no
+        ``.grad`` after a reducing backward). A collective: every rank calls it, between the accumulation
+        boundary's ``backward()`` and ``step()``; that step then does not clip again at the config's
+        ``gradient_clipping`` (Note [Clipping by hand] in _grad_clip.py)."""
+        self.lifecycle.require("clip_grad_norm_()", *USABLE)
+        return clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
+
     def zero_grad(self) -> None:
         for buffer in self.buffers:
             buffer.zero_grad()
         self.gradients.start_window()
+        self.optimizer_state.hand_clip = None
 
     # ---- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
