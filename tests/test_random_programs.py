@@ -9,7 +9,8 @@ shards on NVMe) and a program of what users do between and around steps: accumul
 windows, evaluation (also inside a window; after one, maybe empty_partition_cache()), save and load into the
 same engine, a resume into a fresh engine, writes inside gathered(), lr writes, zero_grad(), forwards that
 raise on every rank or on one (caught, the batch skipped, as the README asks), a parameter frozen for a
-window, a block every rank or one rank skips, and state reads. The engine's parameters must stay within the
+window, a block every rank or one rank skips, windows clipped by hand (engine.clip_grad_norm_), and state
+reads. The engine's parameters must stay within the
 fp32 references' rounding noise of the float64 run (tests/_parity.py; two references, one backpropagating each
 window's loss at once and one summing the ranks' and micro-batches' gradients, moved by that sum's rounding
 error bound) after every read and at the end, and the same program run again with settings that change no
@@ -233,6 +234,7 @@ class Program:
         # apart so that a seed still draws the config and operations it did
         self.side = random.Random(seed + 7_000_003)
         self.releases = random.Random(seed + 11_000_007)  # (its own stream: the side stream's draws stay)
+        self.clips = random.Random(seed + 17_000_023)  # which windows clip by hand (its own stream, as above)
         self.config = draw_config(self.rng, directory)
         if zeropp:
             draw_zeropp(random.Random(seed + 13_000_019), self.config["zero_optimization"])
@@ -360,9 +362,20 @@ class Program:
                     self.engine.backward(loss)
             else:
                 self.engine.backward(loss)
+                if self.engine.is_gradient_accumulation_boundary() and self.clips.random() < 0.3:
+                    self._clip_by_hand()
                 if boundary or not manual or step_each:
                     self.engine.step()
         self.engine.set_gradient_accumulation_boundary(None)
+
+    def _clip_by_hand(self) -> None:
+        """engine.clip_grad_norm_ in place of the config's clipping at its threshold (or, with none, a norm
+        measured without clipping: max_norm inf), as a program ported from FSDP1 clips: the reference's
+        clipping is the config's either way."""
+        limit = self.config["gradient_clipping"] or math.inf
+        self.trace[-1] += f"(clip {limit})"
+        norm = self.engine.clip_grad_norm_(limit)
+        assert math.isfinite(norm.item()) or self.precision == "fp16", norm
 
     def _begin_window(self) -> None:
         self.window_began = (self.engine.loss_scaler.scale, self.engine.skipped_steps)
