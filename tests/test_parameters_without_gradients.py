@@ -213,6 +213,8 @@ def _runtime_warnings_of_two_steps(engine: zerocore.Engine, rank: int) -> list[s
             x, y = _batch(step, 0, rank)
             engine.backward(nn.functional.mse_loss(engine(x), y))
             engine.step()
+    untrained = [w for w in caught if "not trained" in str(w.message)]
+    assert all(w.filename == __file__ for w in untrained), [(w.filename, w.lineno) for w in untrained]  # the step's line
     return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
 
 

@@ -117,8 +117,9 @@ def nan_loss_worker(rank: int, world: int, stage: int) -> bool:
                                  _config(stage, bf16={"enabled": True}))
     loss = engine(_x(0, rank, torch.bfloat16)).float().mean()
     engine.backward(loss * float("nan") if rank == 1 else loss)  # one rank's batch held a NaN
-    with pytest.warns(RuntimeWarning, match="global gradient norm is nan"):
+    with pytest.warns(RuntimeWarning, match="global gradient norm is nan") as caught:
         engine.step()
+    assert {w.filename for w in caught if "norm is nan" in str(w.message)} == {__file__}  # the step's line
     return engine.was_step_applied()
 
 

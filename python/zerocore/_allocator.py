@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ._user_frames import user_stacklevel
+
 _STATS = ("num_alloc_retries", "num_ooms", "reserved_bytes.all.current", "allocated_bytes.all.current",
           "allocated_bytes.all.peak", "inactive_split_bytes.all.current")
 
@@ -61,7 +63,7 @@ class AllocatorWatch:
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or lower the micro-batch, reduce_bucket_size or "
                 "stage3_prefetch_bucket_size, or shard more (a higher stage, offload). "
                 "engine.memory_report()['allocator'] counts them; this warning is given once.",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning, stacklevel=user_stacklevel())
 
     def report(self) -> dict[str, Any] | None:
         if not self.active:

@@ -40,6 +40,7 @@ import torch
 from ._lifecycle import EngineState, Lifecycle
 from ._names import named_parameters
 from ._policy import StagePolicy
+from ._user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ._stage3 import Stage3Runtime
@@ -187,7 +188,7 @@ class GradientRouting:
                        "engine holds no optimizer state for it. Unfreeze (or add) it before initialize, or build a "
                        "new engine, to train it")
                 warnings.warn(f"parameter {name!r} has a gradient but is not trained: it {why}", RuntimeWarning,
-                              stacklevel=4)
+                              stacklevel=user_stacklevel())
 
     def start_window(self) -> None:
         """An accumulation window begins (zero_grad): no parameter has a gradient yet."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
 from . import _safetensors_io as stio
+from ._user_frames import user_stacklevel
 
 FORMAT = "zerocore-checkpoint/2"
 # Four reads in flight (the I/O engine runs one per thread): the disk stays busy while chunks are checked.
@@ -97,7 +98,7 @@ def tag_path(directory: str, tag: str) -> str:
     previous = os.path.join(directory, f".{tag}.old")
     if not os.path.lexists(path) and os.path.isfile(os.path.join(previous, "index.json")):
         warnings.warn(f"checkpoint {path} is missing but its previous copy {previous} is complete (a save of "
-                      f"tag {tag!r} was interrupted): loading that copy", RuntimeWarning, stacklevel=3)
+                      f"tag {tag!r} was interrupted): loading that copy", RuntimeWarning, stacklevel=user_stacklevel())
         return previous
     return path
 

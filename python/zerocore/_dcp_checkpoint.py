@@ -56,6 +56,7 @@ from ._deferred_signals import deferred_interrupts
 from ._full_param_state import _locate, write_own
 from ._local_param_state import local_range
 from ._names import canonical, named_buffers, named_parameters
+from ._user_frames import user_stacklevel
 from .optimizer import ADAM_HYPERPARAMETERS
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ def read(path: str, directories: list[str], trainable: set[str]) -> _Checkpoint:
         if other != root:
             warnings.warn(f"load_checkpoint: the DCP checkpoint {path} also holds tensors under "
                           f"{'/'.join(map(str, other)) or '<top>'} ({len(names)}), which are not loaded",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=user_stacklevel())
     checkpoint = _Checkpoint(path, models[root], optimizer is not None, state, client=client)
     if nested_groups:
         names_of = _load_objects([group["params"] for group in nested_groups.values() if "params" in group])

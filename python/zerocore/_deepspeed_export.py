@@ -60,6 +60,7 @@ from . import _json_state as json_state
 from ._checkpoint_format import fsync_dir, read_index, resolve_tag, tag_path, write_durably
 from ._checkpoint_match import global_steps, optimizer_steps
 from ._saved_tensors import SavedTensors
+from ._user_frames import user_stacklevel
 from .optimizer import ADAM_HYPERPARAMETERS
 
 # The DeepSpeed version whose universal loader this output was checked against (stage 1's loader asserts a
@@ -93,7 +94,7 @@ def _group_steps(index: Mapping[str, Any], accept: bool) -> int:
             "(group_steps=True) to continue them at step " + str(steps) + "; nothing was written")
     if lagging:
         warnings.warn(f"to_deepspeed: {len(lagging)} parameter(s) that took fewer than {steps} steps continue at "
-                      f"step {steps} in DeepSpeed: {sorted(lagging)[:5]}", UserWarning, stacklevel=3)
+                      f"step {steps} in DeepSpeed: {sorted(lagging)[:5]}", UserWarning, stacklevel=user_stacklevel())
     return steps
 
 
@@ -149,7 +150,7 @@ def _model_states(index: Mapping[str, Any], steps: int) -> dict[str, Any]:
     })
     if shadowed:
         warnings.warn(f"to_deepspeed: client_state keys {shadowed} are DeepSpeed's own model-state keys and were left "
-                      "out", UserWarning, stacklevel=3)
+                      "out", UserWarning, stacklevel=user_stacklevel())
     return state
 
 

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ._stage3_unit import Unit
+from ._user_frames import user_stacklevel
 
 
 class _AccessLog:
@@ -302,7 +303,8 @@ def _dry_run(order: list[nn.Module], init_fn: Callable[[nn.Module], None], devic
                          "in place (torch.nn.init.*, copy_, fill_) so that the engine keeps managing them")
     if failure is not None:
         warnings.warn(f"zerocore meta-device init: init_fn could not run on meta tensors ({failure!r}); the "
-                      "whole model is materialized before it is sharded (more memory, same values)", stacklevel=4)
+                      "whole model is materialized before it is sharded (more memory, same values)",
+                      stacklevel=user_stacklevel())
         return None
     return accessed
 

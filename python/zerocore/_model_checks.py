@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._user_frames import user_stacklevel
 from .config import OptimizerConfig
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction", "name"}
@@ -288,7 +289,7 @@ def check_trainable_dtypes(model: nn.Module) -> None:
             f"the model's trainable parameters have several dtypes ({found}): zerocore trains every one in the "
             "same compute dtype (fp32, or bf16/fp16 when the config enables it) over fp32 master weights, so the "
             "others are cast to it; cast the model to one dtype before zerocore.initialize() to silence this",
-            UserWarning, stacklevel=3)
+            UserWarning, stacklevel=user_stacklevel())
     for name, module in model.named_modules():
         if getattr(module, "sparse", False) is True and any(p.requires_grad for p in module.parameters(recurse=False)):
             raise ValueError(

@@ -83,6 +83,7 @@ from ._stage3_unit import Unit, UnitState
 from ._transforms import outside_transforms, wrapped_values
 from ._unit_outputs import output_leaves
 from ._units import UnitSpec, frozen_storage_dtype
+from ._user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -385,7 +386,7 @@ class Stage3Runtime:
                 f"requires grad (it returned {type(output).__name__}); it stays gathered until the backward "
                 "ends, using its whole parameters' memory meanwhile. Return the tensors its backward needs (in "
                 "a tuple, dict, dataclass or pytree), or run it under torch.no_grad() if none is needed",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning, stacklevel=user_stacklevel())
 
     def _unpin_no_grad_forward(self) -> None:
         """A forward without grad ended: the units it pinned are released; those a grad-enabled forward
@@ -578,7 +579,7 @@ class Stage3Runtime:
                 f"{names.get(expected, 'end of forward')!r} but {unit.name!r} ran; prefetching is off and units "
                 "are gathered on demand for the rest of this step",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
             self._warned = True
         self._prefetch_enabled = False

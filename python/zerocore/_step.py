@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._model_checks import all_gather_json, check_group_hyperparameters
+from ._user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -130,7 +131,7 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
             warnings.warn(
                 f"step {engine.global_steps}: gradients overflowed in the fp16 reduction "
                 "(communication_data_type: fp16, max 65504), so the update was skipped; with bf16 or fp32 "
-                "compute set communication_data_type to bf16 or fp32", RuntimeWarning, stacklevel=4)
+                "compute set communication_data_type to bf16 or fp32", RuntimeWarning, stacklevel=user_stacklevel())
     else:
         norm = math.sqrt(total) * grad_scale
         record_norm(norm)
@@ -139,7 +140,7 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
                 f"step {engine.global_steps + 1}: the global gradient norm is {norm} (a "
                 "NaN or inf loss or gradient on some rank); the update is applied, as torch's AdamW applies it, "
                 "so the parameters become non-finite. Skip such batches before backward(), or lower the "
-                "learning rate", RuntimeWarning, stacklevel=4)
+                "learning rate", RuntimeWarning, stacklevel=user_stacklevel())
         hand_clipped = engine.optimizer_state.hand_clip is not None  # Note [Clipping by hand]
         clip = 0.0 if hand_clipped else engine.config.gradient_clipping
         if clip > 0:

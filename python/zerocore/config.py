@@ -29,6 +29,7 @@ from ._config_values import INT64_MAX, as_bool, as_choice, as_float, as_int, fai
 from ._hf_auto import BATCH_KEYS, fill_auto_batch_sizes, hidden_size_of
 from ._offload_config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from ._scheduler_config import SchedulerConfig
+from ._user_frames import user_stacklevel
 
 __all__ = ["OptimizerConfig", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
            "ZeroOptimizationConfig", "AioConfig", "SchedulerConfig", "ZeroConfig", "hidden_size_of"]
@@ -445,7 +446,7 @@ class ZeroConfig:
         config, unsupported = from_deepspeed(cls, source, strict=strict, hidden_size=hidden_size)
         if unsupported:
             warnings.warn(f"zerocore ignores these DeepSpeed keys, not supported yet: {', '.join(unsupported)}",
-                          UserWarning, stacklevel=2)
+                          UserWarning, stacklevel=user_stacklevel())
         return config
 
     def to_deepspeed(self) -> dict[str, Any]:

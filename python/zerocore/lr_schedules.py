@@ -29,6 +29,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from ._user_frames import user_stacklevel
+
 __all__ = ["LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_lr_scheduler"]
 
 _P = "scheduler.params."
@@ -120,7 +122,7 @@ class WarmupDecayLR(WarmupLR):
         if self.total_num_steps < max(2, int(warmup_num_steps)):
             warnings.warn(f"{_P}total_num_steps ({total_num_steps}) is less than warmup_num_steps "
                           f"({warmup_num_steps}); the lr decays from the first step after the warmup",
-                          UserWarning, stacklevel=2)
+                          UserWarning, stacklevel=user_stacklevel())
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type)
 
     def _gamma(self, iteration: int) -> float:
@@ -147,7 +149,7 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         if self.total_num_steps < self.warmup_num_steps:
             warnings.warn(f"{_P}total_num_steps ({total_num_steps}) is less than warmup_num_steps "
                           f"({warmup_num_steps}); the lr drops to cos_min_ratio right after the warmup",
-                          UserWarning, stacklevel=2)
+                          UserWarning, stacklevel=user_stacklevel())
         self.org_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         super().__init__(optimizer)
 
@@ -212,7 +214,8 @@ class OneCycle(_DeepSpeedSchedule):
             if changed:
                 warnings.warn(f"{_P}cycle_momentum: OneCycle sets every param group's betas to (momentum, 0.99), "
                               f"as DeepSpeed does, replacing beta2 = {changed}; set scheduler.params."
-                              "cycle_momentum to false to keep the optimizer's betas", UserWarning, stacklevel=2)
+                              "cycle_momentum to false to keep the optimizer's betas", UserWarning,
+                              stacklevel=user_stacklevel())
         super().__init__(optimizer)
 
     def _scale_factor(self, batch_iteration: int) -> float:
