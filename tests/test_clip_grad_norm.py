@@ -158,6 +158,7 @@ def refusals_worker(rank: int, world: int, stage: int) -> list[str]:
     seen.append(refused(1.0, norm_type=0))
     seen.append(refused(1.0, norm_type="two"))
     seen.append(refused(1.0 + rank))  # different arguments: each rank would clip its shard differently
+    seen.append(refused(model.parameters(), 1.0))  # torch's signature, parameters first
     assert engine.clip_grad_norm_(math.inf).item() == norm  # the refusals changed nothing
     engine.step()
     engine.backward(loss_fn("mlp", engine(x), y) * math.inf)
@@ -179,6 +180,7 @@ def test_refusals_raise_on_every_rank_with_nothing_changed(stage):
         assert messages[4].startswith("ValueError") and "'two'" in messages[4]
         assert messages[5].startswith("ValueError") and "different arguments on different ranks" in messages[5]
         assert "rank 0: max_norm=1.0" in messages[5] and "rank 1: max_norm=2.0" in messages[5]
-        assert messages[6].startswith("RuntimeError") and "so they cannot be clipped" in messages[6]
+        assert messages[6].startswith("ValueError") and "torch's function takes the parameters first" in messages[6]
+        assert messages[7].startswith("RuntimeError") and "so they cannot be clipped" in messages[7]
     assert first[2].startswith("ValueError") and "max_norm must be >= 0" in first[2]
     assert second[2].startswith("RuntimeError") and "refused on rank(s) [0]" in second[2]

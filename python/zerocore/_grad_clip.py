@@ -31,6 +31,7 @@ ranks given different arguments.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,7 +77,8 @@ def clip_grad_norm(engine: Engine, max_norm: float, norm_type: float | str, erro
     if any(row[2:] != table[0][2:] for row in table):
         asked = "; ".join(f"rank {rank}: max_norm={row[3]}, norm_type={row[2]}" for rank, row in enumerate(table))
         raise ValueError(f"engine.clip_grad_norm_() got different arguments on different ranks ({asked}): each rank "
-                         "would clip its shard differently; pass the same on every rank (nothing was changed on any rank)")
+                         "would clip its shard differently; pass the same on every rank (nothing was changed on any "
+                         "rank)")
     partials = [row[1] for row in table]
     if math.isinf(p):  # (Python's max would drop a NaN that is not first)
         total = math.nan if any(math.isnan(x) for x in partials) else max(partials)
@@ -94,6 +96,11 @@ def clip_grad_norm(engine: Engine, max_norm: float, norm_type: float | str, erro
 
 
 def _arguments_problem(max_norm: object, norm_type: object) -> str | None:
+    scalar = isinstance(max_norm, torch.Tensor) and max_norm.dim() == 0
+    if isinstance(max_norm, (torch.Tensor, Iterable)) and not scalar:
+        return ("max_norm must be a number: engine.clip_grad_norm_(max_norm, norm_type) clips every trainable "
+                "parameter of the engine, as FSDP1's model.clip_grad_norm_ does (torch's function takes the "
+                f"parameters first), got {type(max_norm).__name__}")
     try:
         limit = float(max_norm)  # type: ignore[arg-type]
     except (TypeError, ValueError):
