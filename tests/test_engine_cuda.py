@@ -184,6 +184,35 @@ def test_parameter_shards_on_nvme_match_the_reference_on_cuda(optimizer, tmp_pat
     engine.close()
 
 
+@pytest.mark.parametrize("dtype,optimizer", [("fp32", "none"), ("bf16", "none"), ("bf16", "cpu")])
+def test_parameter_shards_in_host_memory_train_bitwise_like_on_the_gpu(dtype, optimizer):
+    """offload_param: cpu on a GPU (Note [Host parameter shards]): every shard lives in pinned host memory
+    and comes back into the gathered CUDA buffer; the losses and the final state are bit for bit those of
+    the shards kept in GPU memory, the estimate plans the bytes memory_report() shows."""
+    results = []
+    for offload in (False, True):
+        config = make_config(3, gradient_clipping=1.0)
+        if dtype == "bf16":
+            config["bf16"] = {"enabled": True}
+        if optimizer != "none":
+            config["zero_optimization"]["offload_optimizer"] = {"device": optimizer}
+        if offload:
+            config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        model = build("transformer").cuda()
+        engine = zerocore.initialize(model, config)
+        report = engine.memory_report()
+        planned = zerocore.estimate_memory(build("transformer").cuda(), config, 1)
+        assert planned["bytes"] == report["bytes"], (planned["bytes"], report["bytes"])
+        losses = transformer_losses(engine, 5)
+        results.append((losses, engine.full_state_dict(rank0_only=False), engine.memory_report()["bytes"]))
+        engine.close()
+    (want_losses, want_state, want_bytes), (got_losses, got_state, got_bytes) = results
+    assert got_losses == want_losses
+    for name, value in want_state.items():
+        assert torch.equal(got_state[name], value), name
+    assert got_bytes["params"] == 0 and got_bytes["param_offload"] == want_bytes["params"] > 0
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_steady_state_step_syncs_the_host_once(stage):
     """Issue 8 item 6 on the device: a steady-state forward never waits for the GPU (stage 3's gathers and

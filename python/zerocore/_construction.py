@@ -19,7 +19,8 @@ from ._info import cpu_cores
 from ._model_checks import model_device
 from ._names import named_parameters
 from ._native import _C
-from ._nvme_params import check_param_offload, param_file_for
+from ._host_params import HostParamShards, offloads_to_host
+from ._nvme_params import param_file_for
 from ._optimizer_state import NvmePlacement, OptimizerState
 from ._policy import StagePolicy
 from ._topology import Topology, build_topology, check_zeropp_partitions
@@ -301,10 +302,12 @@ def cpu_step_threads_line(config: ZeroConfig, environ: Mapping[str, str], rank: 
 
 
 def param_file_for_config(config: ZeroConfig, device: torch.device, rank: int) -> Any:
-    """``offload_param``: nvme gives this rank a parameter file (Note [NVMe parameter shards]); cpu is where
-    the parameters are already on a CPU-only machine."""
+    """``offload_param``: nvme gives this rank a parameter file (Note [NVMe parameter shards]), cpu on a GPU host
+    memory for the shards (Note [Host parameter shards]); on a CPU-only machine cpu is where the parameters are
+    already. None when the shards stay where the parameters are."""
     offload = config.zero_optimization.offload_param
-    check_param_offload(offload, device)
+    if offloads_to_host(offload, device):
+        return HostParamShards(offload.pin_memory)
     if offload.device != "nvme":
         return None
     return param_file_for(offload, config.aio.settings(), rank)

@@ -171,14 +171,6 @@ class _Failed:
         pass
 
 
-def check_param_offload(offload: Any, device: torch.device) -> None:
-    """What ``offload_param`` cannot do here: 'cpu' on a GPU (initialize and ``estimate_memory`` ask)."""
-    if offload.device == "cpu" and device.type != "cpu":
-        raise ValueError("zero_optimization.offload_param: device 'cpu' is not supported on a GPU yet (use 'nvme', "
-                         "or offload_optimizer to move the optimizer state); on a CPU-only machine 'cpu' is "
-                         "accepted, the parameters being in host memory already")
-
-
 def plan_param_file(shards: list[tuple[int, int]], max_in_cpu: int) -> tuple[list[bool], int, int]:
     """Pure, as ``ParamShardFile.place`` decides for shards (elements, bytes per element) given in the order
     the engine builds them: which are offloaded, the file's size and the bytes of its two buffers (bounce

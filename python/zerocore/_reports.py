@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._host_params import HostParamShards
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -28,8 +30,10 @@ def memory_report(engine: Engine) -> dict[str, Any]:
         nvme["bytes_read"] = engine.optimizer_state.store.bytes_read
         nvme["bytes_written"] = engine.optimizer_state.store.bytes_written
     items.update(state)
-    files = engine.param_file  # offload_param: nvme (Note [NVMe parameter shards])
+    files = engine.param_file  # offload_param: nvme (Note [NVMe parameter shards]), or cpu on a GPU
     items["nvme_param_buffers"] = 0 if files is None else files.bounce.numel() + files.ahead.numel()
+    # offload_param: cpu on a GPU (Note [Host parameter shards])
+    items["param_offload"] = files.host_bytes if isinstance(files, HostParamShards) else 0
     nvme["param_reads_ahead_used"] = 0
     if files is not None:
         nvme.update(param_file_bytes=files.size, param_bytes_read=files.bytes_read,

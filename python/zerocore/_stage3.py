@@ -144,7 +144,8 @@ class Stage3Runtime:
         self._recorded_position: dict[int, int] = {}  # a unit's first place in recorded_order
         self._recording_training = False  # the forward being recorded runs with grad
         self.before_backward_gather: Callable[[Unit], None] | None = None
-        self._reads_ahead = engine.param_file is not None  # Note [NVMe parameter shards]
+        # shards off the device between uses (Note [NVMe parameter shards], Note [Host parameter shards])
+        self._reads_ahead = engine.param_file is not None
         self._order: list[int] = []
         self._open: list[Unit] = []  # units whose forward began and has not ended, outermost first
         # Note [Backward events]: this backward's so far, and the last completed backward's

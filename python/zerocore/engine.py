@@ -176,7 +176,7 @@ class Engine(DeepSpeedAccessors):
         threads_line = cpu_step_threads_line(config, os.environ, self.rank)
         if threads_line is not None:
             print(threads_line, file=sys.stderr, flush=True)
-        self.param_file = param_file_for_config(config, self.device, self.rank)  # offload_param: nvme, else None
+        self.param_file = param_file_for_config(config, self.device, self.rank)  # offload_param, else None
         self.stage3: Stage3Runtime | None = None
         group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
         if policy.params_sharded:

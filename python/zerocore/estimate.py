@@ -48,7 +48,8 @@ from ._construction import optimizer_state_for, reduction_wire_dtype
 from ._gather_spares import spare_capacity
 from ._model_checks import check_plain_model, check_trainable_dtypes, collect_trainable, model_device
 from ._native import _C
-from ._nvme_params import check_param_offload, plan_param_file
+from ._host_params import offloads_to_host
+from ._nvme_params import plan_param_file
 from ._nvme_state import pipeline_depth, sub_group_totals
 from ._policy import StagePolicy
 from ._sharded_buffer import ALIGNMENT
@@ -64,7 +65,7 @@ _DEVICE_KEYS = ("params", "grads", "gathered_params_live", "gathered_params_peak
                 "gather_spares", "reduce_buckets",
                 "allgather_buckets", "temporaries", "frozen_params")
 _STATE_KEYS = ("master_params", "optimizer_moments")  # where the optimizer state lives
-_HOST_KEYS = ("offload_staging", "nvme_buffers", "nvme_param_buffers")
+_HOST_KEYS = ("offload_staging", "nvme_buffers", "nvme_param_buffers", "param_offload")
 _STEP_BUFFERS = 2  # reducer pool buffers planned for a step: one filling, one reducing (Note [Reducer memory])
 
 
@@ -154,7 +155,7 @@ def estimate_memory(
 
     Raises:
         ValueError: what ``initialize`` would raise for this config and model (an invalid or unsupported key,
-            a float64 trainable parameter, parameter offload to the CPU of a GPU machine, ...), a world size below 1, a rank outside
+            a float64 trainable parameter, ...), a world size below 1, a rank outside
             ``[0, world_size)``, or a parameter count below 1.
     """
     world = _positive_int(world_size, "world_size")
@@ -235,7 +236,6 @@ def _plan(model: nn.Module | int, config: Any, world: int, device: Any, param_gr
     else:
         where = _engine_device(None, device)
     state = optimizer_state_for(config, where, 0)  # the engine's own rule (raises for unsupported offload)
-    check_param_offload(config.zero_optimization.offload_param, where)
     if count is not None:
         layout = FlatLayout([count], world, ALIGNMENT, NO_BUCKET_CAP if policy.params_sharded else
                             BucketSizes.resolve(config.zero_optimization, config.reduce_dtype).reduce)
@@ -320,10 +320,12 @@ def _rank_bytes(plan: _Plan, rank: int) -> dict[str, Any]:
     placed = [(layout.shard_size, size, layout is not b.layout)
               for b in plan.buffers for layout, size in b.storages(width)]
     offload = plan.config.zero_optimization.offload_param
-    offloaded, param_file, bounce = [False] * len(placed), 0, 0
+    offloaded, param_file, bounce, on_host = [False] * len(placed), 0, 0, 0
     if policy.params_sharded and offload.device == "nvme":  # Note [NVMe parameter shards]
         offloaded, param_file, bounce = plan_param_file([(n, size) for n, size, _ in placed],
                                                         int(offload.max_in_cpu))
+    elif policy.params_sharded and offloads_to_host(offload, plan.device):  # Note [Host parameter shards]
+        offloaded, on_host = [True] * len(placed), sum(n * size for n, size, _ in placed)
     in_memory = sum(n * size for (n, size, frozen), away in zip(placed, offloaded) if not away and not frozen)
     frozen_shards = sum(n * size for (n, size, frozen), away in zip(placed, offloaded) if not away and frozen)
     items = {"params": in_memory if policy.params_sharded else width * full,
@@ -331,6 +333,7 @@ def _rank_bytes(plan: _Plan, rank: int) -> dict[str, Any]:
     state, nvme_file = _state_bytes(plan, shards)
     items.update(state)
     items["nvme_param_buffers"] = bounce
+    items["param_offload"] = on_host
     if policy.params_sharded:
         items.update({"gathered_params_live": 0, "gathered_params_peak_last_step": 0,  # all units at rest
                       "hpz_secondary": 0, "gather_spares": 0})  # spares are kept from the first step on
