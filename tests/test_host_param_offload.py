@@ -6,16 +6,27 @@ the same protocol (the gathers, the step's one shard at a time, checkpoints, wri
 from __future__ import annotations
 
 import pytest
+import torch
 
 import zerocore
 import zerocore.engine
 from _dist import run_ranks
-from _models import build
-from test_offload import _train
+from _models import batch, build, loss_fn
 from test_param_offload import _config, _state
 from zerocore._host_params import HostParamShards
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def _train(engine: zerocore.Engine, rank: int, first: int, steps: int, model: str = "transformer") -> list[float]:
+    losses = []
+    for step in range(first, first + steps):
+        x, y = batch(model, torch.Generator().manual_seed(100 * step + rank))
+        loss = loss_fn(model, engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
 
 
 def _with_host_shards(config: dict) -> dict:
@@ -25,21 +36,23 @@ def _with_host_shards(config: dict) -> dict:
     return config
 
 
-def train_worker(rank: int, world: int, dtype: str, host: bool, optimizer: str | None, path: str) -> dict:
+def train_worker(rank: int, world: int, dtype: str, host: bool, optimizer: str | None, path: str,
+                 zeropp: dict | None = None, model: str = "transformer") -> dict:
     config = _config(dtype, None)
+    config["zero_optimization"].update(zeropp or {})
     if optimizer == "cpu":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     elif optimizer == "nvme":
         config["zero_optimization"].update(offload_optimizer={"device": "nvme", "nvme_path": path},
                                            sub_group_size=37)
-    engine = zerocore.initialize(build("transformer"), _with_host_shards(config) if host else config)
+    engine = zerocore.initialize(build(model), _with_host_shards(config) if host else config)
     at_init = engine.memory_report()["bytes"]
-    losses = _train(engine, rank, 0, 3)
+    losses = _train(engine, rank, 0, 3, model)
     params = [p for p in engine.module.parameters() if p.requires_grad]
     with zerocore.gathered(params[:3], modifier_rank=0):  # a write reaches the host shards too
         for p in params[:3]:
             p.data.mul_(0.5)
-    losses += _train(engine, rank, 3, 2)
+    losses += _train(engine, rank, 3, 2, model)
     result = {"losses": losses, "state": _state(engine), "at_init": at_init, "bytes": engine.memory_report()["bytes"],
               "params": {k: v.float().tolist() for k, v in engine.full_state_dict(rank0_only=False).items()},
               "shards": sum(u.buffer.shard_size * u.buffer.shard.element_size() for u in engine.stage3.units)}
@@ -58,6 +71,23 @@ def test_parameter_shards_in_host_memory_train_bitwise_like_on_the_device(dtype,
         for report in (got["at_init"], got["bytes"]):  # no shard stays where the parameters are computed
             assert report["params"] == 0 and report["param_offload"] == want["bytes"]["params"] == got["shards"] > 0
         assert want["bytes"]["param_offload"] == 0
+
+
+def test_host_shards_under_zeropp_and_with_frozen_parameters_train_bitwise_like_on_the_device(tmp_path):
+    """qwZ gathers and hpZ's kept slices over host shards (2 nodes of 2 ranks); a model with a frozen layer,
+    a tied weight and an unused layer, whose frozen shards go to host memory too."""
+    zeropp = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_node_size": 2}
+    cases = [(4, "transformer", zeropp), (2, "odd", None)]
+    for world, model, extra in cases:
+        expected = run_ranks(train_worker, world, "bf16", False, None, str(tmp_path), extra, model, timeout=240)
+        actual = run_ranks(train_worker, world, "bf16", True, None, str(tmp_path), extra, model, timeout=240)
+        for rank, (got, want) in enumerate(zip(actual, expected)):
+            assert got["losses"] == want["losses"] and got["params"] == want["params"], (model, rank)
+            assert got["bytes"]["params"] == 0, model
+            shards = want["bytes"]["params"] + want["bytes"]["frozen_params"] - got["bytes"]["frozen_params"]
+            assert got["bytes"]["param_offload"] == shards, model
+        if model == "odd":
+            assert got["bytes"]["frozen_params"] < want["bytes"]["frozen_params"], "frozen shards left too"
 
 
 def checkpoint_worker(rank: int, world: int, directory: str, save_host: bool, load_host: bool) -> None:
@@ -90,5 +120,8 @@ def test_the_estimate_plans_host_shards_for_a_gpu(tmp_path):
     assert with_host["bytes"]["params"] == 0 and with_host["where"]["param_offload"] == "host"
     assert with_host["bytes"]["param_offload"] == without["bytes"]["params"] > 0
     assert with_host["device_bytes"] == without["device_bytes"] - without["bytes"]["params"]
+    assert with_host["pinned_host"] and not without["pinned_host"]  # the doctor's memlock check reads it
+    config["zero_optimization"]["offload_param"]["pin_memory"] = False
+    assert not zerocore.estimate_memory(build("transformer"), config, 4, device="cuda")["pinned_host"]
     on_cpu = zerocore.estimate_memory(build("transformer"), config, 4, device="cpu")  # nothing to move there
     assert on_cpu["bytes"]["param_offload"] == 0 and on_cpu["bytes"]["params"] == without["bytes"]["params"]

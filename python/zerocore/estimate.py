@@ -147,11 +147,12 @@ def estimate_memory(
         ``stage``, ``world_size``, ``rank``, ``device``, ``compute_dtype``, ``psi`` / ``psi_padded`` (trainable
         elements without / with padding), ``bytes`` (the keys of ``memory_report()["bytes"]``: what
         ``memory_report()`` reports right after ``initialize``), ``nvme_file_bytes`` and
-        ``nvme_param_file_bytes`` (its ``["nvme"]["file_bytes"]`` and ``["param_file_bytes"]``), ``total_bytes`` (all of ``bytes``: device and host memory, as its
-        ``total_bytes``), ``device_bytes`` and ``host_bytes`` (that total split by where each category lives,
-        ``where``), ``optimizer_placement`` (``"cuda"``, ``"cpu"`` or ``"nvme"``, as ``memory_report``),
-        ``pinned_host`` (offloaded state in page-locked memory), ``approximate``, ``step`` (the transient
-        bytes of a training step, planned; None for a count) and, with ``rank=None``, ``per_rank``.
+        ``nvme_param_file_bytes`` (its ``["nvme"]["file_bytes"]`` and ``["param_file_bytes"]``), ``total_bytes``
+        (all of ``bytes``: device and host memory, as its ``total_bytes``), ``device_bytes`` and ``host_bytes``
+        (that total split by where each category lives, ``where``), ``optimizer_placement`` (``"cuda"``,
+        ``"cpu"`` or ``"nvme"``, as ``memory_report``), ``pinned_host`` (offloaded state or parameter shards in
+        page-locked memory), ``approximate``, ``step`` (the transient bytes of a training step, planned; None
+        for a count) and, with ``rank=None``, ``per_rank``.
 
     Raises:
         ValueError: what ``initialize`` would raise for this config and model (an invalid or unsupported key,
@@ -181,9 +182,13 @@ def estimate_memory(
                                "host_bytes")},
         "where": {k: v for k, v in _where(plan).items() if k in one["bytes"]},
         "optimizer_placement": "nvme" if plan.state.nvme is not None else plan.state.placement.type,
-        # OptimizerState pins host state when this machine has CUDA; the estimate asks about the target device
-        "pinned_host": plan.state.nvme is None and plan.state.placement.type == "cpu" and plan.device.type == "cuda"
-        and plan.config.zero_optimization.offload_optimizer.pin_memory,
+        # OptimizerState and HostParamShards pin host memory when this machine has CUDA; the estimate asks about
+        # the target device
+        "pinned_host": plan.device.type == "cuda" and (
+            (plan.state.nvme is None and plan.state.placement.type == "cpu"
+             and plan.config.zero_optimization.offload_optimizer.pin_memory)
+            or (offloads_to_host(plan.config.zero_optimization.offload_param, plan.device)
+                and plan.config.zero_optimization.offload_param.pin_memory)),
         "approximate": plan.approximate,
     }
     result["step"] = None if plan.approximate else _step_plan(plan, result["total_bytes"])
