@@ -37,6 +37,7 @@ import math
 import os
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerocore
+import zerocore.engine
+from zerocore._host_params import HostParamShards
 from zerocore._model_checks import all_gather_json
 from zerocore.deepspeed.utils import safe_get_full_fp32_param
 from _dist import run_ranks
@@ -181,7 +184,8 @@ def vary_what_changes_no_value(config: dict, directory: str, world: int) -> None
     reduce-scatter both add the two ranks' values, a + b == b + a; at world 4 they sum in other orders, another
     rounding), stage 3's prefetch and live-parameter budget,
     hpZ (its backward gathers the forward's values again), where the optimizer state lives (memory, host,
-    NVMe in sub-groups: the same kernel on the same elements), stage 3's parameter shards on NVMe, without
+    NVMe in sub-groups: the same kernel on the same elements), stage 3's parameter shards on NVMe or in host
+memory (Note [Host parameter shards]), without
     qwZ (which leaves persistent parameters unquantized) stage 3's persistence threshold, and without
     accumulation stage 1 or 2 (with it, stage 1 sums the micro-steps before reducing and stage 2 after, as in
     DeepSpeed: other roundings)."""
@@ -203,6 +207,8 @@ def vary_what_changes_no_value(config: dict, directory: str, world: int) -> None
     zero.pop("sub_group_size", None)
     if where == "none":
         zero["offload_optimizer"] = {"device": "cpu"}
+        if zero["stage"] == 3:  # (host shards here too: _host_param_shards_here)
+            zero["offload_param"] = {"device": "cpu"}
     elif where == "cpu":
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": directory}
         zero["sub_group_size"] = 700
@@ -576,9 +582,27 @@ class Program:
         self._skipping(self.rng.choice(range(self.world)) if self.stage < 3 else "all")
 
 
+def _host_param_shards_here() -> None:
+    """offload_param: cpu changes nothing on a CPU-only machine (the parameters are in host memory); here the
+    engines given it take a GPU's host shards (Note [Host parameter shards]), so that path is held to the same
+    bits as the others."""
+    original = zerocore.engine.param_file_for_config
+    if getattr(original, "host_shards", False):
+        return
+
+    def chosen(config: Any, device: torch.device, rank: int) -> Any:
+        if config.zero_optimization.offload_param.device == "cpu":
+            return HostParamShards(pin_memory=False)
+        return original(config, device, rank)
+
+    chosen.host_shards = True  # type: ignore[attr-defined]
+    zerocore.engine.param_file_for_config = chosen
+
+
 def program_worker(rank: int, world: int, seed: int, directory: str, precision: str = "fp32",
                    zeropp: bool = False) -> list[str]:
     """The program, then again with settings that change no value: every read the same, bit for bit."""
+    _host_param_shards_here()
     first = Program(rank, seed, directory, precision, world, zeropp)
     first.run()
     again = Program(rank, seed, directory, precision, world, zeropp, varied=True)
