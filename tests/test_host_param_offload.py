@@ -125,3 +125,26 @@ def test_the_estimate_plans_host_shards_for_a_gpu(tmp_path):
     assert not zerocore.estimate_memory(build("transformer"), config, 4, device="cuda")["pinned_host"]
     on_cpu = zerocore.estimate_memory(build("transformer"), config, 4, device="cpu")  # nothing to move there
     assert on_cpu["bytes"]["param_offload"] == 0 and on_cpu["bytes"]["params"] == without["bytes"]["params"]
+
+
+def test_shards_that_cannot_be_pinned_stay_in_pageable_memory_with_a_warning(monkeypatch):
+    """A memlock limit below the shards (ulimit -l) makes pinning fail: the shard goes to pageable memory, the
+    same values, and a warning names the key and the fix, instead of initialize failing on one rank."""
+    shards = HostParamShards(pin_memory=True)
+    shards.pin_memory = True  # as on a GPU machine
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    values = torch.arange(10, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match=r"offload_param.pin_memory: pinning 20 more bytes .* `ulimit -l`"):
+        offset = shards.place(10, torch.bfloat16)
+    monkeypatch.undo()
+    shards.write(offset, values)
+    out = torch.zeros(10, dtype=torch.bfloat16)
+    shards.read(offset, out)
+    assert torch.equal(out, values) and not shards.pin_memory and shards.host_bytes == 20

@@ -86,13 +86,13 @@ def clip_grad_norm(engine: Engine, max_norm: float, norm_type: float | str, erro
         total = sum(partials)
     unscale = 1.0 / engine.loss_scaler.scale if engine.config.fp16.enabled else 1.0  # fp16 gradients are held scaled
     norm = (total if math.isinf(p) else total ** (1.0 / p)) * unscale
-    total_norm = torch.tensor(norm, dtype=torch.float32, device=engine.device)
+    total_norm = torch.tensor(norm, dtype=torch.float32)  # (on the host: the coefficient needs no device sync)
     if error_if_nonfinite and not math.isfinite(norm):
         raise RuntimeError(f"engine.clip_grad_norm_(): the total norm of order {p} of the gradients is {norm}, so "
                            "they cannot be clipped; nothing was changed on any rank. Set error_if_nonfinite=False "
                            "to clip anyway (the step then applies non-finite gradients, as torch's AdamW would)")
     state.clip_by_hand(float(torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)))  # torch's, in fp32
-    return total_norm
+    return total_norm.to(engine.device)
 
 
 def _arguments_problem(max_norm: object, norm_type: object) -> str | None:

@@ -21,9 +21,12 @@ shards' bytes as ``bytes["param_offload"]`` (host memory).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+
+from ._user_frames import user_stacklevel
 
 
 def offloads_to_host(offload: Any, device: torch.device) -> bool:
@@ -48,7 +51,19 @@ class HostParamShards:
         """A host tensor for a shard of ``numel`` ``dtype`` elements; its key (offsets in the order placed)."""
         nbytes = numel * dtype.itemsize
         offset = self.host_bytes
-        self._shards[offset] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        try:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        except RuntimeError as error:  # pinning past the memlock limit (ulimit -l), typically
+            if not self.pin_memory:
+                raise
+            warnings.warn(f"zero_optimization.offload_param.pin_memory: pinning {nbytes} more bytes of parameter "
+                          f"shards (after {self.host_bytes}) failed ({error}); this rank keeps its shards in "
+                          "pageable host memory instead (the same values, slower copies). Raise `ulimit -l`, or "
+                          "set pin_memory false; `python -m zerocore.doctor` checks it", RuntimeWarning,
+                          stacklevel=user_stacklevel())
+            self.pin_memory = False
+            host = torch.empty(nbytes, dtype=torch.uint8)
+        self._shards[offset] = host
         self.host_bytes += nbytes
         return offset
 
