@@ -155,12 +155,9 @@ def _refusal(located: _Located, key: str, call: str, writes: bool) -> str | None
     if state in (EngineState.BACKWARD, EngineState.CLOSED):
         return f"{call}() is not allowed while the engine is {state.value!r}"
     if key == "grad":
-        if state is not EngineState.AWAITING_STEP or not engine._backward_boundary:
-            return (f"{call}(): the reduced gradient exists only between the accumulation boundary's "
-                    "engine.backward() and engine.step() (the engine is "
-                    f"{state.value!r}{'' if state is not EngineState.AWAITING_STEP else ', mid-window'}): "
-                    "mid-window a rank holds partial or local sums, and step() consumes them. Call it after the "
-                    "backward for which engine.is_gradient_accumulation_boundary() was True")
+        outside = outside_grad_window(engine, "the reduced gradient exists")
+        if outside is not None:
+            return f"{call}(): {outside}"
     elif writes and (state is EngineState.FORWARD or engine.lifecycle.forward_pending):
         return (f"{call}() between a forward and its backward would pair the forward's activations with other "
                 "weights; call it before the forward or after engine.backward()")
@@ -176,6 +173,18 @@ def _refusal(located: _Located, key: str, call: str, writes: bool) -> str | None
         return (f"{call}(): the parameter is frozen, so it has no fp32 master, moments or gradient; change its "
                 "values inside `with zerocore.gathered(params, modifier_rank=0):`")
     return None
+
+
+def outside_grad_window(engine: Engine, subject: str) -> str | None:
+    """Why the reduced gradients cannot be read or changed now, as a sentence beginning with ``subject`` (what
+    exists only in the window); None between the accumulation boundary's ``backward()`` and ``step()``."""
+    state = engine.lifecycle.state
+    if state is EngineState.AWAITING_STEP and engine._backward_boundary:
+        return None
+    return (f"{subject} only between the accumulation boundary's engine.backward() and engine.step() (the engine "
+            f"is {state.value!r}{'' if state is not EngineState.AWAITING_STEP else ', mid-window'}): mid-window a "
+            "rank holds partial or local sums, and step() consumes them. Call it after the backward for which "
+            "engine.is_gradient_accumulation_boundary() was True")
 
 
 def _agree(located: _Located, call: str, key: str, refused: str | None) -> None:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._lifecycle import EngineState
+from ._full_param_state import outside_grad_window
 from ._optimizer_state import _NORM_CHUNK
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 def clip_grad_norm(engine: Engine, max_norm: float, norm_type: float | str, error_if_nonfinite: bool) -> torch.Tensor:
     """Engine.clip_grad_norm_'s body (Note [Clipping by hand])."""
     bad_argument = _arguments_problem(max_norm, norm_type)
-    refused = bad_argument or _state_problem(engine)
+    refused = bad_argument or outside_grad_window(engine, "the reduced gradients exist")
     p = float(norm_type) if refused is None else 2.0
     state = engine.optimizer_state
     if refused is None:
@@ -114,17 +114,6 @@ def _arguments_problem(max_norm: object, norm_type: object) -> str | None:
     if not p > 0.0:
         return f"norm_type must be > 0 (2.0: the Euclidean norm; 'inf': the largest element), got {norm_type!r}"
     return None
-
-
-def _state_problem(engine: Engine) -> str | None:
-    state = engine.lifecycle.state
-    if state is EngineState.AWAITING_STEP and engine._backward_boundary:
-        return None
-    where = state.value + (", mid-window" if state is EngineState.AWAITING_STEP else "")
-    return ("the reduced gradients exist only between the accumulation boundary's engine.backward() and "
-            f"engine.step() (the engine is {where!r}): mid-window a rank holds partial or local sums, and step() "
-            "consumes them. Call it after the backward for which engine.is_gradient_accumulation_boundary() was "
-            "True")
 
 
 def _local_partial(shards: list[Shard], p: float, coefficient: float) -> torch.Tensor:
