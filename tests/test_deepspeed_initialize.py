@@ -281,3 +281,58 @@ def test_the_data_loader_yields_deepspeeds_batches():
         engine = SimpleNamespace(config=SimpleNamespace(train_micro_batch_size_per_gpu=2), world_size=2, rank=rank)
         ours = _data_loader(engine, data, None, drop_last)
         assert [b[0].tolist() for b in ours] == [b[0].tolist() for b in theirs], (n, drop_last, rank)
+
+
+class _FakeCuda:
+    """torch.cuda as a machine with ``count`` GPUs shows it, recording the device set; module moves recorded."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+        self.current: list[int] = []
+        self.moved: list[torch.device] = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "set_device", self.current.append)
+
+    def watch(self, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(model, "to", lambda device: self.moved.append(device))
+
+
+@pytest.mark.parametrize("local_rank, device_rank, expected", [("1", None, 1), ("1", 0, 0), (None, None, 0)])
+def test_a_model_built_on_the_cpu_is_moved_to_the_local_rank_gpu_as_deepspeed_does(
+        monkeypatch: pytest.MonkeyPatch, local_rank: str | None, device_rank: int | None, expected: int) -> None:
+    """Where CUDA is, DeepSpeed trains on the local rank's GPU whatever device the model was built on (a Hugging
+    Face script leaves the move to it); the engine trains on its model's device, so the switched script would
+    run on the CPU over Gloo unless initialize moves the model first."""
+    cuda = _FakeCuda(monkeypatch, 2)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    model = build("mlp")
+    cuda.watch(model, monkeypatch)
+    args = None if device_rank is None else argparse.Namespace(device_rank=device_rank)
+    deepspeed._place_on_local_gpu(model, args)
+    assert cuda.current == [expected] and cuda.moved == [torch.device("cuda", expected)]
+
+
+def test_a_meta_model_is_left_for_the_engine_to_materialize_on_the_local_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = _FakeCuda(monkeypatch, 4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with torch.device("meta"):
+        model = build("mlp")
+    cuda.watch(model, monkeypatch)
+    deepspeed._place_on_local_gpu(model, None)
+    assert cuda.current == [3] and cuda.moved == []
+
+
+@pytest.mark.parametrize("local_rank, match", [("2", "LOCAL_RANK=2 names GPU 2, but this process sees 2"),
+                                               ("x", "LOCAL_RANK='x' is not a GPU index")])
+def test_a_local_rank_without_its_gpu_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, local_rank: str,
+                                                         match: str) -> None:
+    cuda = _FakeCuda(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    model = build("mlp")
+    cuda.watch(model, monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        deepspeed.initialize(model=model, config={**_BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert cuda.current == [] and cuda.moved == []

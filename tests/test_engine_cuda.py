@@ -454,3 +454,28 @@ def test_clip_grad_norm_by_hand_trains_as_the_configs_clipping_on_cuda(stage, of
     assert hand_norms == pytest.approx(config_norms, rel=1e-5) and max(config_norms) > 0.5
     for name, value in config_state.items():
         torch.testing.assert_close(hand_state[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_initialize_moves_a_cpu_model_to_the_gpu_and_trains_as_one_moved_by_hand(stage, monkeypatch):
+    """A DeepSpeed script builds the model on the CPU and leaves the move to deepspeed.initialize; switched to
+    zerocore.deepspeed it trains on the local rank's GPU (not on the CPU), bit for bit as the same model moved by
+    hand and given to zerocore.initialize."""
+    import zerocore.deepspeed as deepspeed
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    trained = []
+    for by_deepspeed in (True, False):
+        torch.manual_seed(0)
+        model = build("transformer")
+        config = make_config(stage, bf16={"enabled": True})
+        if by_deepspeed:
+            engine, *_ = deepspeed.initialize(model=model, config=config)
+        else:
+            engine = zerocore.initialize(model.cuda(), config)
+        assert engine.device == torch.device("cuda", 0)
+        transformer_losses(engine, 3)
+        trained.append(engine.full_state_dict(rank0_only=False))
+        engine.close()
+    moved, by_hand = trained
+    assert all(torch.equal(moved[k], by_hand[k]) for k in by_hand)

@@ -26,6 +26,15 @@ training_dataloader, lr_scheduler)``, built by :func:`zerocore.initialize`:
   DeepSpeed's loader has it; ``dataloader_drop_last`` drops the last incomplete batch), with ``collate_fn``; else
   None.
 
+* the device: where CUDA is, as DeepSpeed places it: the process's GPU is its local rank's
+  (``args.device_rank`` if the script's arguments have one, else torchrun's ``LOCAL_RANK``;
+  ``torch.cuda.set_device``), and a model with tensors elsewhere (built on the CPU, as ``from_pretrained`` builds
+  it) is moved there before the engine is built, which trains on its model's device (a Hugging Face script that
+  left the move to DeepSpeed would otherwise train on the CPU over Gloo). A model under ``torch.device("meta")``
+  is materialized there, unit by unit (stage 3). DeepSpeed casts the model to 16 bits before moving it; here it
+  moves as built, so the fp32 master starts from the built values (the GPU holds it whole until ``initialize``
+  shards it: build large models under ``torch.device("meta")``). Without CUDA the model stays where it is.
+
 ``mpu``, ``mesh_param`` (model parallelism) and ``dist_init_required=False`` without a process group are
 refused; ``distributed_port`` is torchrun's business (``MASTER_PORT``).
 
@@ -99,6 +108,33 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         kwargs["world_size"] = world_size
     dist.init_process_group(dist_backend or ("nccl" if torch.cuda.is_available() else "gloo"),
                             init_method=init_method, **kwargs)
+
+
+def _place_on_local_gpu(model: nn.Module, args: Any) -> None:
+    """DeepSpeed's device placement where CUDA is (Note [DeepSpeed's initialize]): this process's GPU is its local
+    rank's, and the model moves to it; a meta-device model stays for the engine to materialize there."""
+    if not torch.cuda.is_available():
+        return
+    device_rank = getattr(args, "device_rank", None) if args is not None else None
+    source = "args.device_rank"
+    if device_rank is None:
+        device_rank, source = os.environ.get("LOCAL_RANK", "0"), "LOCAL_RANK"
+    try:
+        index = int(device_rank)
+    except (TypeError, ValueError):
+        raise ValueError(f"deepspeed.initialize: {source}={device_rank!r} is not a GPU index") from None
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"deepspeed.initialize: {source}={index} names GPU {index}, but this process sees {count} "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); launch one "
+                         "process per visible GPU (torchrun --nproc-per-node)")
+    torch.cuda.set_device(index)
+    device = torch.device("cuda", index)
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        return  # materialized by the engine on the current device; a mix is refused there, naming the tensors
+    if any(t.device != device for t in tensors):
+        model.to(device)
 
 
 def _config_of(args: Any, config: Any, config_params: Any) -> Any:
@@ -243,6 +279,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                              "pass one")
     # the data loader's, which only this function builds (the engine itself reads no data)
     drop_last = as_bool(ds_config.pop("dataloader_drop_last", False), "dataloader_drop_last")
+    _place_on_local_gpu(model, args)
     engine = _initialize(model, ds_config, param_groups=groups)
     if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
         engine.lr_scheduler = _rebind(lr_scheduler, engine)
