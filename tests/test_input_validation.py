@@ -462,3 +462,15 @@ def test_a_finiteness_check_of_a_meta_tensor_is_a_value_error(call, message):
     # a meta tensor has no values: an error naming the device, not torch's "item() on meta tensors"
     with pytest.raises(ValueError, match=message):
         call(torch.empty(3, device="meta"))
+
+
+def test_a_cpu_model_on_a_machine_with_cuda_is_named_not_trained_there_silently(monkeypatch):
+    """DDP and the engine train where the model is; a script from FSDP2 or DeepSpeed (which move it to the GPU)
+    would run on the CPU unnoticed. The warning names the user's line and the move to make."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"the model is on the CPU.*model\.cuda\(\)") as caught:
+        engine = zerocore.initialize(model, {"zero_optimization": {"stage": 1},
+                                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    engine.close()
+    assert [w.filename for w in caught if "on the CPU" in str(w.message)] == [__file__]

@@ -5,6 +5,7 @@ the reducer's geometry) and auto_cast's input cast."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from ._nvme_params import param_file_for
 from ._optimizer_state import NvmePlacement, OptimizerState
 from ._policy import StagePolicy
 from ._topology import Topology, build_topology, check_zeropp_partitions
+from ._user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from ._sharded_buffer import ShardedBuffer
@@ -67,6 +69,13 @@ def training_device(model: nn.Module, policy: StagePolicy,
         raise ValueError(f"the model has no trainable parameters (none with requires_grad=True): stage "
                          f"{policy.stage} would hold it whole on every rank, as a plain module does; use it as one, "
                          "or shard it with zero_optimization.stage 3 (a frozen reference or teacher model)")
+    if where.type == "cpu" and torch.cuda.is_available():
+        # DDP and the engine train where the model is; FSDP2 and DeepSpeed move it to the GPU themselves, so a
+        # script ported from them runs on the CPU, silently slower by orders of magnitude
+        warnings.warn("zerocore.initialize: the model is on the CPU, so the engine trains there (over Gloo) although "
+                      "this machine has CUDA; to train on the GPU, move the model to this rank's GPU first "
+                      "(torch.cuda.set_device(local_rank); model.cuda()), as zerocore.deepspeed.initialize does "
+                      "for a DeepSpeed script", stacklevel=user_stacklevel())
     if where.type != "meta":
         return where, False
     if not policy.params_sharded:
