@@ -185,7 +185,16 @@ class MixedPrecisionReferences:
     two bounds' references take both ends (a random sign took one, and seed 0's bf16 program, whose engine took
     no step there, failed). Later, once a master crosses a 16-bit rounding boundary and changes what the next
     forwards compute, the spread grows as a correct engine's distance does. A dropped or doubled gradient
-    contribution moves a master by a share of lr at once."""
+    contribution moves a master by a share of lr at once.
+
+    Note [Undetermined signs]: the summation bound covers one window's rounding, not the drift before it. Once
+    the masters differ by rounding, every reference (and a correct engine) computes its pieces from slightly
+    different 16-bit parameters, and where they cancel, the sum's sign can differ between them by more than the
+    bound: seed 1539's bf16 program (world 2, stage 1) summed an expert weight's two pieces to -3.8e-5, -1.7e-4
+    and -5.3e-5 in the three references and to +1.1e-5 in the engine, exactly the sum of the pieces its own
+    parameters give, and Adam's first step put that element 2 lr away from all three. So wherever the three
+    sums, widened by their own spread, hold zero, the second reference takes the widened interval's top and the
+    third its bottom: both signs, and the later steps that sign leads to, are in the spread."""
 
     def __init__(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  dtype: torch.dtype) -> None:
@@ -203,19 +212,36 @@ class MixedPrecisionReferences:
                    unscale: float = 1.0) -> None:
         """``pieces_of(copy)``: the pieces of the loss, computed by the 16-bit copy (scaled, for fp16); each
         piece's gradient is multiplied by ``unscale`` in fp32."""
-        for which, (master, replica, optimizer) in enumerate(zip(self.masters, self.copies, self.optimizers)):
+        found_by_reference, pairs_by_reference = [], []
+        for master, replica in zip(self.masters, self.copies):
             pairs = [(m, c) for m, c in zip(master.parameters(), replica.parameters()) if c.requires_grad]
             found = piece_gradients(pieces_of(replica), [c for _, c in pairs], lambda grad: grad.float() * unscale)
             assert all(torch.isfinite(g).all() for pieces in found for g in pieces), (
                 "a reference's 16-bit gradient overflowed where the engine's did not (its step was applied)")
-            for (param, _), pieces in zip(pairs, found):
-                if not pieces:
-                    param.grad = None
-                elif which == 0:
-                    param.grad = torch.stack(pieces).sum(0) if len(pieces) > 1 else pieces[0].clone()
-                else:
-                    param.grad = sum_at_its_rounding_bound(pieces, 1.0 if which == 1 else -1.0,
-                                                           torch.finfo(self.dtype).eps / 2)
+            found_by_reference.append(found)
+            pairs_by_reference.append(pairs)
+        for index, gradients in enumerate(zip(*found_by_reference)):
+            if not gradients[0]:
+                for pairs in pairs_by_reference:
+                    pairs[index][0].grad = None
+                continue
+            first = torch.stack(gradients[0]).sum(0) if len(gradients[0]) > 1 else gradients[0][0].clone()
+            up, down = (sum_at_its_rounding_bound(pieces, sign, torch.finfo(self.dtype).eps / 2)
+                        for pieces, sign in ((gradients[1], 1.0), (gradients[2], -1.0)))
+            # Where the references' own sums, widened by how far apart they are, hold zero, the sign of this
+            # window's gradient is upstream 16-bit noise (the pieces of a correct engine, computed from masters
+            # as far from the first's as the others', can sum to either sign), and Adam's first step makes a sign
+            # a whole lr: the bound references take both ends, up above zero, down below (Note [Undetermined
+            # signs])
+            sums = torch.stack([first, *(torch.stack(pieces).sum(0) for pieces in gradients[1:])])
+            width = sums.max(0).values - sums.min(0).values
+            high, low = sums.max(0).values + width, sums.min(0).values - width
+            undetermined = (low <= 0) & (high >= 0) & (width > 0)
+            up = torch.where(undetermined, torch.maximum(up, high), up)
+            down = torch.where(undetermined, torch.minimum(down, low), down)
+            for pairs, grad in zip(pairs_by_reference, (first, up, down)):
+                pairs[index][0].grad = grad
+        for master, replica, optimizer in zip(self.masters, self.copies, self.optimizers):
             if clip:
                 torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
             optimizer.step()

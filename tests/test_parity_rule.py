@@ -12,22 +12,27 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import zerocore
 from _dist import run_ranks
 from _models import batch, build, loss_fn
-from _parity import ReferencePair, assert_within_reference_noise, sum_at_its_rounding_bound
+from _parity import (MixedPrecisionReferences, ReferencePair, as_dtype, assert_within_reference_noise,
+                     sum_at_its_rounding_bound)
 
 pytestmark = pytest.mark.timeout(300)
 STEPS, LR, WEIGHT_DECAY = 6, 3e-3, 0.01
 
 
 def _config(stage: int, **adam) -> dict:
-    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8,
-                                                      "weight_decay": WEIGHT_DECAY, **adam}},
+    adam = {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": WEIGHT_DECAY, **adam}
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": adam},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000}}
 
 
-def _train(rank: int, stage: int, bug: str) -> dict[str, torch.Tensor]:
+def _train(rank: int, stage: int, bug: str, bf16: bool = False,
+           weight_decay: float = WEIGHT_DECAY) -> dict[str, torch.Tensor]:
     model = build("transformer")
-    config = _config(stage, **{"none": {}, "weight decay twice": {"weight_decay": 2 * WEIGHT_DECAY},
-                               "lr 1% high": {"lr": 1.01 * LR}}.get(bug, {}))
+    config = _config(stage, **{"weight_decay": weight_decay,
+                               **{"weight decay twice": {"weight_decay": 2 * weight_decay},
+                                  "lr 1% high": {"lr": 1.01 * LR}, "lr 5% high": {"lr": 1.05 * LR}}.get(bug, {})})
+    if bf16:
+        config["bf16"] = {"enabled": True}
     engine = zerocore.initialize(model, config)
     if bug == "one rank's gradient of one parameter dropped" and rank == 1:
         # as if the bucket holding this parameter were never reduced from this rank
@@ -38,7 +43,9 @@ def _train(rank: int, stage: int, bug: str) -> dict[str, torch.Tensor]:
         x, y = batch("transformer", torch.Generator().manual_seed(10_000 * step + rank))
         engine.backward(loss_fn("transformer", engine(x), y))
         engine.step()
-    state = engine.full_state_dict(rank0_only=False)
+    # bf16: the fp32 masters (a collective: every rank, the same order)
+    state = ({name: zerocore.safe_get_full_fp32_param(p) for name, p in model.named_parameters()} if bf16
+             else engine.full_state_dict(rank0_only=False))
     engine.close()
     return state
 
@@ -77,6 +84,39 @@ def test_the_parity_rule_catches_deliberately_broken_engines(stage, piecewise):
         for bug, outcome in outcomes.items():
             assert outcome != "passed", f"stage {stage}: the parity rule missed the bug: {bug}"
             assert "outside the fp32 reference's rounding noise" in outcome
+
+
+def broken_worker_bf16(rank: int, world: int, stage: int) -> dict[str, str]:
+    """The same bugs in bf16 against the mixed-precision references of the random programs (fp32 masters, bf16
+    copies computing the ranks' pieces of the loss, the bound references at the ends of each sum's rounding and,
+    where the references' sums straddle zero, of its sign: Note [Undetermined signs]). Weight decay at 0.1 (an
+    LLM's) and lr 5% high: doubling 0.01, or lr 1% high, moves the masters by about 2e-4 of their norm in these 6
+    steps, inside bf16's rounding, which no rule can tell from a correct engine's."""
+    references = MixedPrecisionReferences(
+        build("transformer"), lambda m: torch.optim.AdamW(m.parameters(), lr=LR, betas=(0.9, 0.99), eps=1e-8,
+                                                          weight_decay=0.1, foreach=False), torch.bfloat16)
+    for step in range(STEPS):
+        batches = [batch("transformer", torch.Generator().manual_seed(10_000 * step + r)) for r in range(world)]
+        references.train_step(lambda copy: [loss_fn("transformer", copy(as_dtype(x, torch.bfloat16)), y) / world
+                                            for x, y in batches])
+    outcomes = {}
+    for bug in ("none", "weight decay twice", "lr 5% high", "one rank's gradient of one parameter dropped",
+                "a step lost"):
+        try:
+            references.assert_matches(_train(rank, stage, bug, bf16=True, weight_decay=0.1), label=bug)
+            outcomes[bug] = "passed"
+        except AssertionError as error:
+            outcomes[bug] = str(error)
+    return outcomes
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_mixed_precision_rule_catches_deliberately_broken_bf16_engines(stage):
+    for outcomes in run_ranks(broken_worker_bf16, 2, stage):
+        assert outcomes.pop("none") == "passed"
+        for bug, outcome in outcomes.items():
+            assert outcome != "passed", f"stage {stage}: the mixed-precision rule missed the bug: {bug}"
+            assert "outside the mixed-precision references' rounding spread" in outcome
 
 
 def test_the_rule_itself():
