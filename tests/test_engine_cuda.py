@@ -458,9 +458,9 @@ def test_clip_grad_norm_by_hand_trains_as_the_configs_clipping_on_cuda(stage, of
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_initialize_moves_a_cpu_model_to_the_gpu_and_trains_as_one_moved_by_hand(stage, monkeypatch):
-    """A DeepSpeed script builds the model on the CPU and leaves the move to deepspeed.initialize; switched to
-    zerocore.deepspeed it trains on the local rank's GPU (not on the CPU), bit for bit as the same model moved by
-    hand and given to zerocore.initialize."""
+    """A DeepSpeed script builds the model and its optimizer on the CPU and leaves the move to
+    deepspeed.initialize; switched to zerocore.deepspeed it trains on the local rank's GPU (not on the CPU), with
+    the optimizer's param groups, bit for bit as the same model moved by hand and given to zerocore.initialize."""
     import zerocore.deepspeed as deepspeed
 
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -470,7 +470,9 @@ def test_deepspeed_initialize_moves_a_cpu_model_to_the_gpu_and_trains_as_one_mov
         model = build("transformer")
         config = make_config(stage, bf16={"enabled": True})
         if by_deepspeed:
-            engine, *_ = deepspeed.initialize(model=model, config=config)
+            del config["optimizer"]
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         else:
             engine = zerocore.initialize(model.cuda(), config)
         assert engine.device == torch.device("cuda", 0)

@@ -314,6 +314,60 @@ def test_backward_plan_rejects_bad_input(change, name):
         _C.plan_backward_prefetch(**{**BACKWARD_OK, **change})
 
 
+# ---- the planner object the runtime asks ----------------------------------------------------------------
+@given(schedules(), st.data())
+def test_the_planner_answers_as_the_functions(schedule, data):
+    """PrefetchPlanner (the order, sizes and persistence taken once, the states read in place from a bytearray)
+    gives the pure functions' answers, forward and backward, question after question on one planner."""
+    numel, sharded, persistent, order, live, max_live, budget = schedule
+    planner = _C.PrefetchPlanner(order, numel, persistent)
+    flags = bytearray(sharded)
+    for _ in range(4):
+        position = data.draw(st.integers(0, len(order)))
+        assert planner.forward(position=position, unit_sharded=flags, live_elements=live, max_live=max_live,
+                               prefetch_budget=budget) == forward(numel, sharded, order, position, live, max_live,
+                                                                  budget, persistent)
+        if numel:
+            unit, visit = data.draw(st.integers(0, len(numel) - 1)), data.draw(st.integers(0, 3))
+            assert planner.backward(unit=unit, visit=visit, unit_sharded=flags, live_elements=live,
+                                    max_live=max_live) == backward(numel, sharded, persistent, order, unit, live,
+                                                                   max_live, visit)
+        # the states change between questions, in place, as the units move
+        sharded = data.draw(st.lists(st.booleans(), min_size=len(numel), max_size=len(numel)))
+        flags[:] = bytes(sharded)
+
+
+@pytest.mark.parametrize("build, name", [
+    (lambda: _C.PrefetchPlanner([0, 5], [1, 2], [0, 0]), "recorded_order"),
+    (lambda: _C.PrefetchPlanner([0], [-1, 2], [0, 0]), "unit_numel"),
+    (lambda: _C.PrefetchPlanner([0], [1, 2], [0]), "unit_persistent"),
+    (lambda: _C.PrefetchPlanner([0], [1, 2], [0, 2]), "unit_persistent"),
+])
+def test_the_planner_refuses_what_the_functions_refuse(build, name):
+    with pytest.raises(ValueError, match=name):
+        build()
+
+
+@pytest.mark.parametrize("ask, name", [
+    (lambda p: p.forward(position=3, unit_sharded=bytearray(2), live_elements=0, max_live=9, prefetch_budget=9),
+     "position"),
+    (lambda p: p.forward(position=0, unit_sharded=bytearray(3), live_elements=0, max_live=9, prefetch_budget=9),
+     "unit_sharded"),
+    (lambda p: p.forward(position=0, unit_sharded=bytearray(2), live_elements=0, max_live=9, prefetch_budget=-1),
+     "prefetch_budget"),
+    (lambda p: p.backward(unit=2, visit=0, unit_sharded=bytearray(2), live_elements=0, max_live=9), "unit"),
+    (lambda p: p.backward(unit=0, visit=-1, unit_sharded=bytearray(2), live_elements=0, max_live=9), "visit"),
+    (lambda p: p.backward(unit=0, visit=0, unit_sharded=bytearray(1), live_elements=-1, max_live=9),
+     "unit_sharded"),
+    (lambda p: p.backward(unit=0, visit=0, unit_sharded=bytearray(2), live_elements=-1, max_live=9),
+     "live_elements"),
+])
+def test_the_planner_refuses_bad_questions(ask, name):
+    planner = _C.PrefetchPlanner([0, 1], [1, 2], [0, 0])
+    with pytest.raises(ValueError, match=name):
+        ask(planner)
+
+
 # ---- reducer geometry -----------------------------------------------------------------------------------
 @st.composite
 def geometries(draw):

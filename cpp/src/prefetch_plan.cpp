@@ -2,6 +2,8 @@
 
 #include "zerocore/error.hpp"
 
+#include <utility>
+
 namespace zerocore {
 namespace {
 
@@ -97,6 +99,66 @@ std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& record
     const int64_t previous = recorded_order[i];
     if (unit_sharded[previous] && !unit_persistent[previous]) {
       if (fits(live_elements, unit_numel[previous], max_live)) return previous;
+      return std::nullopt;
+    }
+  }
+  return std::nullopt;
+}
+
+PrefetchPlanner::PrefetchPlanner(std::vector<int64_t> recorded_order, std::vector<int64_t> unit_numel,
+                                 std::vector<uint8_t> unit_persistent)
+    : order_(std::move(recorded_order)), numel_(std::move(unit_numel)), persistent_(std::move(unit_persistent)) {
+  const std::vector<uint8_t> none_sharded(numel_.size(), 0);
+  check_units(order_, numel_, none_sharded, 0, 0);
+  check_persistent(persistent_, numel_.size());
+  occurrences_.resize(numel_.size());
+  for (size_t i = 0; i < order_.size(); ++i) occurrences_[static_cast<size_t>(order_[i])].push_back(i);
+  counted_at_.assign(numel_.size(), 0);
+}
+
+std::vector<int64_t> PrefetchPlanner::forward(int64_t position, const uint8_t* unit_sharded, int64_t live_elements,
+                                              int64_t max_live, int64_t prefetch_budget) const {
+  ZC_CHECK_ARG(position >= 0 && position <= static_cast<int64_t>(order_.size()), "position must be in [0, ",
+               order_.size(), "], got ", position);
+  ZC_CHECK_ARG(live_elements >= 0, "live_elements must be >= 0, got ", live_elements);
+  ZC_CHECK_ARG(max_live >= 0, "max_live must be >= 0, got ", max_live);
+  ZC_CHECK_ARG(prefetch_budget >= 0, "prefetch_budget must be >= 0, got ", prefetch_budget);
+  const uint64_t walk = ++walk_;
+  std::vector<int64_t> started;
+  int64_t live = live_elements;
+  int64_t budget = prefetch_budget;
+  for (size_t i = static_cast<size_t>(position); i < order_.size() && budget > 0; ++i) {
+    const auto unit = static_cast<size_t>(order_[i]);
+    if (counted_at_[unit] == walk) continue;
+    const int64_t numel = numel_[unit];
+    if (!unit_sharded[unit]) {
+      if (persistent_[unit]) continue;
+      counted_at_[unit] = walk;
+      budget -= numel;
+      continue;
+    }
+    if (!fits(live, numel, max_live)) break;
+    started.push_back(static_cast<int64_t>(unit));
+    counted_at_[unit] = walk;
+    live += numel;
+    budget -= numel;
+  }
+  return started;
+}
+
+std::optional<int64_t> PrefetchPlanner::backward(int64_t unit, int64_t visit, const uint8_t* unit_sharded,
+                                                 int64_t live_elements, int64_t max_live) const {
+  ZC_CHECK_ARG(unit >= 0 && unit < static_cast<int64_t>(numel_.size()), "unit must be a unit index in [0, ",
+               numel_.size(), "), got ", unit);
+  ZC_CHECK_ARG(visit >= 0, "visit must be >= 0, got ", visit);
+  ZC_CHECK_ARG(live_elements >= 0, "live_elements must be >= 0, got ", live_elements);
+  ZC_CHECK_ARG(max_live >= 0, "max_live must be >= 0, got ", max_live);
+  const auto& seen = occurrences_[static_cast<size_t>(unit)];
+  if (static_cast<uint64_t>(visit) >= seen.size()) return std::nullopt;
+  for (size_t i = seen[seen.size() - 1 - static_cast<size_t>(visit)]; i-- > 0;) {
+    const auto previous = static_cast<size_t>(order_[i]);
+    if (unit_sharded[previous] && !persistent_[previous]) {
+      if (fits(live_elements, numel_[previous], max_live)) return static_cast<int64_t>(previous);
       return std::nullopt;
     }
   }

@@ -50,8 +50,8 @@ from .estimate import estimate_memory
 __all__ = ["MAX_LAYERS", "STAGE2_PIECE", "EstimateRow", "built_bytes", "model_states_rows", "model_to_params",
            "param_count", "print_model_states_table", "stand_in_model"]
 
-# A stand-in's layers at most: stage 3's plan of the gathers grows with the square of the units (1024: 0.2 s a row
-# here, 4000: 2 s), stages 1-2's only with the parameters; more would change no figure a user reads.
+# A stand-in's layers at most: planning stage 3 costs about 0.2 ms a unit here (1024: 0.15 s a row of the table,
+# six rows), stages 1-2 less per parameter; more layers would change no figure a user reads.
 MAX_LAYERS = {1: 8192, 2: 8192, 3: 1024}
 STAGE2_PIECE = 1 << 20  # a stages-1-2 stand-in's parameter: a 1024 x 1024 matrix
 

@@ -115,7 +115,12 @@ class Stage3Runtime:
         self._unit_of_buffer = {id(storage): u for u in self.units for storage in u.storages}
         self._slot_of = {u.index: slot for slot, u in enumerate(self.units)}  # unit index -> position in units
         self._numels = [u.numel for u in self.units]
+        # each unit's state as the prefetch planner reads it in place (1: sharded), kept by the units' moves
+        self._sharded = bytearray(b"\x01" * len(self.units))
+        for slot, unit in enumerate(self.units):
+            unit.flags, unit.slot = self._sharded, slot
         self._recorded_slots: list[int] = []
+        self._planner: Any = None  # _C.PrefetchPlanner over the recorded order, once there is one
         self._by_index = {u.index: u for u in self.units}
         if meta:
             from ._meta_init import materialize_units
@@ -440,6 +445,7 @@ class Stage3Runtime:
                 self.recorded_order is None or (self._recording_training and self._order != self.recorded_order)):
             self.recorded_order = list(self._order)
             self._recorded_slots = [self._slot_of[index] for index in self.recorded_order]
+            self._planner = _C.PrefetchPlanner(self._recorded_slots, self._numels, self._persistent)
             self._recorded_position = {}
             for position, index in enumerate(self.recorded_order):
                 self._recorded_position.setdefault(index, position)
@@ -452,15 +458,10 @@ class Stage3Runtime:
         cpp/include/zerocore/prefetch_plan.hpp)."""
         if not self._prefetch_enabled or self.recorded_order is None:
             return
-        slot = _C.plan_backward_prefetch(
-            recorded_order=self._recorded_slots, unit=self._slot_of[unit.index], visit=visit, unit_numel=self._numels,
-            unit_sharded=self._sharded_flags(), unit_persistent=self._persistent,
-            live_elements=self.live_elements, max_live=self.max_live)
+        slot = self._planner.backward(unit=self._slot_of[unit.index], visit=visit, unit_sharded=self._sharded,
+                                      live_elements=self.live_elements, max_live=self.max_live)
         if slot is not None:
             self._gather(self.units[slot], "all_gather_backward")
-
-    def _sharded_flags(self) -> list[bool]:
-        return [u.state is UnitState.SHARDED for u in self.units]
 
     def grad_ready(self, buffer: ShardedBuffer, index: int) -> None:
         """Parameter ``index`` (the reducer's) of the unit that owns ``buffer`` got its gradient; the last one
@@ -590,10 +591,9 @@ class Stage3Runtime:
         """Gather ahead along the recorded order, within the prefetch budget and the live-parameter cap."""
         if not self._prefetch_enabled or self.recorded_order is None:
             return
-        for slot in _C.plan_forward_prefetch(
-                recorded_order=self._recorded_slots, position=self._position, unit_numel=self._numels,
-                unit_sharded=self._sharded_flags(), unit_persistent=self._persistent,
-                live_elements=self.live_elements, max_live=self.max_live, prefetch_budget=self.prefetch_elements):
+        for slot in self._planner.forward(
+                position=self._position, unit_sharded=self._sharded, live_elements=self.live_elements,
+                max_live=self.max_live, prefetch_budget=self.prefetch_elements):
             self._gather(self.units[slot], "all_gather_forward")
 
     def land_gathers(self) -> None:
@@ -779,10 +779,10 @@ class Stage3Runtime:
         if self.recorded_order is None or self._reads_ahead:
             return None
         first = self._recorded_slots[0]
-        sharded = [slot != first for slot in range(len(self.units))]
-        ahead = [first, *_C.plan_forward_prefetch(
-            recorded_order=self._recorded_slots, position=1, unit_numel=self._numels, unit_sharded=sharded,
-            unit_persistent=self._persistent, live_elements=self._numels[first], max_live=self.max_live,
+        sharded = bytearray(b"\x01" * len(self.units))  # (as at the next forward's start: only `first` gathered)
+        sharded[first] = 0
+        ahead = [first, *self._planner.forward(
+            position=1, unit_sharded=sharded, live_elements=self._numels[first], max_live=self.max_live,
             prefetch_budget=self.prefetch_elements)]
         for slot in ahead:  # frozen parameters only: the update changes nothing, they go now
             unit = self.units[slot]

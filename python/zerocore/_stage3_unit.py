@@ -36,6 +36,8 @@ class Unit:
         self.all_params = [p for storage in self.storages for p in storage.params]
         self.all_names = [n for storage in self.storages for n in storage.names]
         self.state = UnitState.SHARDED
+        self.flags: bytearray | None = None  # the runtime's per-unit "sharded" bytes, kept here (set by it)
+        self.slot = 0  # this unit's byte in flags
         self.pending: list[Any] = []
         self.calls = 0  # gathers of this unit in the current step (for the divergence tag)
         self.grads_left = 0  # parameters of this unit still waiting for their gradient in this backward
@@ -83,6 +85,8 @@ class Unit:
             raise RuntimeError(f"zerocore internal error: unit {self.name!r} went {self.state.value} -> "
                                f"{to.value}, but only {expected.value} -> {to.value} is legal")
         self.state = to
+        if self.flags is not None:
+            self.flags[self.slot] = to is UnitState.SHARDED
 
     def stage_own(self) -> str | None:
         """Every storage's own shard in place for a gather; a failed read (an NVMe parameter shard) is returned."""

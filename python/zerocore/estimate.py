@@ -21,7 +21,7 @@ reduce dtype, or the 16-bit gradients' own where the default algorithm of the de
 CPU, NCCL's on a GPU -- widens at the receiver, Note [Widening reduce-scatter]), two of them (one
 filling while the previous one reduces; gradients arriving far out of layout order can open more), and stage 3's
 gathered units follow the runtime's gather and release rules and its C++ prefetch planner
-(``_C.plan_forward_prefetch`` / ``plan_backward_prefetch``) over the units run once each in registration order,
+(``_C.PrefetchPlanner``, the runtime's) over the units run once each in registration order,
 as in a step after the first (which records the order); a model that calls a unit twice, reads another unit's
 parameters (Note [External parameters]) or nests units whose own parameters are used around their children's
 can gather more or less than planned.
@@ -419,7 +419,8 @@ def _stage3_gathered_peak(plan: _Plan) -> int:
     children: dict[int | None, list[int]] = {}
     for slot, b in enumerate(plan.buffers):
         children.setdefault(b.parent, []).append(slot)
-    sharded = [True] * len(numel)
+    sharded = bytearray(b"\x01" * len(numel))  # read in place by the planner, as the runtime's
+    planner = _C.PrefetchPlanner(order, numel, persistent)
     live = live_bytes = peak = 0
 
     def gather(slot: int) -> None:
@@ -441,8 +442,8 @@ def _stage3_gathered_peak(plan: _Plan) -> int:
     def forward(slot: int) -> None:  # pre_forward, the nested units, post_forward
         if sharded[slot]:
             gather(slot)
-        for ahead in _C.plan_forward_prefetch(order, slot + 1, numel, sharded, persistent, live,
-                                              zo.stage3_max_live_parameters, prefetch_budget):
+        for ahead in planner.forward(position=slot + 1, unit_sharded=sharded, live_elements=live,
+                                     max_live=zo.stage3_max_live_parameters, prefetch_budget=prefetch_budget):
             gather(ahead)
         for child in children.get(slot, []):
             forward(child)
@@ -457,8 +458,8 @@ def _stage3_gathered_peak(plan: _Plan) -> int:
             release(open_units.pop())
         if sharded[slot]:
             gather(slot)
-        ahead = _C.plan_backward_prefetch(order, slot, 0, numel, sharded, persistent, live,
-                                            zo.stage3_max_live_parameters)
+        ahead = planner.backward(unit=slot, visit=0, unit_sharded=sharded, live_elements=live,
+                                 max_live=zo.stage3_max_live_parameters)
         if ahead is not None:
             gather(ahead)
         open_units.append(slot)
