@@ -317,8 +317,9 @@ def test_backward_plan_rejects_bad_input(change, name):
 # ---- the planner object the runtime asks ----------------------------------------------------------------
 @given(schedules(), st.data())
 def test_the_planner_answers_as_the_functions(schedule, data):
-    """PrefetchPlanner (the order, sizes and persistence taken once, the states read in place from a bytearray)
-    gives the pure functions' answers, forward and backward, question after question on one planner."""
+    """One PrefetchPlanner (the order, sizes and persistence taken once, the states read in place from a
+    bytearray, as the runtime keeps them) asked question after question, the states changed in place between,
+    answers as the functions do (each a fresh planner, compared with the references above)."""
     numel, sharded, persistent, order, live, max_live, budget = schedule
     planner = _C.PrefetchPlanner(order, numel, persistent)
     flags = bytearray(sharded)

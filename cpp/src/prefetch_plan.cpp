@@ -46,32 +46,8 @@ std::vector<int64_t> plan_forward_prefetch(const std::vector<int64_t>& recorded_
                                            const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
                                            int64_t max_live, int64_t prefetch_budget) {
   check_units(recorded_order, unit_numel, unit_sharded, live_elements, max_live);
-  check_persistent(unit_persistent, unit_numel.size());
-  ZC_CHECK_ARG(position >= 0 && position <= static_cast<int64_t>(recorded_order.size()), "position must be in [0, ",
-               recorded_order.size(), "], got ", position);
-  ZC_CHECK_ARG(prefetch_budget >= 0, "prefetch_budget must be >= 0, got ", prefetch_budget);
-
-  std::vector<int64_t> started;
-  std::vector<uint8_t> counted(unit_numel.size(), 0);  // gathered ahead, or started by this walk
-  int64_t live = live_elements;
-  int64_t budget = prefetch_budget;
-  for (size_t i = static_cast<size_t>(position); i < recorded_order.size() && budget > 0; ++i) {
-    const int64_t unit = recorded_order[i];
-    if (counted[unit]) continue;
-    const int64_t numel = unit_numel[unit];
-    if (!unit_sharded[unit]) {
-      if (unit_persistent[unit]) continue;
-      counted[unit] = 1;
-      budget -= numel;  // already ahead: it holds the budget as if this walk had started it
-      continue;
-    }
-    if (!fits(live, numel, max_live)) break;
-    started.push_back(unit);
-    counted[unit] = 1;
-    live += numel;
-    budget -= numel;  // may go negative: a unit larger than the budget left is still started
-  }
-  return started;
+  return PrefetchPlanner(recorded_order, unit_numel, unit_persistent)
+      .forward(position, unit_sharded.data(), live_elements, max_live, prefetch_budget);
 }
 
 std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& recorded_order, int64_t unit,
@@ -80,29 +56,8 @@ std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& record
                                               const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
                                               int64_t max_live) {
   check_units(recorded_order, unit_numel, unit_sharded, live_elements, max_live);
-  const size_t n = unit_numel.size();
-  check_persistent(unit_persistent, n);
-  ZC_CHECK_ARG(unit >= 0 && unit < static_cast<int64_t>(n), "unit must be a unit index in [0, ", n, "), got ",
-               unit);
-  ZC_CHECK_ARG(visit >= 0, "visit must be >= 0, got ", visit);
-
-  size_t occurrence = recorded_order.size();
-  int64_t to_skip = visit;
-  for (size_t i = recorded_order.size(); i-- > 0;) {
-    if (recorded_order[i] == unit && to_skip-- == 0) {
-      occurrence = i;
-      break;
-    }
-  }
-  if (occurrence == recorded_order.size()) return std::nullopt;
-  for (size_t i = occurrence; i-- > 0;) {
-    const int64_t previous = recorded_order[i];
-    if (unit_sharded[previous] && !unit_persistent[previous]) {
-      if (fits(live_elements, unit_numel[previous], max_live)) return previous;
-      return std::nullopt;
-    }
-  }
-  return std::nullopt;
+  return PrefetchPlanner(recorded_order, unit_numel, unit_persistent)
+      .backward(unit, visit, unit_sharded.data(), live_elements, max_live);
 }
 
 PrefetchPlanner::PrefetchPlanner(std::vector<int64_t> recorded_order, std::vector<int64_t> unit_numel,
@@ -134,14 +89,14 @@ std::vector<int64_t> PrefetchPlanner::forward(int64_t position, const uint8_t* u
     if (!unit_sharded[unit]) {
       if (persistent_[unit]) continue;
       counted_at_[unit] = walk;
-      budget -= numel;
+      budget -= numel;  // already ahead: it holds the budget as if this walk had started it
       continue;
     }
     if (!fits(live, numel, max_live)) break;
     started.push_back(static_cast<int64_t>(unit));
     counted_at_[unit] = walk;
     live += numel;
-    budget -= numel;
+    budget -= numel;  // may go negative: a unit larger than the budget left is still started
   }
   return started;
 }

@@ -60,11 +60,11 @@ std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& record
                                               const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
                                               int64_t max_live);
 
-// The same decisions for one recorded order, asked once per unit visit: the order, the sizes and the
-// persistence are taken and checked once, each unit's occurrences indexed, and the units' states read in
-// place from the caller's array, so a question costs the walk it makes rather than the number of units (the
-// functions above copy and check every unit's entries per call: quadratic per step in the units, 100 ms a
-// step's forward at 1000 units from Python). Answers equal the functions' for the same inputs.
+// The same decisions for one recorded order, asked once per unit visit (the functions above are one question
+// to a planner built for it): the order, the sizes and the persistence are taken and checked once, each
+// unit's occurrences indexed, and the units' states read in place from the caller's array, so a question
+// costs the walk it makes, not a pass over the units (asking the functions from Python at every visit made a
+// step quadratic in the units: 56 ms for a forward's questions at 1000 units, 1 ms with a planner).
 class PrefetchPlanner {
  public:
   // Throws InvalidArgument on the inputs plan_forward_prefetch refuses.
