@@ -7,21 +7,27 @@
 namespace zerocore {
 namespace {
 
-void check_units(const std::vector<int64_t>& recorded_order, const std::vector<int64_t>& unit_numel,
-                 const std::vector<uint8_t>& unit_sharded, int64_t live_elements, int64_t max_live) {
+void check_units(const std::vector<int64_t>& recorded_order, const std::vector<int64_t>& unit_numel) {
   const size_t n = unit_numel.size();
   for (size_t u = 0; u < n; ++u) {
     ZC_CHECK_ARG(unit_numel[u] >= 0, "unit_numel[", u, "] must be >= 0, got ", unit_numel[u]);
-  }
-  ZC_CHECK_ARG(unit_sharded.size() == n, "unit_sharded must have one entry per unit (", n, "), got ",
-               unit_sharded.size());
-  for (size_t u = 0; u < n; ++u) {
-    ZC_CHECK_ARG(unit_sharded[u] <= 1, "unit_sharded[", u, "] must be 0 or 1, got ", int(unit_sharded[u]));
   }
   for (size_t i = 0; i < recorded_order.size(); ++i) {
     ZC_CHECK_ARG(recorded_order[i] >= 0 && recorded_order[i] < static_cast<int64_t>(n), "recorded_order[", i,
                  "] must be a unit index in [0, ", n, "), got ", recorded_order[i]);
   }
+}
+
+// The functions' states (the planner reads the caller's bytes as given: nonzero is sharded).
+void check_sharded(const std::vector<uint8_t>& unit_sharded, size_t n) {
+  ZC_CHECK_ARG(unit_sharded.size() == n, "unit_sharded must have one entry per unit (", n, "), got ",
+               unit_sharded.size());
+  for (size_t u = 0; u < n; ++u) {
+    ZC_CHECK_ARG(unit_sharded[u] <= 1, "unit_sharded[", u, "] must be 0 or 1, got ", int(unit_sharded[u]));
+  }
+}
+
+void check_live(int64_t live_elements, int64_t max_live) {
   ZC_CHECK_ARG(live_elements >= 0, "live_elements must be >= 0, got ", live_elements);
   ZC_CHECK_ARG(max_live >= 0, "max_live must be >= 0, got ", max_live);
 }
@@ -45,7 +51,7 @@ std::vector<int64_t> plan_forward_prefetch(const std::vector<int64_t>& recorded_
                                            const std::vector<uint8_t>& unit_sharded,
                                            const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
                                            int64_t max_live, int64_t prefetch_budget) {
-  check_units(recorded_order, unit_numel, unit_sharded, live_elements, max_live);
+  check_sharded(unit_sharded, unit_numel.size());
   return PrefetchPlanner(recorded_order, unit_numel, unit_persistent)
       .forward(position, unit_sharded.data(), live_elements, max_live, prefetch_budget);
 }
@@ -55,7 +61,7 @@ std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& record
                                               const std::vector<uint8_t>& unit_sharded,
                                               const std::vector<uint8_t>& unit_persistent, int64_t live_elements,
                                               int64_t max_live) {
-  check_units(recorded_order, unit_numel, unit_sharded, live_elements, max_live);
+  check_sharded(unit_sharded, unit_numel.size());
   return PrefetchPlanner(recorded_order, unit_numel, unit_persistent)
       .backward(unit, visit, unit_sharded.data(), live_elements, max_live);
 }
@@ -63,8 +69,7 @@ std::optional<int64_t> plan_backward_prefetch(const std::vector<int64_t>& record
 PrefetchPlanner::PrefetchPlanner(std::vector<int64_t> recorded_order, std::vector<int64_t> unit_numel,
                                  std::vector<uint8_t> unit_persistent)
     : order_(std::move(recorded_order)), numel_(std::move(unit_numel)), persistent_(std::move(unit_persistent)) {
-  const std::vector<uint8_t> none_sharded(numel_.size(), 0);
-  check_units(order_, numel_, none_sharded, 0, 0);
+  check_units(order_, numel_);
   check_persistent(persistent_, numel_.size());
   occurrences_.resize(numel_.size());
   for (size_t i = 0; i < order_.size(); ++i) occurrences_[static_cast<size_t>(order_[i])].push_back(i);
@@ -75,8 +80,7 @@ std::vector<int64_t> PrefetchPlanner::forward(int64_t position, const uint8_t* u
                                               int64_t max_live, int64_t prefetch_budget) const {
   ZC_CHECK_ARG(position >= 0 && position <= static_cast<int64_t>(order_.size()), "position must be in [0, ",
                order_.size(), "], got ", position);
-  ZC_CHECK_ARG(live_elements >= 0, "live_elements must be >= 0, got ", live_elements);
-  ZC_CHECK_ARG(max_live >= 0, "max_live must be >= 0, got ", max_live);
+  check_live(live_elements, max_live);
   ZC_CHECK_ARG(prefetch_budget >= 0, "prefetch_budget must be >= 0, got ", prefetch_budget);
   const uint64_t walk = ++walk_;
   std::vector<int64_t> started;
@@ -106,8 +110,7 @@ std::optional<int64_t> PrefetchPlanner::backward(int64_t unit, int64_t visit, co
   ZC_CHECK_ARG(unit >= 0 && unit < static_cast<int64_t>(numel_.size()), "unit must be a unit index in [0, ",
                numel_.size(), "), got ", unit);
   ZC_CHECK_ARG(visit >= 0, "visit must be >= 0, got ", visit);
-  ZC_CHECK_ARG(live_elements >= 0, "live_elements must be >= 0, got ", live_elements);
-  ZC_CHECK_ARG(max_live >= 0, "max_live must be >= 0, got ", max_live);
+  check_live(live_elements, max_live);
   const auto& seen = occurrences_[static_cast<size_t>(unit)];
   if (static_cast<uint64_t>(visit) >= seen.size()) return std::nullopt;
   for (size_t i = seen[seen.size() - 1 - static_cast<size_t>(visit)]; i-- > 0;) {

@@ -43,9 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._config_values import INT64_MAX
 from ._units import frozen_storage_dtype, resolve_units
-from .estimate import estimate_memory
+from .estimate import _positive_int, estimate_memory
 
 __all__ = ["MAX_LAYERS", "STAGE2_PIECE", "EstimateRow", "built_bytes", "model_states_rows", "model_to_params",
            "param_count", "print_model_states_table", "stand_in_model"]
@@ -54,6 +53,7 @@ __all__ = ["MAX_LAYERS", "STAGE2_PIECE", "EstimateRow", "built_bytes", "model_st
 # six rows), stages 1-2 less per parameter; more layers would change no figure a user reads.
 MAX_LAYERS = {1: 8192, 2: 8192, 3: 1024}
 STAGE2_PIECE = 1 << 20  # a stages-1-2 stand-in's parameter: a 1024 x 1024 matrix
+_COMPUTE = torch.bfloat16  # what the planned configs train in (DeepSpeed's factors assume 16-bit parameters)
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,14 @@ def model_to_params(model: nn.Module) -> tuple[int, int]:
     """DeepSpeed's counts: distinct parameters (tied ones once) and the most any one module holds directly."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    total = sum(p.numel() for p in model.parameters())  # (parameters() yields a tied one once)
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return total, largest
 
 
 def built_bytes(model: nn.Module) -> int:
     """The bytes of ``model``'s distinct parameters in their own dtypes: what building it on the CPU holds."""
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 class _Layer(nn.Module):
@@ -103,8 +103,8 @@ def model_states_rows(model: nn.Module, stage: int, num_gpus_per_node: Any, num_
     """zerocore's figures for DeepSpeed's table rows (``options``: (cpu_offload, cpu_offload_params, zero_init),
     by default DeepSpeed's rows for ``stage``). ``model_bytes``: the model's bytes as built on the CPU (default:
     its parameters in fp32, DeepSpeed's assumption for a model it has not seen)."""
-    per_node = _count(num_gpus_per_node, "num_gpus_per_node")
-    nodes = _count(num_nodes, "num_nodes")
+    per_node = _positive_int(num_gpus_per_node, "num_gpus_per_node")
+    nodes = _positive_int(num_nodes, "num_nodes")
     factor = _factor(additional_buffer_factor)
     total, _ = model_to_params(model)
     if model_bytes is None:
@@ -113,6 +113,7 @@ def model_states_rows(model: nn.Module, stage: int, num_gpus_per_node: Any, num_
         options = ([(True, True, True), (True, True, False), (True, False, True), (True, False, False),
                     (False, False, True), (False, False, False)] if stage == 3
                    else [(True, False, False), (False, False, False)])
+    largest_unit = _largest_unit_bytes(model, _COMPUTE) if stage == 3 else 0  # the same for every option
     rows = []
     for cpu_offload, cpu_offload_params, zero_init in options:
         zero = {"stage": stage}
@@ -120,6 +121,7 @@ def model_states_rows(model: nn.Module, stage: int, num_gpus_per_node: Any, num_
             zero["offload_optimizer"] = {"device": "cpu"}
         if cpu_offload_params:
             zero["offload_param"] = {"device": "cpu"}
+        # (bf16: _COMPUTE)
         config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
         plan = estimate_memory(model, config, per_node * nodes, device="cuda")
@@ -130,8 +132,7 @@ def model_states_rows(model: nn.Module, stage: int, num_gpus_per_node: Any, num_
             host = max(host, model_bytes)
             gpu = max(gpu, model_bytes + plan["device_bytes"])
         cpu = int(host * per_node * factor)
-        rows.append(EstimateRow(cpu, gpu, cpu_offload, cpu_offload_params, zero_init,
-                                _largest_unit_bytes(model, plan) if stage == 3 else 0))
+        rows.append(EstimateRow(cpu, gpu, cpu_offload, cpu_offload_params, zero_init, largest_unit))
     return rows
 
 
@@ -158,19 +159,11 @@ def print_model_states_table(rows: list[EstimateRow], stage: int, total_params: 
         print(f" {row.cpu_bytes / 2**30:7.2f}GB | {row.gpu_bytes / 2**30:6.2f}GB | {', '.join(options)}")
 
 
-def _largest_unit_bytes(model: nn.Module, plan: dict[str, Any]) -> int:
+def _largest_unit_bytes(model: nn.Module, compute: torch.dtype) -> int:
     """The largest stage-3 unit's parameters gathered in the compute dtype (DeepSpeed's ``largest_layer_memory``)."""
-    compute = getattr(torch, plan["compute_dtype"])
-    width = torch.empty((), dtype=compute).element_size()
-    return max((sum(p.numel() for p in spec.params) * width
+    return max((sum(p.numel() for p in spec.params) * compute.itemsize
                 + sum(p.numel() * frozen_storage_dtype(p, compute).itemsize for p in spec.frozen)
                 for spec in resolve_units(model, None)), default=0)
-
-
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= INT64_MAX:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
 
 
 def _factor(value: Any) -> float:
@@ -183,4 +176,4 @@ def param_count(value: Any, name: str) -> int:
     """A parameter count as DeepSpeed's cold estimators take it: an int, or an integral float (``7e9``)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return _count(value, name)
+    return _positive_int(value, name)
