@@ -11,6 +11,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -276,15 +277,25 @@ inline __m512i quantize_block(const void* input, int64_t i, const R& rounder) {
 }
 
 // How far ahead of the conversion quantize prefetches its input, and how. The group's max pass and then its
-// conversion read the group from L1, where a non-temporal prefetch 16 KiB ahead (one per 64-byte line,
-// issued from the conversion loop) has put it. On a 2-core Zen 5 VM, 17 runs alternating with the previous
-// kernel, one thread from DRAM: median fraction of the shaped roofline 0.60 -> 0.72 (fp32 int8), 0.62 ->
-// 0.85 (fp32 int4), 0.71 -> 0.81 and 0.61 -> 0.70 (bf16); two threads about unchanged (bench/RESULTS.md).
-// 8 KiB ahead was worse, 24-32 KiB and T0 no better. The kernel this replaced read the next group's lines
-// (its max) as demand loads from memory inside the current group's conversion loop, with a T1 prefetch
-// 4 KiB ahead: it ran at about the serial sum of its compute time and its memory time, as if the max
-// steps waiting on memory held back the conversion work behind them instead of running beside it.
-constexpr int64_t kPrefetchBytes = 16384;
+// conversion read the group from L1, where a non-temporal prefetch (one per 64-byte line, issued from the
+// conversion loop) has put it. The kernel this replaced read the next group's lines (its max) as demand loads
+// from memory inside the current group's conversion loop, with a T1 prefetch 4 KiB ahead: it ran at about
+// the serial sum of its compute time and its memory time. How far ahead depends on the core (the distance
+// covers the memory's latency at the rate the conversion consumes lines), and the two AVX-512 hosts we have
+// measured disagree (bench/RESULTS.md): on Zen 5, 16 KiB (0.60 -> 0.72 of the shaped roofline for fp32 int8
+// on one thread against the old kernel; 8 KiB too short, 24-32 KiB and T0 no better); on Zen 4, 8 KiB (five
+// rounds alternating 16, 12 and 8 KiB, one thread, median 0.68 -> 0.73 fp32 int8, 0.69 -> 0.83 fp32 int4,
+// 0.71 -> 0.79 bf16 int8; 12 KiB in between). Other CPUs take 8 KiB, the AVX2 path's distance.
+int64_t choose_prefetch_bytes() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return 8192;
+  const unsigned base_family = (eax >> 8) & 0xF;
+  const unsigned family = base_family == 0xF ? base_family + ((eax >> 20) & 0xFF) : base_family;
+  constexpr unsigned kZen5Family = 0x1A;
+  return family == kZen5Family ? 16384 : 8192;
+}
+
+const int64_t kPrefetchBytes = choose_prefetch_bytes();
 
 inline void prefetch_input(const char* at) { _mm_prefetch(at, _MM_HINT_NTA); }
 
@@ -294,7 +305,7 @@ void quantize_group(const QuantizeArgs& args, GroupRange range, const R& rounder
   constexpr int64_t kBytes = kIn == ScalarType::kFloat32 ? 4 : 2;
   constexpr int64_t kBlock = kBlockElements<kBits>;
   constexpr int64_t kLine = 64 / kBytes;
-  constexpr int64_t kAhead = kPrefetchBytes / kBytes;
+  const int64_t ahead = kPrefetchBytes / kBytes;
   // In locals: q's stores are through uint8_t, which may alias anything, so args' fields would be reloaded
   // after every store.
   const void* const input = args.input;
@@ -306,7 +317,7 @@ void quantize_group(const QuantizeArgs& args, GroupRange range, const R& rounder
   int64_t i = range.begin;
   for (; i + kBlock <= range.end; i += kBlock) {
     for (int64_t v = 0; v < kBlock; v += kLine) {
-      if (i + v + kAhead < n) prefetch_input(input_bytes + (i + v + kAhead) * kBytes);
+      if (i + v + ahead < n) prefetch_input(input_bytes + (i + v + ahead) * kBytes);
     }
     const __m512i bytes = quantize_block<kIn, kBits>(input, i, rounder);
     uint8_t* const at = q + q_byte_offset(kBits, i - range.begin);
