@@ -100,17 +100,19 @@ void bind_distributed(py::module_& m) {
                        std::vector<int64_t> param_bucket, std::vector<int64_t> param_offset,
                        std::vector<int64_t> param_numel, std::vector<int64_t> launch_order,
                        std::vector<at::Tensor> shard_destinations, at::ScalarType reduce_dtype, double prescale,
-                       bool overlap, std::vector<std::optional<at::Tensor>> in_place) {
+                       bool overlap, std::vector<std::optional<at::Tensor>> in_place,
+                       std::optional<at::ScalarType> grad_dtype) {
              ReducerGeometry geometry{std::move(bucket_padded_size), std::move(param_bucket), std::move(param_offset),
                                       std::move(param_numel), std::move(launch_order)};
              return std::make_unique<GradReducer>(std::move(comm), std::move(geometry), std::move(shard_destinations),
-                                                  reduce_dtype, prescale, overlap, std::move(in_place));
+                                                  reduce_dtype, prescale, overlap, std::move(in_place), grad_dtype);
            }),
            py::arg("comm"), py::arg("bucket_padded_size"), py::arg("param_bucket"), py::arg("param_offset"),
            py::arg("param_numel"), py::arg("launch_order"), py::arg("shard_destinations"), py::arg("reduce_dtype"),
            py::arg("prescale"), py::arg("overlap") = true,
-           py::arg("in_place") = std::vector<std::optional<at::Tensor>>{})
-      .def("begin_backward", &GradReducer::begin_backward, py::arg("accumulate"))
+           py::arg("in_place") = std::vector<std::optional<at::Tensor>>{},
+           py::arg("grad_dtype") = std::optional<at::ScalarType>{})
+      .def("begin_backward", &GradReducer::begin_backward, py::arg("accumulate"), py::arg("full_width") = false)
       .def("mark_ready", &GradReducer::mark_ready, py::arg("param"), py::arg("grad"),
            py::call_guard<py::gil_scoped_release>())
       .def("finalize", &GradReducer::finalize, py::call_guard<py::gil_scoped_release>())

@@ -17,12 +17,14 @@ at::ScalarType reduction_wire_dtype(at::ScalarType reduce_dtype, at::ScalarType 
 
 GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                          std::vector<at::Tensor> shard_destinations, at::ScalarType reduce_dtype, double prescale,
-                         bool overlap, std::vector<std::optional<at::Tensor>> in_place)
+                         bool overlap, std::vector<std::optional<at::Tensor>> in_place,
+                         std::optional<at::ScalarType> grad_dtype)
     : comm_(std::move(comm)),
       geometry_(std::move(geometry)),
       destinations_(std::move(shard_destinations)),
       reduce_dtype_(reduce_dtype),
       wire_dtype_(reduce_dtype),
+      bucket_dtype_(reduce_dtype),
       prescale_(prescale),
       prescale_tensor_(at::native::wrapped_scalar_tensor(prescale)),
       overlap_(overlap),
@@ -51,12 +53,15 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
   // Where the algorithm sums at the receiver, it also scales and deposits there (one pass fewer over every
   // bucket), and 16-bit gradients reduced in fp32 travel in 16 bits (Note [Widening reduce-scatter]).
   if (!destinations_.empty() && world > 1 && reduce_dtype_ == at::kFloat && comm_->reduce_scatter_widens()) {
-    const at::ScalarType grads = destinations_.front().scalar_type();
+    const at::ScalarType deposits = destinations_.front().scalar_type();
+    const at::ScalarType grads = grad_dtype.value_or(deposits);
     bool uniform = true;
-    for (const at::Tensor& d : destinations_) uniform = uniform && d.scalar_type() == grads;
+    for (const at::Tensor& d : destinations_) uniform = uniform && d.scalar_type() == deposits;
     if (uniform) wire_dtype_ = reduction_wire_dtype(reduce_dtype_, grads, world, true);
     widening_ = uniform && wire_dtype_ == grads;
   }
+  widening_now_ = widening_;
+  bucket_dtype_ = wire_dtype_;
   ZC_CHECK_ARG(in_place.empty() || in_place.size() == buckets, "in_place must be empty or hold one entry per bucket (",
                buckets, "), got ", in_place.size());
   in_place_.resize(buckets);
@@ -94,11 +99,18 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                              geometry_.param_numel);
 }
 
-void GradReducer::begin_backward(bool accumulate) {
+void GradReducer::begin_backward(bool accumulate, bool full_width) {
   ZC_CHECK(in_flight_.empty(), "begin_backward() while reductions of the previous backward are in flight; "
                                "finalize() must run at the end of every backward");
   tracker_.reset();
   accumulate_ = accumulate;
+  widening_now_ = widening_ && !full_width;
+  const at::ScalarType dtype = widening_now_ ? wire_dtype_ : reduce_dtype_;
+  if (dtype != bucket_dtype_) {  // the pool's buffers of the other dtype would only be kept for later
+    for (const at::Tensor& buffer : free_buffers_) pool_bytes_ -= buffer.numel() * buffer.element_size();
+    free_buffers_.clear();
+    bucket_dtype_ = dtype;
+  }
 }
 
 at::Tensor& GradReducer::ensure_buffer(int64_t bucket) {
@@ -128,9 +140,9 @@ at::Tensor& GradReducer::ensure_buffer(int64_t bucket) {
     free_buffers_.erase(free_buffers_.begin() + found);
   } else {
     const int64_t size = std::max(need, common_bucket_);
-    base = at::empty({size}, buffer_options_);
-    pool_elements_ += size;
-    peak_pool_elements_ = std::max(peak_pool_elements_, pool_elements_);
+    base = at::empty({size}, buffer_options_.dtype(bucket_dtype_));
+    pool_bytes_ += size * static_cast<int64_t>(c10::elementSize(bucket_dtype_));
+    peak_pool_bytes_ = std::max(peak_pool_bytes_, pool_bytes_);
   }
   view = base.narrow(0, 0, need);
   // Not zeroed: every slot is written once (by its gradient, or by launch()'s zeros), and launch() zeroes
@@ -153,7 +165,7 @@ void GradReducer::mark_ready(int64_t param, const at::Tensor& grad) {
     if (grad.data_ptr() != slot.data_ptr()) {  // in place: already there, scaled at launch with the bucket
       // One pass where the dtypes agree (the product is computed in the reduce dtype either way, so the
       // values are those of a copy followed by the scaling); a widening copy is scaled at launch instead.
-      if (prescale_ != 1.0 && grad.scalar_type() == reduce_dtype_ && !widening_) {
+      if (prescale_ != 1.0 && grad.scalar_type() == reduce_dtype_ && !widening_now_) {
         // The prescale as a tensor: mul_out with a Scalar is a composite that multiplies into a fresh
         // tensor and copies that into `slot` (a gradient-sized allocation, its page faults and a second pass
         // for every gradient); with a 0-dim tensor the kernel writes into `slot` directly, computing the
@@ -174,7 +186,7 @@ void GradReducer::mark_ready(int64_t param, const at::Tensor& grad) {
 void GradReducer::launch(int64_t bucket) {
   at::Tensor& view = ensure_buffer(bucket);
   if (in_place_[bucket].defined()) {
-    if (prescale_ != 1.0 && !widening_) view.mul_(prescale_);  // widening: the receiver scales
+    if (prescale_ != 1.0 && !widening_now_) view.mul_(prescale_);  // widening: the receiver scales
   } else {
     // A pool buffer: its padding and the slots of parameters without a gradient reduce as zeros, copied
     // gradients are scaled now.
@@ -186,7 +198,7 @@ void GradReducer::launch(int64_t bucket) {
       at::Tensor slot = view.narrow(0, offset, numel);
       if (slot_state_[param] == SlotState::kEmpty) {
         slot.zero_();
-      } else if (slot_state_[param] == SlotState::kCopied && prescale_ != 1.0 && !widening_) {
+      } else if (slot_state_[param] == SlotState::kCopied && prescale_ != 1.0 && !widening_now_) {
         slot.mul_(prescale_);
       }
       cursor = std::max(cursor, offset + numel);
@@ -194,7 +206,7 @@ void GradReducer::launch(int64_t bucket) {
     if (view.numel() > cursor) view.narrow(0, cursor, view.numel() - cursor).zero_();
   }
   // widening: wait() deposits the fp32 sums straight into the destination (Note [Widening reduce-scatter])
-  in_flight_.push_back(widening_ ? comm_->reduce_scatter_widened(
+  in_flight_.push_back(widening_now_ ? comm_->reduce_scatter_widened(
                                        view, WidenedSum{destinations_[bucket], prescale_, accumulate_}, bucket)
                                  : comm_->reduce_scatter(view, bucket, bucket_cuts_[bucket]));
   if (!overlap_) complete_oldest();
@@ -207,7 +219,7 @@ void GradReducer::complete_oldest() {
   const int64_t bucket = pending.tag;
   at::Tensor& view = bucket_view_[bucket];
   const int64_t shard = view.numel() / comm_->world_size();
-  if (!widening_) {  // a widening reduce-scatter's wait() has deposited the shard already
+  if (!widening_now_) {  // a widening reduce-scatter's wait() has deposited the shard already
     const at::Tensor reduced = view.narrow(0, comm_->rank() * shard, shard);
     if (accumulate_) {
       destinations_[bucket].add_(reduced);
@@ -235,12 +247,8 @@ std::vector<int64_t> GradReducer::unmarked_params() const {
   return unmarked;
 }
 
-int64_t GradReducer::buffer_bytes() const {
-  return pool_elements_ * static_cast<int64_t>(c10::elementSize(wire_dtype_));
-}
+int64_t GradReducer::buffer_bytes() const { return pool_bytes_; }
 
-int64_t GradReducer::peak_buffer_bytes() const {
-  return peak_pool_elements_ * static_cast<int64_t>(c10::elementSize(wire_dtype_));
-}
+int64_t GradReducer::peak_buffer_bytes() const { return peak_pool_bytes_; }
 
 }  // namespace zerocore::bindings

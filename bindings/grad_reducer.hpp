@@ -53,12 +53,18 @@ class GradReducer {
   // in_place[b], when defined, is bucket b's whole region of a gradient buffer that already holds the
   // gradients (stage 1, gradients in the dtype they travel in: wire_dtype()): the bucket is reduced right
   // there, with no copy in or out, and a parameter that got no gradient keeps what it accumulated there.
+  // grad_dtype: the dtype of the gradients mark_ready() is handed, which sets the wire dtype; unset, the
+  // destinations' (they differ where 16-bit gradients accumulate into fp32 shards).
   GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry, std::vector<at::Tensor> shard_destinations,
               at::ScalarType reduce_dtype, double prescale, bool overlap = true,
-              std::vector<std::optional<at::Tensor>> in_place = {});
+              std::vector<std::optional<at::Tensor>> in_place = {},
+              std::optional<at::ScalarType> grad_dtype = std::nullopt);
 
   // Starts a backward pass whose shards are added to (accumulate) or copied over the destinations.
-  void begin_backward(bool accumulate);
+  // full_width: this backward hands over gradients wider than a widening wire (fp32 sums of no_sync()
+  // backwards, Note [fp32 gradient accumulation] in _sharded_buffer.py), so its buckets travel in the reduce
+  // dtype, reduced as without widening; every rank passes the same value.
+  void begin_backward(bool accumulate, bool full_width = false);
   // Copies `grad` (undefined = no gradient, zeros) into parameter `param`'s slot and launches every bucket
   // whose turn has come.
   void mark_ready(int64_t param, const at::Tensor& grad);
@@ -91,6 +97,8 @@ class GradReducer {
   // The receiver scales, sums in fp32 and deposits (Note [Widening reduce-scatter]); gradients travel in
   // wire_dtype_, their own dtype.
   bool widening_ = false;
+  bool widening_now_ = false;           // widening_, unless this backward is full_width
+  at::ScalarType bucket_dtype_;         // what this backward's pool buffers hold: wire_dtype_ or reduce_dtype_
   double prescale_;
   at::Tensor prescale_tensor_;  // prescale_ as a wrapped 0-dim CPU tensor (a scalar operand for mul_out)
   bool overlap_;
@@ -107,8 +115,8 @@ class GradReducer {
   std::vector<at::Tensor> free_buffers_;
   std::deque<PendingCollective> in_flight_;  // launched, in launch order
   int64_t common_bucket_ = 0;       // the second-largest bucket: the size of every pool buffer but one
-  int64_t pool_elements_ = 0;       // of every pool buffer, free or in use
-  int64_t peak_pool_elements_ = 0;
+  int64_t pool_bytes_ = 0;          // of every pool buffer, free or in use
+  int64_t peak_pool_bytes_ = 0;
 };
 
 }  // namespace zerocore::bindings

@@ -31,6 +31,10 @@ CASES: dict[str, dict] = {
     "stage3-bf16": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True},
                                   "zero_optimization": {"stage": 3, "sub_group_size": 100}}, "groups": True},
     "stage3-fp32": {"deepspeed": {"optimizer": _ADAMW, "zero_optimization": {"stage": 3}}, "groups": False},
+    # bf16 with fp32 gradient accumulation at stage 1: DeepSpeed's BF16_Optimizer (Megatron-DeepSpeed's configs)
+    "stage1-bf16-fp32-accum": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True},
+                                             "data_types": {"grad_accum_dtype": "fp32"},
+                                             "zero_optimization": {"stage": 1}}, "groups": True},
     # saved as PEFT/LoRA runs save: without the frozen parameters
     "stage3-bf16-no-frozen": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True},
                                             "zero_optimization": {"stage": 3}}, "groups": False,
@@ -115,7 +119,9 @@ def deepspeed_full_moment(engine, param: torch.Tensor, key: str) -> torch.Tensor
     full = torch.zeros(param.numel())
     mapping = param._hp_mapping
     if mapping is not None:
-        flat = engine.optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
+        optimizer = engine.optimizer  # ZeRO 1-2's flat fp32 partitions, or BF16_Optimizer's
+        flats = getattr(optimizer, "single_partition_of_fp32_groups", None) or optimizer.fp32_groups_flat_partition
+        flat = flats[mapping.param_group_index]
         moment = engine.optimizer.optimizer.state[flat][key]
         hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
         full[lp.start : lp.start + lp.numel] = moment.narrow(0, hp.start, hp.numel)

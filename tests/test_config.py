@@ -434,7 +434,7 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
                         ("zero_optimization.load_from_fp32_weights", False),
                         ("zero_optimization.round_robin_gradients", "yes"),  # either boolean, nothing else
                         ("zero_optimization.ignore_unused_parameters", 1),  # a number is not a boolean
-                        ("checkpoint", {"tag_validation": "Ignore"}), ("data_types", {"grad_accum_dtype": "bf16"}),
+                        ("checkpoint", {"tag_validation": "Ignore"}),
                         ("activation_checkpointing", {"cpu_checkpointing": True}),
                         ("activation_checkpointing", {"number_checkpoints": 4, "offload": True})]:
         config = copy.deepcopy(LIKE_ZEROCORE)
@@ -467,18 +467,30 @@ def test_axolotls_zero3_config_loads():
     assert (zero.sub_group_size, zero.stage3_max_live_parameters) == (0, 0)
 
 
-@pytest.mark.parametrize("precision,accum", [({}, "fp32"), ({"bf16": {"enabled": True}}, "bf16"),
-                                             ({"fp16": {"enabled": True}}, "FP16"), ({}, None)])
-def test_grad_accum_dtype_of_the_compute_dtype_is_what_zerocore_does(precision, accum):
+@pytest.mark.parametrize("precision,accum,dtype", [
+    ({}, "fp32", torch.float32), ({"bf16": {"enabled": True}}, "bf16", torch.bfloat16),
+    ({"fp16": {"enabled": True}}, "FP16", torch.float16), ({}, None, torch.float32),
+    ({"bf16": {"enabled": True}}, None, torch.bfloat16), ({"bf16": {"enabled": True}}, "fp32", torch.float32),
+    ({"fp16": {"enabled": True}}, "FP32", torch.float32)])
+def test_grad_accum_dtype_is_the_compute_dtype_or_fp32(precision, accum, dtype):
+    """DeepSpeed's data_types.grad_accum_dtype: null (its default) or the compute dtype's name accumulate in the
+    compute dtype; "fp32" with 16-bit compute in fp32 (Note [fp32 gradient accumulation]), and the config says so
+    when written back."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ZeroConfig.from_deepspeed({**precision, "data_types": {"grad_accum_dtype": accum}})
+        config = ZeroConfig.from_deepspeed({**precision, "data_types": {"grad_accum_dtype": accum}})
+    assert config.accumulation_dtype == dtype
+    back = config.to_deepspeed()
+    assert back.get("data_types") == (None if accum is None else {"grad_accum_dtype": accum.lower()})
+    assert ZeroConfig.from_deepspeed(back) == config
 
 
-def test_grad_accum_dtype_other_than_the_compute_dtype_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"data_types\.grad_accum_dtype \('fp32': zerocore accumulates in the compute "
-                                         r"dtype, bf16 here\)"):
-        ZeroConfig.from_deepspeed({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
+def test_grad_accum_dtype_other_than_the_compute_dtype_or_fp32_is_refused_with_the_reason():
+    for precision, accum in [({"fp16": {"enabled": True}}, "bf16"), ({"bf16": {"enabled": True}}, "fp16"),
+                             ({}, "bf16")]:
+        with pytest.raises(ValueError, match=rf"data_types\.grad_accum_dtype: '{accum}' with \w+ compute: gradients "
+                                             "accumulate in the compute dtype or in fp32"):
+            ZeroConfig.from_deepspeed({**precision, "data_types": {"grad_accum_dtype": accum}})
     with pytest.raises(ValueError, match=r"data_types\.grad_accum_dtype: expected one of"):
         ZeroConfig.from_deepspeed({"data_types": {"grad_accum_dtype": "int8"}})
     with pytest.raises(ValueError, match=r"data_types\.other: unknown key"):

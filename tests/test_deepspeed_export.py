@@ -121,15 +121,18 @@ def test_the_export_loads_back_into_zerocore_exactly(source, tmp_path, world, st
         assert all(torch.equal(seen["after"][n], reference["after"][n]) for n in reference["after"])
 
 
-def deepspeed_worker(rank: int, world: int, directory: str, stage: int, expected: dict, bf16: bool) -> bytes:
+def deepspeed_worker(rank: int, world: int, directory: str, stage: int, expected: dict, bf16: bool,
+                     fp32_accum: bool = False) -> bytes:
     """DeepSpeed resumes from the export: what it holds (its own safe_get_full_* views), and every trainable master
-    after its next step."""
+    after its next step (with ``fp32_accum`` at stage 1 in bf16 that is DeepSpeed's BF16_Optimizer)."""
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
     model = build_fixture_model()
     config = {**_config(stage), "checkpoint": {"load_universal": True}, "bf16": {"enabled": bf16}}
+    if fp32_accum:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, _GROUPS), config=config)
     path, client_state = engine.load_checkpoint(directory)
     differ = []
@@ -151,14 +154,16 @@ def deepspeed_worker(rank: int, world: int, directory: str, stage: int, expected
     return _serialized(seen)
 
 
-@pytest.mark.parametrize("world,stage,bf16", [(2, 1, False), (1, 2, False), (3, 3, False), (2, 2, True), (2, 3, True)])
-def test_deepspeed_resumes_from_the_export(source, tmp_path, world, stage, bf16):
+@pytest.mark.parametrize("world,stage,bf16,fp32_accum", [(2, 1, False, False), (1, 2, False, False),
+                                                         (3, 3, False, False), (2, 2, True, False), (2, 3, True, False),
+                                                         (2, 1, True, True)])
+def test_deepspeed_resumes_from_the_export(source, tmp_path, world, stage, bf16, fp32_accum):
     pytest.importorskip("deepspeed")
     out = str(tmp_path / "ds")
     to_deepspeed(source, out)
     expected, lr = _saved(source)
     reference = torch.load(io.BytesIO(run_ranks(resume_worker, 2, source, 3, expected, False)[0]), weights_only=False)
-    results = run_ranks(deepspeed_worker, world, out, stage, expected, bf16, timeout=240.0)
+    results = run_ranks(deepspeed_worker, world, out, stage, expected, bf16, fp32_accum, timeout=240.0)
     for seen in (torch.load(io.BytesIO(b), weights_only=False) for b in results):
         assert seen["differ"] == [], seen["differ"]
         assert seen["epoch"] == 7 and seen["global_steps"] == 3

@@ -40,6 +40,8 @@ def _config(stage: int, dtype: str, offload: str, nvme_path: str, variant: int) 
         config["bf16"] = {"enabled": True}
         if variant % 4 == 2:
             config["communication_data_type"] = "bf16"  # stage 1 then reduces its gradient buffer in place
+        elif variant % 4 == 3:  # fp32 gradients (stage 1: reduced in place, in fp32)
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
     if offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu"}
     elif offload == "nvme":

@@ -251,6 +251,8 @@ class Program:
         self.precision = precision
         if precision != "fp32":  # fp16: a dynamic loss scale starting low enough to skip some steps
             self.config[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
+            if random.Random(seed + 19_000_033).random() < 0.5:  # half of them sum their gradients in fp32
+                self.config["data_types"] = {"grad_accum_dtype": "fp32"}
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         self.accumulation = self.config["gradient_accumulation_steps"]
         self.stage = self.config["zero_optimization"]["stage"]

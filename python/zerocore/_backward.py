@@ -93,6 +93,11 @@ class GradientRouting:
         self._warned: set[str] = set()  # parameters warn_untrained named already
         self._grad_accumulators: list[Any] = []
         self._last_got_grad: bytearray | None = None  # got_grad as the last completed backward left it
+        # stages 2-3 accumulating in fp32: gradients wait in fp32 sums since a backward inside no_sync() (Note
+        # [fp32 gradient accumulation]); the same on every rank, since every rank runs the same backwards
+        self._holds_apart = any(buffer.grads_held_apart and buffer.grad_shard is not None
+                                for buffer, _ in param_slots)
+        self._held_since_reduction = False
         self._behind: dict[int, Any] = {}  # stage 3: buffers of the units whose backward began, not settled yet
         self._outer_task: int | None = None  # the graph task of engine.backward's own loss.backward()
         self._indices_of_buffer: dict[int, list[int]] = {}
@@ -157,7 +162,11 @@ class GradientRouting:
         self._behind.clear()
         self._outer_task = None
         if reducing:
-            self.reducer.begin_backward(self._reductions_add())
+            # fp32 sums are reduced in fp32, not rounded to a 16-bit wire (every rank decides alike)
+            self.reducer.begin_backward(self._reductions_add(), full_width=self._held_since_reduction)
+            self._held_since_reduction = False
+        elif self._holds_apart:
+            self._held_since_reduction = True
 
     def _reductions_add(self) -> bool:
         """Whether this reducing backward adds to the gradient shards rather than overwriting them: one answer
@@ -193,6 +202,7 @@ class GradientRouting:
     def start_window(self) -> None:
         """An accumulation window begins (zero_grad): no parameter has a gradient yet."""
         self.got_grad = bytearray(len(self.param_slots))
+        self._held_since_reduction = False
 
     def got_grad_on(self, device: torch.device) -> torch.Tensor:
         """``got_grad`` as float64 on ``device``, without a host sync (through a pinned buffer to a GPU: a copy
@@ -218,12 +228,21 @@ class GradientRouting:
     def on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         self.got_grad[index] = 1
         buffer, local = self.param_slots[index]
+        grad = param.grad
         if buffer.grad_buffer is not None:
             # .grad accumulates in place in the gradient buffer across micro-steps; the first gradient after
-            # zero_grad (or one the user set) arrives as a fresh tensor and moves into the buffer first.
-            param.grad = buffer.take_grad(local, param.grad)
+            # zero_grad (or one the user set) arrives as a fresh tensor and moves into the buffer first. Held
+            # apart (Note [fp32 gradient accumulation]), it is added into its fp32 slot and dropped.
+            grad = buffer.take_grad(local, grad)
+            param.grad = None if buffer.grads_held_apart else grad
+        elif buffer.grads_held_apart:
+            if self.reducing:
+                grad = buffer.take_held(local, grad)
+            else:
+                buffer.hold_grad(local, grad)
+                param.grad = None
         if self.reducing:
-            self._reduce(index, param)
+            self._reduce(index, grad)
             # Its values now live in the reduction bucket (Note [Sharded buffer]); in stage 1 the buffer stays,
             # but once reduce-scattered a rank holds the average of its own shard only: a .grad left pointing
             # there would mix reduced and local values (a clip_grad_norm_ over it would differ per rank).
@@ -288,15 +307,14 @@ class GradientRouting:
                     self.reducer.mark_ready(index, torch.zeros(shape, dtype=buffer.dtype, device=buffer.device))
             self.stage3.grad_ready(buffer, index)
 
-    def _reduce(self, index: int, param: torch.Tensor) -> None:
-        """Hands parameter ``index``'s gradient to the reducer; the first one of a backward also queues the
-        end-of-backward finalize."""
+    def _reduce(self, index: int, grad: torch.Tensor) -> None:
+        """Hands parameter ``index``'s gradient to the reducer."""
         buffer, local = self.param_slots[index]
         if self.finalized:
             raise RuntimeError(f"parameter {buffer.names[local]!r} produced a gradient after the backward was "
                                "finalized")
         try:
-            self.reducer.mark_ready(index, param.grad)
+            self.reducer.mark_ready(index, grad)
         except RuntimeError as error:
             if "marked ready twice" not in str(error):
                 raise
@@ -367,7 +385,7 @@ class GradientRouting:
         no_sync() backwards), if anything; returns whether there was something."""
         buffer, local = self.param_slots[index]
         param = buffer.params[local]
-        grad = buffer.grad_or_zeros(local) if buffer.grad_buffer is not None else param.grad
+        grad = buffer.grad_or_zeros(local) if buffer.grad_buffer is not None else buffer.take_held(local, param.grad)
         if grad is None:
             return False
         self.reducer.mark_ready(index, grad)

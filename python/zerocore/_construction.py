@@ -126,10 +126,17 @@ def comm_algorithms_for(explicit: Mapping[str, str] | None, config: ZeroConfig) 
     return reduce_scatter, all_gather
 
 
+def reduced_grad_dtype(config: ZeroConfig) -> torch.dtype:
+    """The dtype of the gradients the reducer is handed: each backward's (the compute dtype) at stages 2-3, the
+    window's sums from the gradient buffer at stage 1 (fp32 with fp32 accumulation, Note [fp32 gradient
+    accumulation] in _sharded_buffer.py)."""
+    return config.compute_dtype if config.zero_optimization.stage >= 2 else config.accumulation_dtype
+
+
 def wire_dtype(config: ZeroConfig, world: int, algorithm_widens: bool) -> torch.dtype:
     """The dtype gradient buckets travel in, by the GradReducer's own rule (Note [Widening reduce-scatter]):
     16-bit gradients reduced in fp32 stay 16-bit where the reduce-scatter algorithm sums at the receiver."""
-    return _C.reduction_wire_dtype(config.reduce_dtype, config.compute_dtype, world, algorithm_widens)
+    return _C.reduction_wire_dtype(config.reduce_dtype, reduced_grad_dtype(config), world, algorithm_widens)
 
 
 def reduction_wire_dtype(config: ZeroConfig, device: torch.device, world: int) -> torch.dtype:
@@ -257,6 +264,7 @@ def build_reducer(engine: Engine) -> tuple[Any, list[tuple[Any, int]]]:
     reducer = _C.GradReducer(
         engine.comm, bucket_sizes, param_bucket, param_offset, param_numel, launch_order, destinations,
         engine.config.reduce_dtype, 1.0 / engine.world_size, engine.config.zero_optimization.overlap_comm, in_place,
+        grad_dtype=reduced_grad_dtype(engine.config),
     )
     return reducer, slots
 

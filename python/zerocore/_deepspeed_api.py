@@ -169,6 +169,11 @@ class DeepSpeedAccessors:
         DeepSpeed's default is the compute dtype, zerocore reduces 16-bit gradients in fp32 unless told)."""
         return self.config.reduce_dtype
 
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """DeepSpeed's (model dtype, gradient-accumulation dtype): the compute dtype and ``data_types.grad_accum_dtype``
+        (the compute dtype when unset)."""
+        return self.config.compute_dtype, self.config.accumulation_dtype
+
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
 

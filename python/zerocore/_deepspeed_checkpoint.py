@@ -188,7 +188,7 @@ def read(path: str) -> _Checkpoint:
         raise ValueError(f"load_checkpoint: {path} holds the optimizer files of ranks {sorted(optim_files)}: a "
                          "rank's file is missing (a save that did not finish?)")
     optims = [_load(optim_files[r])["optimizer_state_dict"] for r in range(world)]
-    stage = int(optims[0]["zero_stage"])
+    stage = _zero_stage(optims[0])
     counts = optims[0]["partition_count"]
     count = max(counts) if isinstance(counts, (list, tuple)) else int(counts)
     if count != world:
@@ -206,6 +206,17 @@ def read(path: str) -> _Checkpoint:
     return _Checkpoint(path, stage, model, trainable, frozen, flats, max(steps, default=0),
                        [{k: v for k, v in g.items() if k != "params"} for g in state.get("param_groups", [])],
                        _dynamic_loss_scaler(optims[0].get("loss_scaler"), model))
+
+
+def _zero_stage(optim: dict[str, Any]) -> int:
+    """The ZeRO stage whose layout the optimizer state has. DeepSpeed's BF16_Optimizer (bf16 with
+    ``data_types.grad_accum_dtype: "fp32"`` at stage 0 or 1, Megatron-DeepSpeed's runs) records none: its flat
+    fp32 partitions of each param group, with no padding between parameters, are stage 1's."""
+    if "zero_stage" in optim:
+        return int(optim["zero_stage"])
+    if "single_partition_of_fp32_groups" in optim:
+        return 1
+    raise KeyError("zero_stage")
 
 
 def _model_states(path: str, stage: int, world: int, kind: str) -> list[dict[str, Any]]:
@@ -228,7 +239,7 @@ def _read_universal(path: str) -> _Checkpoint:
     [DeepSpeed checkpoints]), the model state files as the stage wrote them."""
     zero = os.path.join(path, "zero")
     optim = _load(os.path.join(zero, _UNIVERSAL_OPTIMIZER))
-    stage = int(optim["zero_stage"])
+    stage = _zero_stage(optim)
     world = 1
     if stage == 3:  # (the conversion keeps no optimizer file per rank: the model state files say how many ranks)
         ranks = sorted(int(m.group(1)) for name in os.listdir(path) if (m := _STAGE3_MODEL.match(name)))

@@ -20,7 +20,7 @@ from ._config_values import as_bool, as_choice, fail
 from ._hf_auto import FROM_HIDDEN, fill_auto
 from ._offload_config import LEGACY_OFFLOAD, AioConfig, OffloadOptimizerConfig, OffloadParamConfig, offload_configs
 from ._scheduler_config import SchedulerConfig
-from .config import DEEPSPEED_DTYPES, OPTIMIZER_TYPES, FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
+from .config import OPTIMIZER_TYPES, FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
 
 # weight_decay when a DeepSpeed JSON leaves it out, per optimizer type.
 _DEFAULT_WEIGHT_DECAY = {"Adam": 0.0, "AdamW": 0.0}  # DeepSpeed builds FusedAdam, whose default is 0.0
@@ -30,7 +30,9 @@ _ZEROCORE_ONLY = frozenset({"zero_quantization_group_size", "zero_node_size"})  
 _Z3 = ("max_reuse_distance model_persistence_threshold gather_16bit_weights_on_model_save "
        "module_granularity_threshold allgather_sequential").split()
 _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozenset[str]]] = {
-    "": ((frozenset(f.name for f in dataclasses.fields(ZeroConfig)) - {"auto_batch_sizes"}) | {"data_types"},
+    # (grad_accum_dtype is read from the data_types section)
+    "": ((frozenset(f.name for f in dataclasses.fields(ZeroConfig)) - {"auto_batch_sizes", "grad_accum_dtype"})
+         | {"data_types"},
          {"bfloat16": "bf16"},
          frozenset({"wall_clock_breakdown"}), frozenset((
              "activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger amp "
@@ -241,19 +243,6 @@ def _without_auto(section: dict[str, Any], keep: Sequence[str] = ()) -> dict[str
     return {key: value for key, value in section.items() if value != "auto" or key in keep}
 
 
-def _check_grad_accum_dtype(value: Any, fp16: Mapping[str, Any], bf16: Mapping[str, Any], unsupported: list[str]) -> None:
-    """``data_types.grad_accum_dtype``: zerocore accumulates gradients across micro-steps in the compute dtype (the
-    gradient buffer at stage 1, the gradient shard at stages 2-3), so that dtype, or null (DeepSpeed's default),
-    is accepted; another one asks for what zerocore does not do yet."""
-    if value is None:
-        return
-    name = as_choice(value, "data_types.grad_accum_dtype", {k: k for k in DEEPSPEED_DTYPES})
-    compute = "bf16" if bf16.get("enabled") is True else "fp16" if fp16.get("enabled") is True else "fp32"
-    if name != compute:
-        unsupported.append(f"data_types.grad_accum_dtype ({name!r}: zerocore accumulates in the compute dtype, "
-                           f"{compute} here)")
-
-
 def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mapping[str, Any], *, strict: bool,
                    hidden_size: int | None) -> tuple[ZeroConfig, list[str]]:
     """See :meth:`ZeroConfig.from_deepspeed`; also returns the unsupported keys that were ignored
@@ -277,7 +266,6 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
                if zero.get(name) is not None and zero.get(name) is not False}  # null / false: no offload
     aio = {} if top.get("aio") is None else _section(top["aio"], "aio", unsupported)
     data_types = {} if top.get("data_types") is None else _section(top["data_types"], "data_types", unsupported)
-    _check_grad_accum_dtype(data_types.get("grad_accum_dtype"), fp16, bf16, unsupported)
     scheduler = top.get("scheduler")
     if scheduler is not None:
         scheduler = _section(scheduler, "scheduler", unsupported)
@@ -292,6 +280,8 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
                          "or pass strict=False to ignore them with a warning")
     plain = {k: v for k, v in top.items()
              if k not in ("optimizer", "fp16", "bf16", "zero_optimization", "scheduler", "aio", "data_types")}
+    if data_types.get("grad_accum_dtype") is not None:  # null: DeepSpeed's default, the compute dtype
+        plain["grad_accum_dtype"] = data_types["grad_accum_dtype"]
     fill_auto(plain=plain, optimizer=optimizer, params=params, fp16=fp16, bf16=bf16, zero=zero,
               scheduler=scheduler, hidden_size=hidden_size)
 
@@ -340,6 +330,8 @@ def to_deepspeed(config: ZeroConfig) -> dict[str, Any]:
     for name in ("communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu"):
         if getattr(config, name) is not None:
             out[name] = getattr(config, name)
+    if config.grad_accum_dtype is not None:
+        out["data_types"] = {"grad_accum_dtype": config.grad_accum_dtype}
     if config.derive_accumulation_steps:
         del out["gradient_accumulation_steps"]  # left for DeepSpeed's rule, as in the source config
     for name in config.auto_batch_sizes:

@@ -52,7 +52,9 @@ def memory_report(engine: Engine) -> dict[str, Any]:
     n = engine.world_size
     width = torch.empty((), dtype=engine.compute_dtype).element_size()
     optimizer_k = 8 if engine.compute_dtype == torch.float32 else 12
-    grads = width * psi_padded if engine.stage == 1 else width * psi_padded // n
+    # gradients accumulate in the compute dtype, or in fp32 (Note [fp32 gradient accumulation])
+    g_width = torch.empty((), dtype=engine.config.accumulation_dtype).element_size()
+    grads = g_width * psi_padded if engine.stage == 1 else g_width * psi_padded // n
     formula = {
         "params": width * psi_padded if engine.stage < 3 else width * psi_padded // n,
         "grads": grads,
@@ -71,9 +73,9 @@ def memory_report(engine: Engine) -> dict[str, Any]:
         "total_bytes": sum(items.values()),
         "formula": formula,
         "formula_text": {
-            1: f"{width}Psi + {width}Psi + {optimizer_k}Psi/N",
-            2: f"{width}Psi + ({width}+{optimizer_k})Psi/N",
-            3: f"({width}+{width}+{optimizer_k})Psi/N",
+            1: f"{width}Psi + {g_width}Psi + {optimizer_k}Psi/N",
+            2: f"{width}Psi + ({g_width}+{optimizer_k})Psi/N",
+            3: f"({width}+{g_width}+{optimizer_k})Psi/N",
         }[engine.stage],
         "ddp_bytes": (2 * width + optimizer_k) * psi,
         # where the optimizer state lives, and on NVMe the files' sizes and the bytes moved so far (the

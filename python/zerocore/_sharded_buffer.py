@@ -11,11 +11,12 @@ the stage policy (Note [Stage policy]) changes is only where things live:
   With ``params_sharded`` (stage 3) this rank's shard lives in ``shard`` and ``full``'s storage exists only
   while gathered (resized to zero at rest; parameters then hold NaN placeholders, Note [Sharded
   placeholders]); otherwise the shard is the rank's region of ``full`` itself.
-* gradients (compute dtype): with ``grads_sharded`` (stages 2-3) only this rank's reduced shard is kept
-  (``grad_shard``) and ``.grad`` is freed once copied into a reduction bucket; otherwise (stage 1)
-  ``grad_buffer`` holds every gradient, ``.grad`` is a view of it and accumulates in place (Note [Gradient
-  slots start stale]) until the reducing backward hands it to the reduction (then ``.grad`` is None: once
-  reduce-scattered, a rank holds the average of its own shard only).
+* gradients (``grad_dtype``: the compute dtype, or fp32, Note [fp32 gradient accumulation]): with
+  ``grads_sharded`` (stages 2-3) only this rank's reduced shard is kept (``grad_shard``) and ``.grad`` is freed
+  once copied into a reduction bucket; otherwise (stage 1) ``grad_buffer`` holds every gradient, ``.grad`` is a
+  view of it and accumulates in place (Note [Gradient slots start stale]) until the reducing backward hands it
+  to the reduction (then ``.grad`` is None: once reduce-scattered, a rank holds the average of its own shard
+  only).
 * optimizer state: every bucket's shard is registered with the OptimizerState (Note [Optimizer state
   ownership]), with the param group of every element (``runs``) and global coordinates (``pieces``).
 
@@ -48,16 +49,35 @@ from .layout import Bucket, FlatLayout
 
 ALIGNMENT = 64  # elements: 128 bytes of a 16-bit dtype (vector loads, cache lines, coalesced access)
 
+# Note [fp32 gradient accumulation]
+# ---------------------------------
+# DeepSpeed's ``data_types.grad_accum_dtype: "fp32"`` with bf16 or fp16 compute (FSDP2's reduce_dtype=fp32 and
+# Megatron's fp32 main_grad do the same): a window's gradients are summed in fp32, not rounded to 16 bits at
+# every micro-step. The backward still computes each micro-step's gradients in the compute dtype (autograd gives
+# ``.grad`` the parameter's dtype); what changes is where they are summed:
+# * stages 2-3: the gradient shard is fp32. Each reducing backward's 16-bit gradients travel as before (16 bits
+#   where the reduce-scatter sums at the receiver) and their fp32 sum is added into the fp32 shard.
+# * stage 1: the gradient buffer is fp32. ``.grad`` cannot be a view of it (a parameter's gradient has its
+#   dtype), so each backward's ``.grad`` is added into the parameter's fp32 slot and set to None, as DeepSpeed
+#   moves it into ``param.grad_accum``; the boundary reduces the fp32 sums (in fp32).
+# * inside ``no_sync()`` at stages 2-3 each parameter's gradients are summed into an fp32 tensor of its own
+#   (``hold_grad``: full size, 4 bytes an element where ``.grad`` took 2), which the next reducing backward
+#   hands to the reduction with its own gradient added; that backward's buckets travel in the reduce dtype (fp32
+#   unless communication_data_type says otherwise), not a 16-bit wire that would round the sums
+#   (GradReducer.begin_backward's full_width, the same on every rank since every rank ran the same backwards).
+# So ``.grad`` is None after every backward, also at stage 1; safe_get_full_grad reads the sums.
+
 
 class ShardedBuffer(ParamWrites):
     full: torch.Tensor  # 1-D compute dtype, layout.total_size (storage empty at rest when params are sharded)
     shard: torch.Tensor  # 1-D compute dtype, layout.shard_size when params are sharded; else empty
-    grad_buffer: torch.Tensor | None  # stage 1: 1-D compute dtype, layout.total_size
-    grad_shard: torch.Tensor | None  # stages 2-3: 1-D compute dtype, layout.shard_size
+    grad_buffer: torch.Tensor | None  # stage 1: 1-D grad_dtype, layout.total_size
+    grad_shard: torch.Tensor | None  # stages 2-3: 1-D grad_dtype, layout.shard_size
 
     def __init__(self, label: str, params: list[nn.Parameter], names: Sequence[str], groups: Sequence[int], *,
                  bucket_cap: int, world: int, rank: int, policy: StagePolicy, dtype: torch.dtype,
-                 device: torch.device, optimizer_state: OptimizerState | None, param_file: Any = None) -> None:
+                 device: torch.device, optimizer_state: OptimizerState | None, param_file: Any = None,
+                 grad_dtype: torch.dtype | None = None) -> None:
         self.label = label
         self.params = params
         self.names = list(names)
@@ -71,6 +91,8 @@ class ShardedBuffer(ParamWrites):
         self.rank = rank
         self.policy = policy
         self.dtype = dtype
+        self.grad_dtype = dtype if grad_dtype is None else grad_dtype  # Note [fp32 gradient accumulation]
+        self._held: dict[int, torch.Tensor] = {}  # by parameter index: no_sync()'s fp32 sums at stages 2-3
         self.device = device
         self._optimizer_state = optimizer_state
         self.optimizer_shards: list[Shard] = []
@@ -116,9 +138,10 @@ class ShardedBuffer(ParamWrites):
             self._build_frozen(values)
             return
         grads_sharded = self.policy.grads_sharded
-        self.grad_buffer = None if grads_sharded else torch.zeros_like(self.full)
+        grads = torch.zeros(self.shard_size if grads_sharded else self.numel, dtype=self.grad_dtype, device=self.device)
+        self.grad_buffer = None if grads_sharded else grads
         self._grad_stale = [False] * len(self.params)  # Note [Gradient slots start stale]
-        self.grad_shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device) if grads_sharded else None
+        self.grad_shard = grads if grads_sharded else None
         self._grad_shard_stale = False  # Note [Gradient slots start stale]
         shapes = [tuple(p.shape) for p in self.params]
         for b in range(len(self.buckets)):
@@ -442,6 +465,7 @@ class ShardedBuffer(ParamWrites):
             self._grad_stale = [True] * len(self.params)
         else:
             self._grad_shard_stale = True
+        self._held.clear()
         for param in self.params:
             param.grad = None
 
@@ -463,14 +487,41 @@ class ShardedBuffer(ParamWrites):
             self.grad_shard.zero_()
             self._grad_shard_stale = False
 
+    @property
+    def grads_held_apart(self) -> bool:
+        """Whether gradients accumulate in another dtype than ``.grad``'s (Note [fp32 gradient accumulation])."""
+        return self.grad_dtype != self.dtype
+
     def take_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         """Stage 1: parameter ``index``'s ``.grad`` as its slot of ``grad_buffer``; a fresh tensor (the first
-        gradient since ``zero_grad``, or one the user set) is copied over the slot first."""
+        gradient since ``zero_grad``, or one the user set) is copied over the slot first. Held apart (fp32
+        slots), the gradient is added into the slot (copied over a stale one), and the caller drops ``.grad``."""
         view = self.grad_view(index)
-        if grad.data_ptr() != view.data_ptr():
+        if self.grads_held_apart and not self._grad_stale[index]:
+            view.add_(grad.reshape(view.shape))
+        elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
         self._grad_stale[index] = False
         return view
+
+    def hold_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Stages 2-3, held apart, a backward that does not reduce (``no_sync()``): parameter ``index``'s
+        ``.grad`` is added into its fp32 sum; the caller drops ``.grad``."""
+        held = self._held.get(index)
+        if held is None:
+            self._held[index] = grad.to(self.grad_dtype, copy=True)
+        else:
+            held.add_(grad)
+
+    def take_held(self, index: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Stages 2-3: what parameter ``index`` accumulated in this window for the reduction: its fp32 sum from
+        ``hold_grad`` with ``grad`` (this backward's, or None) added, else ``grad``; the sum is given up."""
+        held = self._held.pop(index, None)
+        if held is None:
+            return grad
+        if grad is not None:
+            held.add_(grad.reshape(held.shape))
+        return held
 
     def grad_or_zeros(self, index: int) -> torch.Tensor:
         """Stage 1: parameter ``index``'s accumulated gradient, zeroed first when nothing reached it since
@@ -487,4 +538,5 @@ class ShardedBuffer(ParamWrites):
             return 0 if t is None else t.numel() * t.element_size()
 
         params = self.shard.untyped_storage().nbytes() if self.policy.params_sharded else nbytes(self.full)
-        return {"params": params, "grads": nbytes(self.grad_buffer) + nbytes(self.grad_shard)}
+        return {"params": params, "grads": nbytes(self.grad_buffer) + nbytes(self.grad_shard)
+                + sum(nbytes(t) for t in self._held.values())}

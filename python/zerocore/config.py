@@ -277,6 +277,11 @@ class ZeroConfig:
         zero_optimization: ZeRO stage and buckets.
         communication_data_type: gradient-reduction dtype, ``"fp32"``, ``"fp16"`` or ``"bf16"``
             (case-insensitive, stored lower case); None reduces in fp32.
+        grad_accum_dtype: the dtype gradients accumulate in across micro-steps (DeepSpeed
+            ``data_types.grad_accum_dtype``): the compute dtype's name or ``"fp32"`` (case-insensitive, stored
+            lower case); None accumulates in the compute dtype, as DeepSpeed does by default. ``"fp32"`` with
+            bf16 or fp16 compute keeps stage 1's gradient buffer and the gradient shards of stages 2-3 in fp32
+            (Note [fp32 gradient accumulation] in _sharded_buffer.py).
         train_batch_size: global batch size (>= 1) or None; see :meth:`check_batch_sizes`.
         train_micro_batch_size_per_gpu: per-rank micro-batch size (>= 1) or None.
         steps_per_print: log every this many optimizer steps (>= 1).
@@ -305,6 +310,7 @@ class ZeroConfig:
     fp16: FP16Config = field(default_factory=FP16Config)
     zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     communication_data_type: str | None = None
+    grad_accum_dtype: str | None = None
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     steps_per_print: int = 10
@@ -334,6 +340,14 @@ class ZeroConfig:
             object.__setattr__(self, "communication_data_type", dtype)
         if self.bf16 and self.fp16.enabled:
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        if self.grad_accum_dtype is not None:
+            name = as_choice(self.grad_accum_dtype, "data_types.grad_accum_dtype", {k: k for k in DEEPSPEED_DTYPES})
+            compute = next(k for k, v in DEEPSPEED_DTYPES.items() if v == self.compute_dtype)
+            if name not in ("fp32", compute):
+                fail("data_types.grad_accum_dtype",
+                     f"{name!r} with {compute} compute: gradients accumulate in the compute dtype or in fp32 (as "
+                     "DeepSpeed's); give one of those")
+            object.__setattr__(self, "grad_accum_dtype", name)
         as_bool(self.derive_accumulation_steps, "derive_accumulation_steps")
         if self.derive_accumulation_steps and (self.train_batch_size is None
                                                or self.train_micro_batch_size_per_gpu is None):
@@ -383,6 +397,11 @@ class ZeroConfig:
     def compute_dtype(self) -> torch.dtype:
         """bfloat16 if ``bf16``, float16 if ``fp16.enabled``, else float32."""
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16.enabled else torch.float32
+
+    @property
+    def accumulation_dtype(self) -> torch.dtype:
+        """The dtype gradients accumulate in across micro-steps: ``grad_accum_dtype``, the compute dtype when None."""
+        return self.compute_dtype if self.grad_accum_dtype is None else DEEPSPEED_DTYPES[self.grad_accum_dtype]
 
     @property
     def reduce_dtype(self) -> torch.dtype:

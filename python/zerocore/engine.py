@@ -272,7 +272,8 @@ class Engine(DeepSpeedAccessors):
         """The storage of one unit (Note [Sharded buffer]); stage 3 builds one per unit."""
         return ShardedBuffer(label, params, names, groups, bucket_cap=bucket_cap, world=self.world_size,
                              rank=self.rank, policy=self.policy, dtype=self.compute_dtype, device=self.device,
-                             optimizer_state=self.optimizer_state, param_file=self.param_file)
+                             optimizer_state=self.optimizer_state, param_file=self.param_file,
+                             grad_dtype=self.config.accumulation_dtype)
 
     # ---- forward / backward -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

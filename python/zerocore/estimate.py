@@ -334,7 +334,7 @@ def _rank_bytes(plan: _Plan, rank: int) -> dict[str, Any]:
     in_memory = sum(n * size for (n, size, frozen), away in zip(placed, offloaded) if not away and not frozen)
     frozen_shards = sum(n * size for (n, size, frozen), away in zip(placed, offloaded) if not away and frozen)
     items = {"params": in_memory if policy.params_sharded else width * full,
-             "grads": width * (sum(shards) if policy.grads_sharded else full)}
+             "grads": _width(plan.config.accumulation_dtype) * (sum(shards) if policy.grads_sharded else full)}
     state, nvme_file = _state_bytes(plan, shards)
     items.update(state)
     items["nvme_param_buffers"] = bounce
@@ -364,7 +364,8 @@ def _state_bytes(plan: _Plan, shards: list[int]) -> tuple[dict[str, int], int]:
     out["master_params"] = 4 * total if separate else 0
     out["optimizer_moments"] = 2 * 4 * total
     if state.stages_through_host(plan.device):  # gradients in; 16-bit parameters out when there is a master
-        out["offload_staging"] = total * (width + (width if separate and compute != torch.float32 else 0))
+        grad_width = _width(plan.config.accumulation_dtype)
+        out["offload_staging"] = total * (grad_width + (width if separate and compute != torch.float32 else 0))
     return out, 0
 
 
@@ -385,7 +386,7 @@ def _step_plan(plan: _Plan, total: int) -> dict[str, Any]:
     buckets = [bucket.padded_size for b in plan.buffers if b.layout is not None for bucket in b.layout.buckets]
     # Stage 1 reduces its full gradient buffer in place when it is in the dtype gradients travel in (build_reducer).
     wire = reduction_wire_dtype(plan.config, plan.device, plan.world)
-    in_place = not plan.policy.grads_sharded and wire == plan.config.compute_dtype
+    in_place = not plan.policy.grads_sharded and wire == plan.config.accumulation_dtype
     buffer = 0 if in_place or not buckets else max(buckets) * _width(wire)  # (none: a frozen model)
     count = 0 if in_place else min(_STEP_BUFFERS, len(buckets))
     gathered = _stage3_gathered_peak(plan) if plan.policy.params_sharded else 0
