@@ -448,6 +448,21 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
         assert path in str(info.value), (path, str(info.value))
 
 
+def test_deepspeed_sections_that_change_nothing_here_load_and_others_are_named():
+    """compile without DeepCompile, the throughput timers, one rank of sequence parallelism: accepted as
+    DeepSpeed's configs spell them; DeepCompile or Ulysses over several ranks are named as unsupported."""
+    quiet = [{"compile": {"deepcompile": False, "free_activation": True, "double_buffer": True}}, {"compile": {}},
+             {"timers": {"throughput": {"enabled": True, "synchronized": False}}}, {"sequence_parallel_size": 1}]
+    for extra in quiet:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2}, **extra})
+    for key, value in [("compile", {"deepcompile": True}), ("timers", {"throughput": {"enabled": "yes"}}),
+                       ("timers", {"other": {}}), ("sequence_parallel_size", 2)]:
+        with pytest.raises(ValueError, match=f"not supported yet by zerocore: {key}"):
+            ZeroConfig.from_deepspeed({key: value})
+
+
 def test_axolotls_zero3_config_loads():
     """axolotl's deepspeed_configs/zero3.json, its "auto" values as the Trainer fills them: DeepSpeed's zeros for
     sub_group_size (a sub-group per parameter: nothing without NVMe offload), stage3_max_live_parameters (no
@@ -483,6 +498,24 @@ def test_grad_accum_dtype_is_the_compute_dtype_or_fp32(precision, accum, dtype):
     back = config.to_deepspeed()
     assert back.get("data_types") == (None if accum is None else {"grad_accum_dtype": accum.lower()})
     assert ZeroConfig.from_deepspeed(back) == config
+
+
+@pytest.mark.parametrize("bf16,check", [
+    ({"enabled": True}, True), ({"enabled": True, "check_grad_overflow": True}, True),
+    ({"enabled": True, "check_grad_overflow": False}, False),
+    ({"enabled": False, "check_grad_overflow": False}, False)])
+def test_bf16_check_grad_overflow_is_read_and_written_back(bf16, check):
+    """DeepSpeed's bf16.check_grad_overflow (default true: a step with a non-finite gradient norm is skipped);
+    bf16.immediate_grad_update at either value changes no sum here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = ZeroConfig.from_deepspeed({"bf16": {**bf16, "immediate_grad_update": not check}})
+    assert config.check_grad_overflow is check
+    assert ZeroConfig.from_deepspeed(config.to_deepspeed()) == config
+    with pytest.raises(ValueError, match=r"bf16\.check_grad_overflow: expected true or false"):
+        ZeroConfig.from_deepspeed({"bf16": {"enabled": True, "check_grad_overflow": "no"}})
+    with pytest.raises(ValueError, match="check_grad_overflow: unknown key"):  # a bf16 key, not a top-level one
+        ZeroConfig.from_deepspeed({"check_grad_overflow": False})
 
 
 def test_grad_accum_dtype_other_than_the_compute_dtype_or_fp32_is_refused_with_the_reason():

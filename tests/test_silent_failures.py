@@ -111,21 +111,38 @@ def test_an_fp16_reduction_overflow_skips_the_update_instead_of_writing_nan(stag
     assert run_ranks(fp16_reduce_worker, 2, stage) == [(1, True), (1, True)]
 
 
-def nan_loss_worker(rank: int, world: int, stage: int) -> bool:
+def nan_loss_worker(rank: int, world: int, stage: int, precision: str, check: bool | None) -> tuple:
     torch.manual_seed(0)
-    engine = zerocore.initialize(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
-                                 _config(stage, bf16={"enabled": True}))
-    loss = engine(_x(0, rank, torch.bfloat16)).float().mean()
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    extra = {"bf16": {"enabled": precision == "bf16", **({} if check is None else {"check_grad_overflow": check})}}
+    engine = zerocore.initialize(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), _config(stage, **extra))
+    before = engine.full_state_dict(rank0_only=False)
+    loss = engine(_x(0, rank, dtype)).float().mean()
     engine.backward(loss * float("nan") if rank == 1 else loss)  # one rank's batch held a NaN
     with pytest.warns(RuntimeWarning, match="global gradient norm is nan") as caught:
         engine.step()
     assert {w.filename for w in caught if "norm is nan" in str(w.message)} == {__file__}  # the step's line
-    return engine.was_step_applied()
+    applied = engine.was_step_applied()
+    after = engine.full_state_dict(rank0_only=False)
+    kept = all(torch.equal(before[k], after[k]) for k in before)
+    # and the next batch trains on (or, applied, on NaN parameters)
+    engine.backward(engine(_x(1, rank, dtype)).float().mean())
+    engine.step()
+    finite = all(bool(torch.isfinite(v).all()) for v in engine.full_state_dict(rank0_only=False).values())
+    return applied, kept, finite, engine.skipped_steps
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "fp32"), (3, "bf16")])
+def test_a_nan_gradient_on_one_rank_skips_the_update_on_every_rank_as_deepspeed_does(stage, precision):
+    """DeepSpeed 0.19 skips a step whose gradient norm is inf or NaN at every stage and dtype (bf16 unless
+    bf16.check_grad_overflow is false): the parameters stay as they were, said on every rank, and training goes
+    on; torch's AdamW would have made every parameter NaN."""
+    assert run_ranks(nan_loss_worker, 2, stage, precision, None) == [(False, True, True, 1)] * 2
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_a_nan_gradient_on_one_rank_is_named_on_every_rank(stage):
-    assert run_ranks(nan_loss_worker, 2, stage) == [True, True]  # applied, as torch's AdamW would: but said
+def test_check_grad_overflow_false_applies_a_nan_update_as_torch_does_but_says_so(stage):
+    assert run_ranks(nan_loss_worker, 2, stage, "bf16", False) == [(True, False, False, 0)] * 2
 
 
 # ---- item 10 ----------------------------------------------------------------------------------------

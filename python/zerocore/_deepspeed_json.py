@@ -30,9 +30,9 @@ _ZEROCORE_ONLY = frozenset({"zero_quantization_group_size", "zero_node_size"})  
 _Z3 = ("max_reuse_distance model_persistence_threshold gather_16bit_weights_on_model_save "
        "module_granularity_threshold allgather_sequential").split()
 _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozenset[str]]] = {
-    # (grad_accum_dtype is read from the data_types section)
-    "": ((frozenset(f.name for f in dataclasses.fields(ZeroConfig)) - {"auto_batch_sizes", "grad_accum_dtype"})
-         | {"data_types"},
+    # (grad_accum_dtype is read from the data_types section, check_grad_overflow from bf16)
+    "": ((frozenset(f.name for f in dataclasses.fields(ZeroConfig))
+          - {"auto_batch_sizes", "grad_accum_dtype", "check_grad_overflow"}) | {"data_types"},
          {"bfloat16": "bf16"},
          frozenset({"wall_clock_breakdown"}), frozenset((
              "activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger amp "
@@ -41,15 +41,14 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
              "curriculum_learning compression_training checkpoint nebula memory_breakdown "
              "dump_state disable_allgather torch_autocast compile hybrid_engine eigenvalue progressive_layer_drop "
              "quantize_training weight_quantization seq_parallel_communication_data_type dataloader_drop_last "
-             "tensor_parallel").split())),
+             "tensor_parallel timers sequence_parallel_size").split())),
     "optimizer": (frozenset({"type", "params"}), {}, frozenset(), frozenset({"legacy_fusion"})),
     "optimizer.params": (frozenset({"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}), {},
                          frozenset(), frozenset({"torch_adam", "amsgrad"})),
     "fp16": (frozenset(f.name for f in dataclasses.fields(FP16Config)), {}, frozenset(),
              frozenset({"fp16_master_weights_and_grads"})),
-    "bf16": (frozenset({"enabled"}), {}, frozenset(), frozenset({
-        "immediate_grad_update", "check_grad_overflow", "check_overflow", "bf16_master_weights_and_grads",
-        "bf16_optimizer_states"})),
+    "bf16": (frozenset({"enabled", "check_grad_overflow"}), {}, frozenset(), frozenset({
+        "immediate_grad_update", "check_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states"})),
     "scheduler": (frozenset({"type", "params"}), {}, frozenset(), frozenset()),
     "zero_optimization": (
         frozenset(f.name for f in dataclasses.fields(ZeroOptimizationConfig)) | frozenset(LEGACY_OFFLOAD),
@@ -120,6 +119,20 @@ def _checkpoint_like_zerocore(value: Any) -> bool:  # tag_validation Warn/Fail: 
             and _all_off({k: v for k, v in value.items() if k not in ("tag_validation", "load_universal")}))
 
 
+def _compile_like_zerocore(value: Any) -> bool:
+    """DeepSpeed's compile section: off unless ``deepcompile`` is true; every other key tunes DeepCompile only
+    (engine.compile() is torch.compile, as the stage allows)."""
+    return isinstance(value, Mapping) and value.get("deepcompile", False) is False
+
+
+def _timers_like_zerocore(value: Any) -> bool:
+    """DeepSpeed's timers section: whether and how it times throughput for its logs (zerocore's reports time
+    what they report); its switches only, either value."""
+    throughput = value.get("throughput", {}) if isinstance(value, Mapping) else None
+    return (isinstance(value, Mapping) and set(value) <= {"throughput"} and isinstance(throughput, Mapping)
+            and set(throughput) <= {"enabled", "synchronized"} and all(type(v) is bool for v in throughput.values()))
+
+
 # the stage-3 keys DeepSpeed reads with or without their "stage3_" prefix (_Z3), at their defaults or, for
 # gather_16bit_weights_on_model_save, at what save_16bit_model always does here
 _Z3_LIKE_ZEROCORE = {"gather_16bit_weights_on_model_save": True, "allgather_sequential": False}
@@ -157,12 +170,18 @@ _LIKE_ZEROCORE: dict[str, Any] = {
     "dataloader_drop_last": _equals(False),
     "seq_parallel_communication_data_type": _equals("fp32"),
     "checkpoint": _checkpoint_like_zerocore,
+    "compile": _compile_like_zerocore,
+    "timers": _timers_like_zerocore,
+    "sequence_parallel_size": _equals(1),  # Ulysses sequence parallelism over more than one rank: not done here
     "optimizer.legacy_fusion": _equals(False),
     "optimizer.params.torch_adam": _equals(True, False),  # the same Adam, another implementation
     "optimizer.params.amsgrad": _equals(False),
     "fp16.fp16_master_weights_and_grads": _equals(False),
     "bf16.bf16_master_weights_and_grads": _equals(False),
     "bf16.bf16_optimizer_states": _equals(False),
+    # when BF16_Optimizer adds a backward's gradients into its fp32 ones: either way the same sums (zerocore
+    # adds them as they arrive, Note [fp32 gradient accumulation])
+    "bf16.immediate_grad_update": _equals(True, False),
     # Either value asks for what zerocore does: every checkpoint reshards at load (elastic_checkpoint); the
     # offloaded copies are each rank's own shard already (round_robin_gradients spreads DeepSpeed's); the
     # reduction is zerocore's own, the sums the same (use_multi_rank_bucket_allreduce); stage 3 runs the model's
@@ -301,6 +320,7 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
     checkpoint = data.get("checkpoint")
     load_universal = checkpoint.get("load_universal", False) if isinstance(checkpoint, Mapping) else False
     config = cls(optimizer=OptimizerConfig(type=opt_type, **opt_kwargs), bf16=bf16.get("enabled", False),
+                 check_grad_overflow=bf16.get("check_grad_overflow", True),
                  fp16=FP16Config(**fp16), zero_optimization=ZeroOptimizationConfig(**zero), scheduler=schedule,
                  aio=AioConfig(**aio), load_universal=load_universal is True, **plain)
     return config, unsupported
@@ -319,7 +339,7 @@ def to_deepspeed(config: ZeroConfig) -> dict[str, Any]:
             "adam_w_mode": o.adamw_mode, "bias_correction": o.bias_correction}},
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
         "gradient_clipping": config.gradient_clipping,
-        "bf16": {"enabled": config.bf16},
+        "bf16": {"enabled": config.bf16, **({} if config.check_grad_overflow else {"check_grad_overflow": False})},
         "fp16": dataclasses.asdict(config.fp16),
         "zero_optimization": zero,
         "steps_per_print": config.steps_per_print,

@@ -121,26 +121,30 @@ def boundary_update(engine: Engine, record_norm: Callable[[float], None]) -> Non
                 "the whole weight after the step), or write on one rank inside `with zerocore.gathered(params, "
                 "modifier_rank=r):`; load a checkpoint to undo the writes.")
     total = values[0]
-    overflow = (fp16 or engine.config.reduce_dtype == torch.float16) and not math.isfinite(total)
+    fp16_wire = engine.config.reduce_dtype == torch.float16
+    overflow = (fp16 or fp16_wire or engine.config.check_grad_overflow) and not math.isfinite(total)
     if fp16:
         engine.loss_scaler.update(overflow)
     if overflow:
         engine.skipped_steps += 1
         record_norm(float("inf"))
-        if not fp16:  # no loss scale to lower: say why the update was skipped
-            warnings.warn(
-                f"step {engine.global_steps}: gradients overflowed in the fp16 reduction "
-                "(communication_data_type: fp16, max 65504), so the update was skipped; with bf16 or fp32 "
-                "compute set communication_data_type to bf16 or fp32", RuntimeWarning, stacklevel=user_stacklevel())
+        if not fp16:  # no loss scale to lower: say why the update was skipped (the norm is on the host already)
+            why = ("gradients overflowed in the fp16 reduction (communication_data_type: fp16, max 65504); with "
+                   "bf16 or fp32 compute set communication_data_type to bf16 or fp32" if fp16_wire else
+                   f"the global gradient norm is {math.sqrt(total)} (a NaN or inf loss or gradient on some rank); "
+                   "DeepSpeed skips such a step too (bf16.check_grad_overflow: false applies it, as torch's AdamW "
+                   "does, and the parameters become non-finite)")
+            warnings.warn(f"step {engine.global_steps}: the update was skipped: {why}", RuntimeWarning,
+                          stacklevel=user_stacklevel())
     else:
         norm = math.sqrt(total) * grad_scale
         record_norm(norm)
         if not math.isfinite(norm):  # the norm is on the host already: saying so costs nothing
             warnings.warn(
                 f"step {engine.global_steps + 1}: the global gradient norm is {norm} (a "
-                "NaN or inf loss or gradient on some rank); the update is applied, as torch's AdamW applies it, "
-                "so the parameters become non-finite. Skip such batches before backward(), or lower the "
-                "learning rate", RuntimeWarning, stacklevel=user_stacklevel())
+                "NaN or inf loss or gradient on some rank); the update is applied (bf16.check_grad_overflow: "
+                "false), as torch's AdamW applies it, so the parameters become non-finite. Skip such batches "
+                "before backward(), or lower the learning rate", RuntimeWarning, stacklevel=user_stacklevel())
         hand_clipped = engine.optimizer_state.hand_clip is not None  # Note [Clipping by hand]
         clip = 0.0 if hand_clipped else engine.config.gradient_clipping
         if clip > 0:

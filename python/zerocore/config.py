@@ -273,6 +273,10 @@ class ZeroConfig:
             default since 0.19 (deepspeedai/DeepSpeed#8068; 0.0 before), so a JSON that leaves it out trains
             as under DeepSpeed.
         bf16: train in bfloat16 (DeepSpeed ``"bf16": {"enabled": true}``). Exclusive with ``fp16.enabled``.
+        check_grad_overflow: skip the update of a window whose global gradient norm is inf or NaN (a NaN loss
+            on any rank), counting it in ``skipped_steps``, as DeepSpeed 0.19 does at every stage and dtype
+            (DeepSpeed ``bf16.check_grad_overflow``, default true). False applies it, as torch's AdamW does
+            (the parameters become non-finite); fp16 always skips (its loss scale needs the overflow).
         fp16: fp16 mixed precision and loss scaling.
         zero_optimization: ZeRO stage and buckets.
         communication_data_type: gradient-reduction dtype, ``"fp32"``, ``"fp16"`` or ``"bf16"``
@@ -307,6 +311,7 @@ class ZeroConfig:
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 1.0
     bf16: bool = False
+    check_grad_overflow: bool = True
     fp16: FP16Config = field(default_factory=FP16Config)
     zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     communication_data_type: str | None = None
@@ -334,6 +339,7 @@ class ZeroConfig:
                 object.__setattr__(self, name, as_int(value, name, 1))
         object.__setattr__(self, "gradient_clipping", as_float(self.gradient_clipping, "gradient_clipping", 0.0))
         object.__setattr__(self, "bf16", as_bool(self.bf16, "bf16.enabled"))
+        object.__setattr__(self, "check_grad_overflow", as_bool(self.check_grad_overflow, "bf16.check_grad_overflow"))
         object.__setattr__(self, "load_universal", as_bool(self.load_universal, "checkpoint.load_universal"))
         if self.communication_data_type is not None:
             dtype = as_choice(self.communication_data_type, "communication_data_type", {k: k for k in DEEPSPEED_DTYPES})
