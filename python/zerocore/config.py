@@ -273,19 +273,10 @@ class ZeroConfig:
             default since 0.19 (deepspeedai/DeepSpeed#8068; 0.0 before), so a JSON that leaves it out trains
             as under DeepSpeed.
         bf16: train in bfloat16 (DeepSpeed ``"bf16": {"enabled": true}``). Exclusive with ``fp16.enabled``.
-        check_grad_overflow: skip the update of a window whose global gradient norm is inf or NaN (a NaN loss
-            on any rank), counting it in ``skipped_steps``, as DeepSpeed 0.19 does at every stage and dtype
-            (DeepSpeed ``bf16.check_grad_overflow``, default true). False applies it, as torch's AdamW does
-            (the parameters become non-finite); fp16 always skips (its loss scale needs the overflow).
         fp16: fp16 mixed precision and loss scaling.
         zero_optimization: ZeRO stage and buckets.
         communication_data_type: gradient-reduction dtype, ``"fp32"``, ``"fp16"`` or ``"bf16"``
             (case-insensitive, stored lower case); None reduces in fp32.
-        grad_accum_dtype: the dtype gradients accumulate in across micro-steps (DeepSpeed
-            ``data_types.grad_accum_dtype``): the compute dtype's name or ``"fp32"`` (case-insensitive, stored
-            lower case); None accumulates in the compute dtype, as DeepSpeed does by default. ``"fp32"`` with
-            bf16 or fp16 compute keeps stage 1's gradient buffer and the gradient shards of stages 2-3 in fp32
-            (Note [fp32 gradient accumulation] in _sharded_buffer.py).
         train_batch_size: global batch size (>= 1) or None; see :meth:`check_batch_sizes`.
         train_micro_batch_size_per_gpu: per-rank micro-batch size (>= 1) or None.
         steps_per_print: log every this many optimizer steps (>= 1).
@@ -302,6 +293,15 @@ class ZeroConfig:
         aio: the asynchronous file I/O engine's settings (DeepSpeed ``aio``).
         load_universal: DeepSpeed ``checkpoint.load_universal``: ``load_checkpoint`` without a tag follows
             ``latest_universal`` (which DeepSpeed's ``ds_to_universal`` writes) instead of ``latest``.
+        grad_accum_dtype: the dtype gradients accumulate in across micro-steps (DeepSpeed
+            ``data_types.grad_accum_dtype``): the compute dtype's name or ``"fp32"`` (case-insensitive, stored
+            lower case); None accumulates in the compute dtype, as DeepSpeed does by default. ``"fp32"`` with
+            bf16 or fp16 compute keeps stage 1's gradient buffer and the gradient shards of stages 2-3 in fp32
+            (Note [fp32 gradient accumulation] in _sharded_buffer.py).
+        check_grad_overflow: skip the update of a window whose global gradient norm is inf or NaN (a NaN loss
+            on any rank), counting it in ``skipped_steps``, as DeepSpeed 0.19 does at every stage and dtype
+            (DeepSpeed ``bf16.check_grad_overflow``, default true). False applies it, as torch's AdamW does
+            (the parameters become non-finite); fp16 always skips (its loss scale needs the overflow).
 
     Raises:
         ValueError: naming the key path of the first invalid value, or bf16 and fp16 both enabled.
@@ -311,11 +311,9 @@ class ZeroConfig:
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 1.0
     bf16: bool = False
-    check_grad_overflow: bool = True
     fp16: FP16Config = field(default_factory=FP16Config)
     zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     communication_data_type: str | None = None
-    grad_accum_dtype: str | None = None
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     steps_per_print: int = 10
@@ -324,6 +322,8 @@ class ZeroConfig:
     auto_batch_sizes: tuple[str, ...] = ()
     aio: AioConfig = field(default_factory=AioConfig)
     load_universal: bool = False
+    grad_accum_dtype: str | None = None
+    check_grad_overflow: bool = True
 
     def __post_init__(self) -> None:
         for name, cls in (("optimizer", OptimizerConfig), ("fp16", FP16Config),
