@@ -77,8 +77,8 @@ GradReducer::GradReducer(std::shared_ptr<Comm> comm, ReducerGeometry geometry,
                  "in_place[", b, "]: this rank's shard of it must be shard_destinations[", b, "]");
     in_place_[b] = region;
   }
-  buffer_options_ = destinations_.empty() ? at::TensorOptions().dtype(wire_dtype_)
-                                          : destinations_.front().options().dtype(wire_dtype_);
+  // (their device: each pool buffer names its dtype, bucket_dtype_)
+  buffer_options_ = destinations_.empty() ? at::TensorOptions() : destinations_.front().options();
   bucket_view_.resize(buckets);
   bucket_base_.resize(buckets);
   // Every bucket but the largest fits a buffer of the second-largest size: the pool then needs one buffer of

@@ -130,7 +130,8 @@ def reduced_grad_dtype(config: ZeroConfig) -> torch.dtype:
     """The dtype of the gradients the reducer is handed: each backward's (the compute dtype) at stages 2-3, the
     window's sums from the gradient buffer at stage 1 (fp32 with fp32 accumulation, Note [fp32 gradient
     accumulation] in _sharded_buffer.py)."""
-    return config.compute_dtype if config.zero_optimization.stage >= 2 else config.accumulation_dtype
+    grads_sharded = StagePolicy.for_stage(config.zero_optimization.stage).grads_sharded
+    return config.compute_dtype if grads_sharded else config.accumulation_dtype
 
 
 def wire_dtype(config: ZeroConfig, world: int, algorithm_widens: bool) -> torch.dtype:
