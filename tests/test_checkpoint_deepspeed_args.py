@@ -5,6 +5,7 @@ and ``custom_load_fn`` (Note [Checkpoint format] in python/zerocore/checkpoint.p
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -153,6 +154,41 @@ def test_sixteen_bit_saves_as_deepspeed_and_accelerate_call_them(tmp_path):
     assert rank1["consolidated"] == [] and rank1["trainable_only"] == []
     assert sorted(torch.load(tmp_path / "pytorch_model.bin", weights_only=True)) == ["embed.weight"]
     assert sorted(load_file(str(tmp_path / "all.safetensors"))) == ["embed.weight", "hidden.bias", "hidden.weight"]
+
+
+def not_gathering_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Tied(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                          "zero_optimization": {"stage": stage,
+                                                                "stage3_gather_16bit_weights_on_model_save": False}})
+    tokens = torch.randint(0, 30, (4, 5), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(tokens).square().mean())
+    engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        returned = engine.save_16bit_model(directory, "pytorch_model.bin")
+    warned = any("stage3_gather_16bit_weights_on_model_save is false" in str(w.message) for w in caught)
+    engine.save_checkpoint(directory)  # what the Trainer saves instead: it still works, and so does training
+    engine.backward(engine(tokens).square().mean())
+    engine.step()
+    engine.close()
+    return {"returned": returned, "warned": warned, "asks_to_gather": engine.zero_gather_16bit_weights_on_model_save()}
+
+
+def test_stage_3_does_not_gather_for_a_16bit_save_when_the_config_says_so(tmp_path):
+    """stage3_gather_16bit_weights_on_model_save: false (Stanford Alpaca's config): as in DeepSpeed, stage 3's
+    save_16bit_model writes nothing and returns False (the Hugging Face Trainer then saves a checkpoint), with a
+    warning naming the key, and zero_gather_16bit_weights_on_model_save() says False (Accelerate asks it). No rank
+    issues a collective for it: training goes on in lockstep. Stages 1-2 write the weights whatever the key says,
+    as DeepSpeed's do."""
+    for rank_result in run_ranks(not_gathering_worker, 2, 3, os.fspath(tmp_path / "z3")):
+        assert rank_result == {"returned": False, "warned": True, "asks_to_gather": False}
+    assert not (tmp_path / "z3" / "pytorch_model.bin").exists() and _latest(os.fspath(tmp_path / "z3"))
+    path = os.fspath(tmp_path / "z2" / "pytorch_model.bin")
+    for rank_result in run_ranks(not_gathering_worker, 2, 2, os.fspath(tmp_path / "z2")):
+        assert rank_result == {"returned": path, "warned": False, "asks_to_gather": True}
+    assert sorted(torch.load(tmp_path / "z2" / "pytorch_model.bin", weights_only=True)) == [
+        "embed.weight", "hidden.bias", "hidden.weight"]
 
 
 def module_state_dict_worker(rank: int, world: int, stage: int) -> list:

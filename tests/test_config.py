@@ -386,23 +386,24 @@ def test_max_grad_norm_hint():
 
 UNSUPPORTED = {
     "flops_profiler": {"enabled": True},  # (the scheduler section is supported: tests/test_hf_configs.py)
-    "activation_checkpointing": {"partition_activations": True},
+    "activation_checkpointing": {"cpu_checkpointing": True},
     "prescale_gradients": True,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "amsgrad": True}},
     "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": True},
-                          "stage3_gather_16bit_weights_on_model_save": False, "sub_group_size": 1e9},
+                          "zeropp_loco_param": {"err_beta": 0.8}, "sub_group_size": 1e9},
 }
 UNSUPPORTED_PATHS = ["flops_profiler", "activation_checkpointing", "prescale_gradients",
                      "optimizer.params.amsgrad", "fp16.fp16_master_weights_and_grads",
                      "zero_optimization.offload_optimizer.pipeline_read",
-                     "zero_optimization.stage3_gather_16bit_weights_on_model_save"]
+                     "zero_optimization.zeropp_loco_param"]
 # The same keys at values that ask for what zerocore does (Note [DeepSpeed keys at what zerocore does]).
 LIKE_ZEROCORE = {
     "flops_profiler": {"enabled": False, "profile_step": 1}, "tensorboard": {"enabled": False},
     "wandb": {"enabled": False}, "comms_logger": {"enabled": False, "verbose": False},
     # deepspeed.checkpointing's own buffers and count: zerocore's checkpointing is torch's
-    "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+    # (partition_activations: over the one model-parallel rank there is, either value changes nothing)
+    "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": False,
                                  "contiguous_memory_optimization": True, "number_checkpoints": 4,
                                  "synchronize_checkpoint_boundary": True, "profile": False},
     "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "prescale_gradients": False,
@@ -436,6 +437,7 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
                         ("zero_optimization.ignore_unused_parameters", 1),  # a number is not a boolean
                         ("checkpoint", {"tag_validation": "Ignore"}),
                         ("activation_checkpointing", {"cpu_checkpointing": True}),
+                        ("activation_checkpointing", {"partition_activations": "yes"}),
                         ("activation_checkpointing", {"number_checkpoints": 4, "offload": True})]:
         config = copy.deepcopy(LIKE_ZEROCORE)
         *parents, key = path.split(".")
@@ -446,6 +448,29 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
         with pytest.raises(ValueError, match="not supported yet") as info:
             ZeroConfig.from_deepspeed(config)
         assert path in str(info.value), (path, str(info.value))
+
+
+def test_gather_16bit_weights_on_model_save_in_every_spelling():
+    """DeepSpeed reads stage3_gather_16bit_weights_on_model_save also without its prefix and under its deprecated
+    fp16 name; zerocore keeps it (True when absent or "auto": save_16bit_model writes the weights) and writes it
+    back for DeepSpeed."""
+    def read(zero: dict) -> bool:
+        config = ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3, **zero}})
+        return config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    assert read({}) and read({"stage3_gather_16bit_weights_on_model_save": "auto"})
+    for key in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                "stage3_gather_fp16_weights_on_model_save"):
+        assert read({key: True}) and not read({key: False}), key
+    with pytest.raises(ValueError, match="stage3_gather_16bit_weights_on_model_save: expected true or false"):
+        read({"stage3_gather_16bit_weights_on_model_save": "no"})
+    with pytest.raises(ValueError, match="given twice"):
+        read({"stage3_gather_16bit_weights_on_model_save": True, "gather_16bit_weights_on_model_save": True})
+    written = ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3,
+                                                               "gather_16bit_weights_on_model_save": False}})
+    again = ZeroConfig.from_deepspeed(written.to_deepspeed())
+    assert written.to_deepspeed()["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
+    assert again == written
 
 
 def test_deepspeed_sections_that_change_nothing_here_load_and_others_are_named():

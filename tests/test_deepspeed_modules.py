@@ -389,7 +389,7 @@ def checkpointing_worker(rank: int, world: int, how: str) -> bytes:
     return buffer.getvalue()
 
 
-def test_checkpointing_and_lr_schedules_modules():
+def test_checkpointing_and_lr_schedules_modules(tmp_path):
     plain, checkpointed = (torch.load(io.BytesIO(run_ranks(checkpointing_worker, 2, how)[0]), weights_only=False)
                            for how in ("plain", "checkpointed"))
     assert (plain["calls"], checkpointed["calls"]) == (3, 6)  # each checkpointed forward run again in the backward
@@ -398,10 +398,22 @@ def test_checkpointing_and_lr_schedules_modules():
         assert torch.equal(checkpointed["state"][name], value), name
     from zerocore.deepspeed import checkpointing
 
-    for kwargs, error in (({"mpu_": object()}, "model parallelism"), ({"partition_activations": True}, "partitions"),
-                          ({"checkpoint_in_cpu": True}, "checkpoint_in_cpu=True")):
+    for kwargs, error in (({"mpu_": object()}, "model parallelism"), ({"checkpoint_in_cpu": True}, "checkpoint_in_cpu"),
+                          ({"deepspeed_config": {"activation_checkpointing": {"cpu_checkpointing": True}}},
+                           "cpu_checkpointing")):
         with pytest.raises(ValueError, match=error):
             checkpointing.configure(**kwargs)
+    # over one model-parallel rank partitioning activations changes nothing (as in DeepSpeed without an mpu_), and
+    # an explicit argument overrides the config's section, as DeepSpeed's configure has it
+    checkpointing.configure(None, partition_activations=True)
+    checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpointing": True}},
+                            checkpoint_in_cpu=False)
+    section = {"partition_activations": True, "contiguous_memory_optimization": True}
+    checkpointing.configure(None, deepspeed_config={"activation_checkpointing": section})
+    path = tmp_path / "ds.json"  # as Megatron-DeepSpeed passes it: the config's path
+    path.write_text(json.dumps({"activation_checkpointing": {"cpu_checkpointing": True}}))
+    with pytest.raises(ValueError, match="cpu_checkpointing"):
+        checkpointing.configure(None, deepspeed_config=str(path))
 
 
 class Switchable(Model):

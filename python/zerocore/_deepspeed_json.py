@@ -27,8 +27,7 @@ _DEFAULT_WEIGHT_DECAY = {"Adam": 0.0, "AdamW": 0.0}  # DeepSpeed builds FusedAda
 # Per section (key path, "" = top level): supported keys, aliases DeepSpeed also accepts, keys accepted and
 # ignored, and real DeepSpeed keys that zerocore does not support yet.
 _ZEROCORE_ONLY = frozenset({"zero_quantization_group_size", "zero_node_size"})  # zero_optimization keys
-_Z3 = ("max_reuse_distance model_persistence_threshold gather_16bit_weights_on_model_save "
-       "module_granularity_threshold allgather_sequential").split()
+_Z3 = "max_reuse_distance model_persistence_threshold module_granularity_threshold allgather_sequential".split()
 _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozenset[str]]] = {
     # (grad_accum_dtype is read from the data_types section, check_grad_overflow from bf16)
     "": ((frozenset(f.name for f in dataclasses.fields(ZeroConfig))
@@ -54,14 +53,16 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
         frozenset(f.name for f in dataclasses.fields(ZeroOptimizationConfig)) | frozenset(LEGACY_OFFLOAD),
         {**{name: "stage3_" + name for name in ("prefetch_bucket_size", "max_live_parameters",
                                                 "param_persistence_threshold")},
-         "stage3_use_all_reduce_for_fetch_params": "use_all_reduce_for_fetch_params"},
+         "stage3_use_all_reduce_for_fetch_params": "use_all_reduce_for_fetch_params",
+         **{name: "stage3_gather_16bit_weights_on_model_save"
+            for name in ("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")}},
         frozenset(),
         frozenset((
             "load_from_fp32_weights elastic_checkpoint use_multi_rank_bucket_allreduce "
             "ignore_unused_parameters legacy_stage1 round_robin_gradients zeropp_loco_param "
             "mics_shard_size mics_hierarchical_params_gather memory_efficient_linear pipeline_loading_checkpoint "
-            "override_module_apply log_trace_cache_warnings stage3_gather_fp16_weights_on_model_save zenflow "
-            "leaf_module").split() + _Z3 + ["stage3_" + name for name in _Z3])),
+            "override_module_apply log_trace_cache_warnings zenflow leaf_module").split()
+            + _Z3 + ["stage3_" + name for name in _Z3])),
     "zero_optimization.offload_optimizer": (
         frozenset(f.name for f in dataclasses.fields(OffloadOptimizerConfig)), {}, frozenset(),
         frozenset({"pipeline_read", "pipeline_write", "super_offload", "cpuadam_cores_perc"})),
@@ -77,8 +78,8 @@ _HINTS = {"optimizer.params.max_grad_norm": "DeepSpeed clips with the top-level 
 # Note [DeepSpeed keys at what zerocore does]
 # A DeepSpeed key zerocore does not support is still accepted, silently, when its value asks for what zerocore
 # does anyway: DeepSpeed's default (a disabled monitor, a switched-off feature, a factor of 1.0), or a value
-# naming zerocore's behaviour (stage 3's save_16bit_model always gathers the weights; every rank must name the
-# same checkpoint tag, as tag_validation "Fail" asks, and zerocore refuses when they differ). So configs
+# naming zerocore's behaviour (every rank must name the same checkpoint tag, as tag_validation "Fail" asks, and
+# zerocore refuses when they differ). So configs
 # written for DeepSpeed, which spell out such values, load as they are; any other value of these keys still
 # raises as unsupported (or is warned about with strict=False). Defaults from DeepSpeed 0.19's config models.
 def _disabled(value: Any) -> bool:  # a section DeepSpeed switches on with "enabled": true (default false)
@@ -104,11 +105,13 @@ _ACTIVATION_CHECKPOINTING = frozenset({"partition_activations", "contiguous_memo
 
 def _checkpointing_like_zerocore(value: Any) -> bool:
     """activation_checkpointing configures DeepSpeed's deepspeed.checkpointing, which scripts call themselves (zerocore's
-    is torch's: zerocore.deepspeed.checkpointing). Its buffers, count, synchronizing and profiling tune that
-    implementation only; partitioning activations over model-parallel ranks and moving them to the host
-    (partition_activations, cpu_checkpointing) zerocore does not do."""
+    is torch's: zerocore.deepspeed.checkpointing, whose configure reads this section); DeepSpeed's engine never
+    reads it. Its buffers, count, synchronizing and profiling tune that implementation only, and
+    partition_activations splits activations over the model-parallel ranks, of which there is one here (so either
+    value); moving them to the host (cpu_checkpointing) zerocore does not do."""
     return (isinstance(value, Mapping) and set(value) <= _ACTIVATION_CHECKPOINTING
-            and _all_off({k: value[k] for k in ("partition_activations", "cpu_checkpointing") if k in value}))
+            and type(value.get("partition_activations", False)) is bool
+            and _all_off({k: value[k] for k in ("cpu_checkpointing",) if k in value}))
 
 
 def _checkpoint_like_zerocore(value: Any) -> bool:  # tag_validation Warn/Fail: zerocore refuses differing tags
@@ -133,9 +136,8 @@ def _timers_like_zerocore(value: Any) -> bool:
             and set(throughput) <= {"enabled", "synchronized"} and all(type(v) is bool for v in throughput.values()))
 
 
-# the stage-3 keys DeepSpeed reads with or without their "stage3_" prefix (_Z3), at their defaults or, for
-# gather_16bit_weights_on_model_save, at what save_16bit_model always does here
-_Z3_LIKE_ZEROCORE = {"gather_16bit_weights_on_model_save": True, "allgather_sequential": False}
+# the stage-3 keys DeepSpeed reads with or without their "stage3_" prefix (_Z3), at their defaults
+_Z3_LIKE_ZEROCORE = {"allgather_sequential": False}
 
 
 def _count(value: Any) -> bool:
@@ -192,8 +194,7 @@ _LIKE_ZEROCORE: dict[str, Any] = {
     **{"zero_optimization." + key: _equals(value) for key, value in (
         ("load_from_fp32_weights", True), ("ignore_unused_parameters", True), ("legacy_stage1", False),
         ("zeropp_loco_param", None), ("mics_shard_size", -1), ("mics_hierarchical_params_gather", False),
-        ("pipeline_loading_checkpoint", False), ("log_trace_cache_warnings", False), ("zenflow", None),
-        ("stage3_gather_fp16_weights_on_model_save", True))},
+        ("pipeline_loading_checkpoint", False), ("log_trace_cache_warnings", False), ("zenflow", None))},
     **{f"zero_optimization.{prefix}{key}": _equals(value) for key, value in _Z3_LIKE_ZEROCORE.items()
        for prefix in ("", "stage3_")},
     **{f"zero_optimization.{prefix}{key}": _count for key in _Z3_ANY_COUNT for prefix in ("", "stage3_")},

@@ -4,7 +4,8 @@ gather and write-back, for every stage (stage 3 gathers unit by unit; stages 1-2
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -111,12 +112,21 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
 
 
 def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_filename: str,
-                     exclude_frozen_parameters: bool = False) -> str:
+                     exclude_frozen_parameters: bool = False) -> str | Literal[False]:
     """Engine.save_16bit_model: the full state dict in the compute dtype, one safetensors file on rank 0
-    (tied parameters once, under their first name); a collective."""
+    (tied parameters once, under their first name); a collective. False, with nothing written, where the config
+    asks stage 3 not to gather the weights for it (as DeepSpeed returns)."""
     from ._checkpoint_format import write_file_durably
     from ._safetensors_io import write_tensors
 
+    if not engine.zero_gather_16bit_weights_on_model_save():
+        # (the same config on every rank, checked at initialize: every rank returns here, no collective issued)
+        warnings.warn(f"save_16bit_model() wrote nothing to {os.fspath(save_dir)!r}: the config's "
+                      "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so stage 3 does not "
+                      "gather the whole weights for it (as DeepSpeed). save_checkpoint() keeps them sharded ("
+                      "python -m zerocore.checkpoint to-hf then writes them whole), or set it true", RuntimeWarning,
+                      stacklevel=3)
+        return False
     state = engine.full_state_dict(engine.compute_dtype)
     path = os.path.join(os.fspath(save_dir), save_filename)
     if engine.rank == 0:

@@ -180,6 +180,12 @@ class ZeroOptimizationConfig:
             buffer holding this rank's shard, the ``"all_reduce"`` algorithm of Note [Collective algorithms]
             (DeepSpeed's ``stage3_use_all_reduce_for_fetch_params``; as in DeepSpeed, qwZ's quantized gathers and
             hpZ's secondary ones keep their own). Stages 1-2 ignore it, as DeepSpeed does.
+        stage3_gather_16bit_weights_on_model_save: stage 3: ``save_16bit_model()`` gathers the whole weights
+            and writes them (True, the default here); False writes nothing and returns False, as DeepSpeed does
+            (its default; a run that consolidates its checkpoints offline instead, and does not want rank 0 to
+            hold the whole model). DeepSpeed's other spellings, ``gather_16bit_weights_on_model_save`` and the
+            deprecated ``stage3_gather_fp16_weights_on_model_save``, are read too. Stages 1-2 always write, as
+            DeepSpeed's do: their weights are whole on every rank.
 
     Raises:
         ValueError: naming the key path of the first invalid value.
@@ -205,6 +211,7 @@ class ZeroOptimizationConfig:
     zero_node_size: int | None = None
     allgather_partitions: bool = True  # (these last: positional construction keeps its meaning)
     use_all_reduce_for_fetch_params: bool = False
+    stage3_gather_16bit_weights_on_model_save: bool = True
 
     def __post_init__(self) -> None:
         p = "zero_optimization."
@@ -221,7 +228,7 @@ class ZeroOptimizationConfig:
                 # Element counts reach the C++ core as int64: a larger one must fail here, by name.
                 object.__setattr__(self, name, as_int(getattr(self, name), p + name, minimum, INT64_MAX))
         for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-                     "use_all_reduce_for_fetch_params"):
+                     "use_all_reduce_for_fetch_params", "stage3_gather_16bit_weights_on_model_save"):
             object.__setattr__(self, name, as_bool(getattr(self, name), p + name))
         if not self.contiguous_gradients:
             fail(p + "contiguous_gradients", "zerocore always copies gradients into contiguous buckets as they "

@@ -29,7 +29,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -762,23 +762,27 @@ class Engine(DeepSpeedAccessors):
         self.land_param_gathers()
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> str:
+                         exclude_frozen_parameters: bool = False) -> str | Literal[False]:
         """Writes the model's whole weights in the compute dtype as one safetensors file on rank 0 (a
         ``torch.save`` file when ``save_filename`` does not end in ``.safetensors``, as DeepSpeed's default
         ``pytorch_model.bin``), Hugging Face's layout: tied parameters once, under their first name, persistent
         buffers included; without the frozen parameters with ``exclude_frozen_parameters`` (a LoRA adapter's
-        run). A collective: stage 3 gathers unit by unit. Returns the file's path."""
+        run). A collective: stage 3 gathers unit by unit. Returns the file's path; at stage 3 with the config's
+        ``stage3_gather_16bit_weights_on_model_save`` false it writes nothing, warns and returns False, as
+        DeepSpeed does (the Hugging Face Trainer then saves a checkpoint instead)."""
         self.lifecycle.require("save_16bit_model()", *USABLE)
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
-    def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> str:
+    def save_fp16_model(self, save_dir: str | os.PathLike[str],
+                        save_filename: str = "model.safetensors") -> str | Literal[False]:
         """DeepSpeed's older name of :meth:`save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """True: a 16-bit save gathers the whole weights at every stage (DeepSpeed's
-        ``stage3_gather_16bit_weights_on_model_save``, which Accelerate asks before saving)."""
-        return True
+        """Whether ``save_16bit_model()`` writes the whole weights: always at stages 1-2; at stage 3 unless the
+        config's ``stage3_gather_16bit_weights_on_model_save`` is false (DeepSpeed's key, which Accelerate asks
+        before saving)."""
+        return self.stage3 is None or self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """DeepSpeed's (Accelerate's and Trainer's way to the whole weights): :meth:`full_state_dict` in the

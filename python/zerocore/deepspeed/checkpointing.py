@@ -2,17 +2,18 @@
 (``torch.utils.checkpoint``, non-reentrant), which zerocore's stage-3 gathers work with (the recomputation
 gathers a unit again as its forward did).
 
-``configure`` takes DeepSpeed's arguments: ``mpu_`` (model parallelism) and the two that exist for it,
-``partition_activations`` and ``checkpoint_in_cpu`` (activations partitioned over the model-parallel ranks, then
-moved to the host), are refused by name, since zerocore shards data-parallel state only and would otherwise
-train with the memory a script did not plan for; the others (contiguous buffers, their count, synchronizing,
-profiling) only tune DeepSpeed's own implementation and are accepted. The config's ``activation_checkpointing``
-section is read by ``zerocore.initialize`` under the same rule.
+``configure`` takes DeepSpeed's arguments, and reads the ``activation_checkpointing`` section of
+``deepspeed_config`` (a dict or a JSON path) as DeepSpeed does, the arguments given overriding it. ``mpu_`` (model
+parallelism) is refused by name, since zerocore shards data-parallel state only, and so is ``checkpoint_in_cpu``
+(the section's ``cpu_checkpointing``: checkpointed activations moved to the host), which zerocore does not do and a
+script would have planned its device memory around. ``partition_activations`` splits activations over the
+model-parallel ranks, of which there is one here, so it changes nothing (as in DeepSpeed without an ``mpu_``); the
+others (contiguous buffers, their count, synchronizing, profiling) only tune DeepSpeed's own implementation. All
+are accepted. ``zerocore.initialize`` accepts the section under the same rule: DeepSpeed's engine never reads it.
 """
-
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.utils.checkpoint
@@ -28,16 +29,28 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
               profile: bool | None = None) -> None:
     """DeepSpeed's (the module's docstring)."""
     global _configured
-    del deepspeed_config, contiguous_checkpointing, num_checkpoints, synchronize, profile
+    del partition_activations, contiguous_checkpointing, num_checkpoints, synchronize, profile
     if mpu_ is not None:
         raise ValueError("deepspeed.checkpointing.configure: model parallelism (mpu_) is not supported by zerocore: it "
                          "shards data-parallel state only")
-    for name, value in (("partition_activations", partition_activations), ("checkpoint_in_cpu", checkpoint_in_cpu)):
-        if value:
-            raise ValueError(f"deepspeed.checkpointing.configure: {name}=True partitions activations over "
-                             "model-parallel ranks (then moves them to the host), which zerocore does not do; leave it "
-                             "False (checkpointed activations are recomputed, not kept)")
+    if checkpoint_in_cpu is None and deepspeed_config is not None:
+        checkpoint_in_cpu = _section(deepspeed_config).get("cpu_checkpointing", False)
+    if checkpoint_in_cpu:
+        raise ValueError("deepspeed.checkpointing.configure: checkpoint_in_cpu (the config's activation_checkpointing."
+                         "cpu_checkpointing) moves checkpointed activations to the host, which zerocore does not do; "
+                         "leave it false (checkpointed activations are recomputed, not kept)")
     _configured = True
+
+
+def _section(deepspeed_config: Any) -> Mapping[str, Any]:
+    """The ``activation_checkpointing`` section of a DeepSpeed config given as a dict or a JSON path."""
+    from .._deepspeed_json import load_json
+
+    config = deepspeed_config if isinstance(deepspeed_config, Mapping) else load_json(deepspeed_config)
+    section = config.get("activation_checkpointing") or {}
+    if not isinstance(section, Mapping):
+        raise ValueError(f"activation_checkpointing: expected a JSON object (a mapping), got {section!r}")
+    return section
 
 
 def is_configured() -> bool:
