@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._autocast_config import DEFAULT_SAFE_MODULES
+
 if TYPE_CHECKING:
     from ._loss_scaler import LossScaler
     from .config import ZeroConfig
@@ -190,6 +192,19 @@ class DeepSpeedAccessors:
     def gradient_clipping(self) -> float:
         """The config's global-norm clipping threshold (0.0: off)."""
         return self.config.gradient_clipping
+
+    def torch_autocast_enabled(self) -> bool:
+        """Whether the forward runs under ``torch.autocast`` (the config's ``torch_autocast`` section)."""
+        return self.config.torch_autocast is not None
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        return self.config.autocast_dtype
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """The module classes DeepSpeed reduces the gradients of in the autocast dtype (its default list when the
+        config names none); zerocore reduces every gradient in ``communication_data_type`` (Note [torch_autocast])."""
+        modules = self.config.torch_autocast_lower_precision_safe_modules
+        return list(DEFAULT_SAFE_MODULES if modules is None else modules)
 
     @property
     def dp_world_size(self) -> int:

@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._autocast_config import autocast_from_deepspeed
 from ._config_values import as_bool, as_choice, fail
 from ._hf_auto import FROM_HIDDEN, fill_auto
 from ._offload_config import LEGACY_OFFLOAD, AioConfig, OffloadOptimizerConfig, OffloadParamConfig, offload_configs
@@ -29,16 +30,18 @@ _DEFAULT_WEIGHT_DECAY = {"Adam": 0.0, "AdamW": 0.0}  # DeepSpeed builds FusedAda
 _ZEROCORE_ONLY = frozenset({"zero_quantization_group_size", "zero_node_size"})  # zero_optimization keys
 _Z3 = "max_reuse_distance model_persistence_threshold module_granularity_threshold allgather_sequential".split()
 _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozenset[str]]] = {
-    # (grad_accum_dtype is read from the data_types section, check_grad_overflow from bf16)
+    # (grad_accum_dtype is read from the data_types section, check_grad_overflow from bf16, the torch_autocast
+    # fields from their section)
     "": ((frozenset(f.name for f in dataclasses.fields(ZeroConfig))
-          - {"auto_batch_sizes", "grad_accum_dtype", "check_grad_overflow"}) | {"data_types"},
+          - {"auto_batch_sizes", "grad_accum_dtype", "check_grad_overflow",
+             "torch_autocast_lower_precision_safe_modules"}) | {"data_types"},
          {"bfloat16": "bf16"},
          frozenset({"wall_clock_breakdown"}), frozenset((
              "activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger amp "
              "zero_allow_untested_optimizer zero_force_ds_cpu_optimizer elasticity autotuning prescale_gradients "
              "gradient_predivide_factor sparse_gradients sparse_attention pipeline data_efficiency "
              "curriculum_learning compression_training checkpoint nebula memory_breakdown "
-             "dump_state disable_allgather torch_autocast compile hybrid_engine eigenvalue progressive_layer_drop "
+             "dump_state disable_allgather compile hybrid_engine eigenvalue progressive_layer_drop "
              "quantize_training weight_quantization seq_parallel_communication_data_type dataloader_drop_last "
              "tensor_parallel timers sequence_parallel_size").split())),
     "optimizer": (frozenset({"type", "params"}), {}, frozenset(), frozenset({"legacy_fusion"})),
@@ -69,6 +72,7 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
     "zero_optimization.offload_param": (
         frozenset(f.name for f in dataclasses.fields(OffloadParamConfig)), {}, frozenset(), frozenset()),
     "data_types": (frozenset({"grad_accum_dtype"}), {}, frozenset(), frozenset()),
+    "torch_autocast": (frozenset({"enabled", "dtype", "lower_precision_safe_modules"}), {}, frozenset(), frozenset()),
     "aio": (frozenset(f.name for f in dataclasses.fields(AioConfig)) | {"use_gds"},
             {"intra_op_parallelism": "thread_count"}, frozenset(), frozenset()),
 }
@@ -157,7 +161,7 @@ _Z3_ANY_COUNT = ("module_granularity_threshold", "max_reuse_distance")
 
 _LIKE_ZEROCORE: dict[str, Any] = {
     **{key: _disabled for key in (
-        "flops_profiler tensorboard wandb csv_monitor comms_logger amp elasticity autotuning nebula torch_autocast "
+        "flops_profiler tensorboard wandb csv_monitor comms_logger amp elasticity autotuning nebula "
         "hybrid_engine eigenvalue progressive_layer_drop quantize_training curriculum_learning data_efficiency"
         ).split()},
     "activation_checkpointing": _checkpointing_like_zerocore,
@@ -286,6 +290,8 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
                if zero.get(name) is not None and zero.get(name) is not False}  # null / false: no offload
     aio = {} if top.get("aio") is None else _section(top["aio"], "aio", unsupported)
     data_types = {} if top.get("data_types") is None else _section(top["data_types"], "data_types", unsupported)
+    autocast = {} if top.get("torch_autocast") is None else _section(top["torch_autocast"], "torch_autocast",
+                                                                     unsupported)
     scheduler = top.get("scheduler")
     if scheduler is not None:
         scheduler = _section(scheduler, "scheduler", unsupported)
@@ -298,8 +304,9 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
     if unsupported and strict:
         raise ValueError(f"DeepSpeed keys not supported yet by zerocore: {', '.join(unsupported)}; remove them, "
                          "or pass strict=False to ignore them with a warning")
-    plain = {k: v for k, v in top.items()
-             if k not in ("optimizer", "fp16", "bf16", "zero_optimization", "scheduler", "aio", "data_types")}
+    plain = {k: v for k, v in top.items() if k not in (
+        "optimizer", "fp16", "bf16", "zero_optimization", "scheduler", "aio", "data_types", "torch_autocast")}
+    plain["torch_autocast"], plain["torch_autocast_lower_precision_safe_modules"] = autocast_from_deepspeed(autocast)
     if data_types.get("grad_accum_dtype") is not None:  # null: DeepSpeed's default, the compute dtype
         plain["grad_accum_dtype"] = data_types["grad_accum_dtype"]
     fill_auto(plain=plain, optimizer=optimizer, params=params, fp16=fp16, bf16=bf16, zero=zero,
@@ -353,6 +360,11 @@ def to_deepspeed(config: ZeroConfig) -> dict[str, Any]:
             out[name] = getattr(config, name)
     if config.grad_accum_dtype is not None:
         out["data_types"] = {"grad_accum_dtype": config.grad_accum_dtype}
+    modules = config.torch_autocast_lower_precision_safe_modules
+    if config.torch_autocast is not None or modules is not None:
+        out["torch_autocast"] = {"enabled": config.torch_autocast is not None,
+                                 **({} if config.torch_autocast is None else {"dtype": "bfloat16"}),
+                                 **({} if modules is None else {"lower_precision_safe_modules": list(modules)})}
     if config.derive_accumulation_steps:
         del out["gradient_accumulation_steps"]  # left for DeepSpeed's rule, as in the source config
     for name in config.auto_batch_sizes:

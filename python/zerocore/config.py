@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ._autocast_config import autocast_dtype_name, check_safe_modules
 from ._config_values import INT64_MAX, as_bool, as_choice, as_float, as_int, fail, no_auto
 from ._hf_auto import BATCH_KEYS, fill_auto_batch_sizes, hidden_size_of
 from ._offload_config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
@@ -309,6 +310,12 @@ class ZeroConfig:
             on any rank), counting it in ``skipped_steps``, as DeepSpeed 0.19 does at every stage and dtype
             (DeepSpeed ``bf16.check_grad_overflow``, default true). False applies it, as torch's AdamW does
             (the parameters become non-finite); fp16 always skips (its loss scale needs the overflow).
+        torch_autocast: DeepSpeed ``torch_autocast`` with ``enabled: true``: the autocast dtype's name
+            (``"bf16"``; DeepSpeed's spellings such as ``"bfloat16"`` are read as it), else None. The parameters
+            stay fp32 and the forward runs under ``torch.autocast`` (Note [torch_autocast] in _autocast_config.py).
+        torch_autocast_lower_precision_safe_modules: DeepSpeed ``torch_autocast.lower_precision_safe_modules``,
+            the module classes (``"torch.nn.Linear"``) whose gradients DeepSpeed reduces in the autocast dtype;
+            checked and kept for ``to_deepspeed`` (zerocore reduces every gradient in ``communication_data_type``).
 
     Raises:
         ValueError: naming the key path of the first invalid value, or bf16 and fp16 both enabled.
@@ -331,6 +338,8 @@ class ZeroConfig:
     load_universal: bool = False
     grad_accum_dtype: str | None = None
     check_grad_overflow: bool = True
+    torch_autocast: str | None = None
+    torch_autocast_lower_precision_safe_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name, cls in (("optimizer", OptimizerConfig), ("fp16", FP16Config),
@@ -361,6 +370,7 @@ class ZeroConfig:
                      f"{name!r} with {compute} compute: gradients accumulate in the compute dtype or in fp32 (as "
                      "DeepSpeed's); give one of those")
             object.__setattr__(self, "grad_accum_dtype", name)
+        self._check_torch_autocast()
         as_bool(self.derive_accumulation_steps, "derive_accumulation_steps")
         if self.derive_accumulation_steps and (self.train_batch_size is None
                                                or self.train_micro_batch_size_per_gpu is None):
@@ -376,6 +386,19 @@ class ZeroConfig:
         for name in self.auto_batch_sizes:
             if name != "gradient_accumulation_steps" and getattr(self, name) is not None:
                 fail(name, f"listed in auto_batch_sizes (to be derived) but also given: {getattr(self, name)!r}")
+
+    def _check_torch_autocast(self) -> None:
+        if self.torch_autocast is not None:
+            object.__setattr__(self, "torch_autocast", autocast_dtype_name(self.torch_autocast))
+            if self.bf16 or self.fp16.enabled:
+                fail("torch_autocast", "keeps the parameters fp32 and runs the forward under torch.autocast, but "
+                     f"{'bf16' if self.bf16 else 'fp16'}.enabled makes them 16-bit: enable one of the two")
+            if self.zero_optimization.zero_quantized_weights:
+                fail("torch_autocast", "does not combine with zero_optimization.zero_quantized_weights (nor does "
+                     "it in DeepSpeed): drop one of them")
+        modules = self.torch_autocast_lower_precision_safe_modules
+        if modules is not None:
+            object.__setattr__(self, "torch_autocast_lower_precision_safe_modules", check_safe_modules(modules))
 
     def for_world_size(self, world_size: int) -> ZeroConfig:
         """This config with DeepSpeed's batch-size rule applied for ``world_size`` ranks: the derived
@@ -410,6 +433,11 @@ class ZeroConfig:
     def compute_dtype(self) -> torch.dtype:
         """bfloat16 if ``bf16``, float16 if ``fp16.enabled``, else float32."""
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16.enabled else torch.float32
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the forward computes in under ``torch_autocast``; None without it."""
+        return None if self.torch_autocast is None else DEEPSPEED_DTYPES[self.torch_autocast]
 
     @property
     def accumulation_dtype(self) -> torch.dtype:

@@ -282,7 +282,8 @@ class Engine(DeepSpeedAccessors):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the module. Inputs are passed as they are, as DeepSpeed does; with ``fp16.auto_cast`` the
         floating-point positional inputs (also inside lists, tuples and dicts) are cast to fp16 first, as
-        DeepSpeed's auto_cast does (keyword arguments never are)."""
+        DeepSpeed's auto_cast does (keyword arguments never are). With the config's ``torch_autocast`` the
+        module runs under ``torch.autocast`` (Note [torch_autocast] in _autocast_config.py)."""
         life = self.lifecycle
         life.require("forward()", *USABLE)
         self._end_unstepped_micro_step()
@@ -295,7 +296,8 @@ class Engine(DeepSpeedAccessors):
         life.forwards += training  # counted before the module runs: a forward that raises counts (Note [Backward outcome])
         self.buffer_sync.before_forward()
         try:
-            out = self.module(*args, **kwargs)
+            with self._autocast():
+                out = self.module(*args, **kwargs)
         except BaseException as error:
             life.forward_raised |= training
             self.buffer_sync.after_forward(training and life.state is not EngineState.NO_SYNC)  # as the peers' ends
@@ -438,6 +440,11 @@ class Engine(DeepSpeedAccessors):
         if self.stage3 is not None:
             self.stage3.begin_backward(retain_graph)
         self.lifecycle.to(EngineState.BACKWARD)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The config's ``torch_autocast`` for the forward, replacing one the script entered; else nothing."""
+        dtype = self.config.autocast_dtype
+        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     def _refuse_recast_params(self) -> None:
         """``model.half()`` / ``.to(dtype)`` after initialize gives the parameters new tensors of another dtype:
