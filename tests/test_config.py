@@ -390,12 +390,12 @@ UNSUPPORTED = {
     "prescale_gradients": True,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "amsgrad": True}},
     "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
-    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": True},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True},
                           "zeropp_loco_param": {"err_beta": 0.8}, "sub_group_size": 1e9},
 }
 UNSUPPORTED_PATHS = ["flops_profiler", "activation_checkpointing", "prescale_gradients",
                      "optimizer.params.amsgrad", "fp16.fp16_master_weights_and_grads",
-                     "zero_optimization.offload_optimizer.pipeline_read",
+                     "zero_optimization.offload_optimizer.super_offload",
                      "zero_optimization.zeropp_loco_param"]
 # The same keys at values that ask for what zerocore does (Note [DeepSpeed keys at what zerocore does]).
 LIKE_ZEROCORE = {
@@ -412,7 +412,9 @@ LIKE_ZEROCORE = {
     "data_types": {"grad_accum_dtype": None},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "amsgrad": False}},
     "fp16": {"enabled": True, "fp16_master_weights_and_grads": False},
-    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": False},
+    # (pipeline_read/pipeline_write either way: zerocore's NVMe step always overlaps its reads and writes)
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": True,
+                                                            "pipeline_write": False},
                           "stage3_gather_16bit_weights_on_model_save": True, "stage3_max_reuse_distance": 1e9,
                           "round_robin_gradients": True, "allgather_partitions": True, "elastic_checkpoint": True,
                           "memory_efficient_linear": False, "use_multi_rank_bucket_allreduce": False,

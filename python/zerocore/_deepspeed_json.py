@@ -202,8 +202,10 @@ _LIKE_ZEROCORE: dict[str, Any] = {
     **{f"zero_optimization.{prefix}{key}": _equals(value) for key, value in _Z3_LIKE_ZEROCORE.items()
        for prefix in ("", "stage3_")},
     **{f"zero_optimization.{prefix}{key}": _count for key in _Z3_ANY_COUNT for prefix in ("", "stage3_")},
-    "zero_optimization.offload_optimizer.pipeline_read": _equals(False),
-    "zero_optimization.offload_optimizer.pipeline_write": _equals(False),
+    # zerocore's NVMe-offloaded step always reads the next sub-group and writes the previous one while it updates
+    # the current one (Note [NVMe optimizer state]): true asks for that, false only has DeepSpeed wait on each
+    "zero_optimization.offload_optimizer.pipeline_read": _equals(True, False),
+    "zero_optimization.offload_optimizer.pipeline_write": _equals(True, False),
     "zero_optimization.offload_optimizer.super_offload": _equals(False),
 }
 
