@@ -386,7 +386,7 @@ def test_max_grad_norm_hint():
 
 UNSUPPORTED = {
     "flops_profiler": {"enabled": True},  # (the scheduler section is supported: tests/test_hf_configs.py)
-    "activation_checkpointing": {"cpu_checkpointing": True},
+    "activation_checkpointing": {"cpu_checkpointing": True, "offload": True},
     "prescale_gradients": True,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "amsgrad": True}},
     "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
@@ -402,8 +402,8 @@ LIKE_ZEROCORE = {
     "flops_profiler": {"enabled": False, "profile_step": 1}, "tensorboard": {"enabled": False},
     "wandb": {"enabled": False}, "comms_logger": {"enabled": False, "verbose": False},
     # deepspeed.checkpointing's own buffers and count: zerocore's checkpointing is torch's
-    # (partition_activations: over the one model-parallel rank there is, either value changes nothing)
-    "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": False,
+    # (DeepSpeed's engine never reads the section; zerocore.deepspeed.checkpointing.configure does)
+    "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
                                  "contiguous_memory_optimization": True, "number_checkpoints": 4,
                                  "synchronize_checkpoint_boundary": True, "profile": False},
     "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "prescale_gradients": False,
@@ -438,8 +438,8 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
                         ("zero_optimization.round_robin_gradients", "yes"),  # either boolean, nothing else
                         ("zero_optimization.ignore_unused_parameters", 1),  # a number is not a boolean
                         ("checkpoint", {"tag_validation": "Ignore"}),
-                        ("activation_checkpointing", {"cpu_checkpointing": True}),
-                        ("activation_checkpointing", {"partition_activations": "yes"}),
+                        ("activation_checkpointing", {"cpu_checkpointing": "yes"}),
+                        ("activation_checkpointing", {"partition_activations": 1}),
                         ("activation_checkpointing", {"number_checkpoints": 4, "offload": True})]:
         config = copy.deepcopy(LIKE_ZEROCORE)
         *parents, key = path.split(".")

@@ -108,14 +108,15 @@ _ACTIVATION_CHECKPOINTING = frozenset({"partition_activations", "contiguous_memo
 
 
 def _checkpointing_like_zerocore(value: Any) -> bool:
-    """activation_checkpointing configures DeepSpeed's deepspeed.checkpointing, which scripts call themselves (zerocore's
-    is torch's: zerocore.deepspeed.checkpointing, whose configure reads this section); DeepSpeed's engine never
-    reads it. Its buffers, count, synchronizing and profiling tune that implementation only, and
-    partition_activations splits activations over the model-parallel ranks, of which there is one here (so either
-    value); moving them to the host (cpu_checkpointing) zerocore does not do."""
+    """activation_checkpointing configures DeepSpeed's deepspeed.checkpointing, and only when a script passes the
+    config to its configure() (zerocore's is torch's: zerocore.deepspeed.checkpointing, whose configure reads the
+    section and refuses cpu_checkpointing there); DeepSpeed's engine never reads it, so any well-typed value loads.
+    Its buffers, count, synchronizing and profiling tune DeepSpeed's implementation only."""
+    flags = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+             "synchronize_checkpoint_boundary", "profile")
     return (isinstance(value, Mapping) and set(value) <= _ACTIVATION_CHECKPOINTING
-            and type(value.get("partition_activations", False)) is bool
-            and _all_off({k: value[k] for k in ("cpu_checkpointing",) if k in value}))
+            and all(type(value[k]) is bool for k in flags if k in value)
+            and (value.get("number_checkpoints") is None or type(value["number_checkpoints"]) is int))
 
 
 def _checkpoint_like_zerocore(value: Any) -> bool:  # tag_validation Warn/Fail: zerocore refuses differing tags

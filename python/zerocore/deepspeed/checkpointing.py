@@ -9,7 +9,7 @@ parallelism) is refused by name, since zerocore shards data-parallel state only,
 script would have planned its device memory around. ``partition_activations`` splits activations over the
 model-parallel ranks, of which there is one here, so it changes nothing (as in DeepSpeed without an ``mpu_``); the
 others (contiguous buffers, their count, synchronizing, profiling) only tune DeepSpeed's own implementation. All
-are accepted. ``zerocore.initialize`` accepts the section under the same rule: DeepSpeed's engine never reads it.
+are accepted. ``zerocore.initialize`` accepts the section whatever it says: DeepSpeed's engine never reads it.
 """
 from __future__ import annotations
 
