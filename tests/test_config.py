@@ -387,13 +387,13 @@ def test_max_grad_norm_hint():
 UNSUPPORTED = {
     "flops_profiler": {"enabled": True},  # (the scheduler section is supported: tests/test_hf_configs.py)
     "activation_checkpointing": {"cpu_checkpointing": True, "offload": True},
-    "prescale_gradients": True,
+    "memory_breakdown": True,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "amsgrad": True}},
     "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True},
                           "zeropp_loco_param": {"err_beta": 0.8}, "sub_group_size": 1e9},
 }
-UNSUPPORTED_PATHS = ["flops_profiler", "activation_checkpointing", "prescale_gradients",
+UNSUPPORTED_PATHS = ["flops_profiler", "activation_checkpointing", "memory_breakdown",
                      "optimizer.params.amsgrad", "fp16.fp16_master_weights_and_grads",
                      "zero_optimization.offload_optimizer.super_offload",
                      "zero_optimization.zeropp_loco_param"]
@@ -406,15 +406,16 @@ LIKE_ZEROCORE = {
     "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
                                  "contiguous_memory_optimization": True, "number_checkpoints": 4,
                                  "synchronize_checkpoint_boundary": True, "profile": False},
-    "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0, "sparse_gradients": False, "memory_breakdown": False,
+    # (the same average however DeepSpeed splits the division; sparse gradients refused at initialize by module)
+    "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "prescale_gradients": True,
+    "gradient_predivide_factor": 2.0, "sparse_gradients": True, "memory_breakdown": False,
     "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False},
     "data_types": {"grad_accum_dtype": None},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "amsgrad": False}},
     "fp16": {"enabled": True, "fp16_master_weights_and_grads": False},
     # (pipeline_read/pipeline_write either way: zerocore's NVMe step always overlaps its reads and writes)
     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": True,
-                                                            "pipeline_write": False},
+                                                            "pipeline_write": False, "cpuadam_cores_perc": 0.75},
                           "stage3_gather_16bit_weights_on_model_save": True, "stage3_max_reuse_distance": 1e9,
                           "round_robin_gradients": True, "allgather_partitions": True, "elastic_checkpoint": True,
                           "memory_efficient_linear": False, "use_multi_rank_bucket_allreduce": False,
@@ -430,7 +431,9 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
         c = ZeroConfig.from_deepspeed(LIKE_ZEROCORE)
     assert (c.optimizer.lr, c.fp16.enabled, c.zero_optimization.stage) == (1e-4, True, 3)
     # a value other than what zerocore does is still named, whichever key carries it
-    for path, value in [("wandb", {"enabled": True}), ("gradient_predivide_factor", 2.0),
+    for path, value in [("wandb", {"enabled": True}), ("gradient_predivide_factor", 0.0),
+                        ("gradient_predivide_factor", "2"), ("sparse_gradients", 1),
+                        ("zero_optimization.offload_optimizer.cpuadam_cores_perc", 1.5),
                         ("zero_optimization.stage3_max_reuse_distance", -1),
                         ("zero_optimization.stage3_module_granularity_threshold", -1),
                         ("zero_optimization.module_granularity_threshold", "16"),

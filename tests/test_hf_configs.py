@@ -66,8 +66,8 @@ def _filled(config: dict, **top) -> dict:
 
 # ---- item 27: strict=False -----------------------------------------------------------------------------
 def test_initialize_takes_the_strict_the_error_message_names():
-    with pytest.raises(ValueError, match="prescale_gradients.*pass strict=False"):
-        ZeroConfig.from_deepspeed(_filled(HF_ZERO3, gradient_accumulation_steps=1, prescale_gradients=True))
+    with pytest.raises(ValueError, match="memory_breakdown.*pass strict=False"):
+        ZeroConfig.from_deepspeed(_filled(HF_ZERO3, gradient_accumulation_steps=1, memory_breakdown=True))
     assert inspect.signature(zerocore.initialize).parameters["strict"].default is True
 
 
@@ -468,8 +468,8 @@ def _hf_model() -> nn.Module:
 def hf_config_worker(rank: int, world: int) -> dict:
     out = {}
     # item 27: strict=False through initialize; item 28: "auto" from the model and the world; offload "none".
-    config = _filled(HF_ZERO3, train_micro_batch_size_per_gpu=2, prescale_gradients=True)
-    with pytest.warns(UserWarning, match="zerocore ignores these DeepSpeed keys, not supported yet: prescale_gradients$"):
+    config = _filled(HF_ZERO3, train_micro_batch_size_per_gpu=2, memory_breakdown=True)
+    with pytest.warns(UserWarning, match="zerocore ignores these DeepSpeed keys, not supported yet: memory_breakdown$"):
         engine = zerocore.initialize(_hf_model(), config, strict=False)
     c = engine.config
     out["derived"] = (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,

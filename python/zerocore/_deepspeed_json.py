@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -168,9 +169,14 @@ _LIKE_ZEROCORE: dict[str, Any] = {
     "activation_checkpointing": _checkpointing_like_zerocore,
     "zero_allow_untested_optimizer": _equals(True, False),  # governs client optimizers, which zerocore never takes
     "zero_force_ds_cpu_optimizer": _equals(True, False),  # likewise: offload always steps with zerocore's CPU Adam
-    "prescale_gradients": _equals(False),
-    "gradient_predivide_factor": _equals(1.0),
-    "sparse_gradients": _equals(False),
+    # where DeepSpeed divides gradients by the world size, before the reduction (prescale_gradients) or split
+    # around it (gradient_predivide_factor before, the rest after): the same average either way, up to rounding;
+    # zerocore divides as it writes each gradient into its bucket, which is what prescale_gradients asks for
+    "prescale_gradients": _equals(True, False),
+    "gradient_predivide_factor": lambda value: type(value) in (int, float) and 0 < value < math.inf,
+    # sparse allreduce for sparse gradients: zerocore refuses modules that make them (nn.Embedding(sparse=True))
+    # by name at initialize, so either value changes nothing that trains
+    "sparse_gradients": _equals(True, False),
     "memory_breakdown": _equals(False),
     "dump_state": _equals(False),
     "disable_allgather": _equals(False),
@@ -208,6 +214,9 @@ _LIKE_ZEROCORE: dict[str, Any] = {
     "zero_optimization.offload_optimizer.pipeline_read": _equals(True, False),
     "zero_optimization.offload_optimizer.pipeline_write": _equals(True, False),
     "zero_optimization.offload_optimizer.super_offload": _equals(False),
+    # the CPU share of SuperOffload's Adam, read only with super_offload (refused above unless false)
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc":
+        lambda value: type(value) in (int, float) and 0 <= value <= 1,
 }
 
 
