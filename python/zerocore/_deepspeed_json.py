@@ -82,11 +82,11 @@ _HINTS = {"optimizer.params.max_grad_norm": "DeepSpeed clips with the top-level 
 
 # Note [DeepSpeed keys at what zerocore does]
 # A DeepSpeed key zerocore does not support is still accepted, silently, when its value asks for what zerocore
-# does anyway: DeepSpeed's default (a disabled monitor, a switched-off feature, a factor of 1.0), or a value
-# naming zerocore's behaviour (every rank must name the same checkpoint tag, as tag_validation "Fail" asks, and
-# zerocore refuses when they differ). So configs
-# written for DeepSpeed, which spell out such values, load as they are; any other value of these keys still
-# raises as unsupported (or is warned about with strict=False). Defaults from DeepSpeed 0.19's config models.
+# does anyway: DeepSpeed's default (a disabled monitor, a switched-off feature, a factor of 1.0), a value naming
+# zerocore's behaviour (every rank must name the same checkpoint tag, as tag_validation "Fail" asks, and zerocore
+# refuses when they differ), or any value of a key that only changes how DeepSpeed schedules the same work. So
+# configs written for DeepSpeed, which spell out such values, load as they are; any other value of these keys
+# still raises as unsupported (or is warned about with strict=False). Defaults from DeepSpeed 0.19's models.
 def _disabled(value: Any) -> bool:  # a section DeepSpeed switches on with "enabled": true (default false)
     return isinstance(value, Mapping) and value.get("enabled", False) is False
 

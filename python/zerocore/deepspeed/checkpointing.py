@@ -7,9 +7,10 @@ gathers a unit again as its forward did).
 parallelism) is refused by name, since zerocore shards data-parallel state only, and so is ``checkpoint_in_cpu``
 (the section's ``cpu_checkpointing``: checkpointed activations moved to the host), which zerocore does not do and a
 script would have planned its device memory around. ``partition_activations`` splits activations over the
-model-parallel ranks, of which there is one here, so it changes nothing (as in DeepSpeed without an ``mpu_``); the
-others (contiguous buffers, their count, synchronizing, profiling) only tune DeepSpeed's own implementation. All
-are accepted. ``zerocore.initialize`` accepts the section whatever it says: DeepSpeed's engine never reads it.
+model-parallel ranks, of which there is one here, so it changes nothing (as in DeepSpeed without an ``mpu_``), and
+the others (contiguous buffers, their count, synchronizing, profiling) only tune DeepSpeed's own implementation:
+these are accepted. ``zerocore.initialize`` accepts the section whatever it says: DeepSpeed's engine never reads
+it.
 """
 from __future__ import annotations
 
