@@ -431,7 +431,7 @@ def test_deepspeed_keys_at_what_zerocore_does_are_accepted():
         c = ZeroConfig.from_deepspeed(LIKE_ZEROCORE)
     assert (c.optimizer.lr, c.fp16.enabled, c.zero_optimization.stage) == (1e-4, True, 3)
     # a value other than what zerocore does is still named, whichever key carries it
-    for path, value in [("wandb", {"enabled": True}), ("gradient_predivide_factor", 0.0),
+    for path, value in [("comms_logger", {"enabled": True}), ("gradient_predivide_factor", 0.0),
                         ("gradient_predivide_factor", "2"), ("sparse_gradients", 1),
                         ("zero_optimization.offload_optimizer.cpuadam_cores_perc", 1.5),
                         ("zero_optimization.stage3_max_reuse_distance", -1),

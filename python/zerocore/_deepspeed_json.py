@@ -20,6 +20,7 @@ from typing import Any
 from ._autocast_config import autocast_from_deepspeed
 from ._config_values import as_bool, as_choice, fail
 from ._hf_auto import FROM_HIDDEN, fill_auto
+from ._monitor import MONITOR_SECTIONS, monitor_sections_for_deepspeed
 from ._offload_config import LEGACY_OFFLOAD, AioConfig, OffloadOptimizerConfig, OffloadParamConfig, offload_configs
 from ._scheduler_config import SchedulerConfig
 from .config import OPTIMIZER_TYPES, FP16Config, OptimizerConfig, ZeroConfig, ZeroOptimizationConfig
@@ -38,7 +39,7 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
              "torch_autocast_lower_precision_safe_modules"}) | {"data_types"},
          {"bfloat16": "bf16"},
          frozenset({"wall_clock_breakdown"}), frozenset((
-             "activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger amp "
+             "activation_checkpointing flops_profiler comet comms_logger amp "
              "zero_allow_untested_optimizer zero_force_ds_cpu_optimizer elasticity autotuning prescale_gradients "
              "gradient_predivide_factor sparse_gradients sparse_attention pipeline data_efficiency "
              "curriculum_learning compression_training checkpoint nebula memory_breakdown "
@@ -74,6 +75,8 @@ _SCHEMA: dict[str, tuple[frozenset[str], dict[str, str], frozenset[str], frozens
         frozenset(f.name for f in dataclasses.fields(OffloadParamConfig)), {}, frozenset(), frozenset()),
     "data_types": (frozenset({"grad_accum_dtype"}), {}, frozenset(), frozenset()),
     "torch_autocast": (frozenset({"enabled", "dtype", "lower_precision_safe_modules"}), {}, frozenset(), frozenset()),
+    **{name: (frozenset(f.name for f in dataclasses.fields(cls)), {}, frozenset(), frozenset())
+       for name, cls in MONITOR_SECTIONS.items()},
     "aio": (frozenset(f.name for f in dataclasses.fields(AioConfig)) | {"use_gds"},
             {"intra_op_parallelism": "thread_count"}, frozenset(), frozenset()),
 }
@@ -163,7 +166,7 @@ _Z3_ANY_COUNT = ("module_granularity_threshold", "max_reuse_distance")
 
 _LIKE_ZEROCORE: dict[str, Any] = {
     **{key: _disabled for key in (
-        "flops_profiler tensorboard wandb csv_monitor comms_logger amp elasticity autotuning nebula "
+        "flops_profiler comet comms_logger amp elasticity autotuning nebula "
         "hybrid_engine eigenvalue progressive_layer_drop quantize_training curriculum_learning data_efficiency"
         ).split()},
     "activation_checkpointing": _checkpointing_like_zerocore,
@@ -304,6 +307,8 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
     data_types = {} if top.get("data_types") is None else _section(top["data_types"], "data_types", unsupported)
     autocast = {} if top.get("torch_autocast") is None else _section(top["torch_autocast"], "torch_autocast",
                                                                      unsupported)
+    monitors = {name: cls(**_section(top[name], name, unsupported)) for name, cls in MONITOR_SECTIONS.items()
+                if top.get(name) is not None}
     scheduler = top.get("scheduler")
     if scheduler is not None:
         scheduler = _section(scheduler, "scheduler", unsupported)
@@ -317,7 +322,8 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
         raise ValueError(f"DeepSpeed keys not supported yet by zerocore: {', '.join(unsupported)}; remove them, "
                          "or pass strict=False to ignore them with a warning")
     plain = {k: v for k, v in top.items() if k not in (
-        "optimizer", "fp16", "bf16", "zero_optimization", "scheduler", "aio", "data_types", "torch_autocast")}
+        "optimizer", "fp16", "bf16", "zero_optimization", "scheduler", "aio", "data_types", "torch_autocast",
+        *MONITOR_SECTIONS)}
     plain["torch_autocast"], plain["torch_autocast_lower_precision_safe_modules"] = autocast_from_deepspeed(autocast)
     if data_types.get("grad_accum_dtype") is not None:  # null: DeepSpeed's default, the compute dtype
         plain["grad_accum_dtype"] = data_types["grad_accum_dtype"]
@@ -342,7 +348,7 @@ def from_deepspeed(cls: type[ZeroConfig], source: str | os.PathLike[str] | Mappi
     config = cls(optimizer=OptimizerConfig(type=opt_type, **opt_kwargs), bf16=bf16.get("enabled", False),
                  check_grad_overflow=bf16.get("check_grad_overflow", True),
                  fp16=FP16Config(**fp16), zero_optimization=ZeroOptimizationConfig(**zero), scheduler=schedule,
-                 aio=AioConfig(**aio), load_universal=load_universal is True, **plain)
+                 aio=AioConfig(**aio), load_universal=load_universal is True, **monitors, **plain)
     return config, unsupported
 
 
@@ -377,6 +383,7 @@ def to_deepspeed(config: ZeroConfig) -> dict[str, Any]:
         out["torch_autocast"] = {"enabled": config.torch_autocast is not None,
                                  **({} if config.torch_autocast is None else {"dtype": "bfloat16"}),
                                  **({} if modules is None else {"lower_precision_safe_modules": list(modules)})}
+    out.update(monitor_sections_for_deepspeed(config))
     if config.derive_accumulation_steps:
         del out["gradient_accumulation_steps"]  # left for DeepSpeed's rule, as in the source config
     for name in config.auto_batch_sizes:

@@ -28,6 +28,7 @@ import torch
 from ._autocast_config import autocast_dtype_name, check_safe_modules
 from ._config_values import INT64_MAX, as_bool, as_choice, as_float, as_int, fail, no_auto
 from ._hf_auto import BATCH_KEYS, fill_auto_batch_sizes, hidden_size_of
+from ._monitor import MONITOR_SECTIONS, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from ._offload_config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from ._scheduler_config import SchedulerConfig
 from ._user_frames import user_stacklevel
@@ -316,6 +317,8 @@ class ZeroConfig:
         torch_autocast_lower_precision_safe_modules: DeepSpeed ``torch_autocast.lower_precision_safe_modules``,
             the module classes (``"torch.nn.Linear"``) whose gradients DeepSpeed reduces in the autocast dtype;
             checked and kept for ``to_deepspeed`` (zerocore reduces every gradient in ``communication_data_type``).
+        tensorboard, csv_monitor, wandb: DeepSpeed's monitor sections (Note [Monitors] in _monitor.py): each
+            accumulation boundary's lr (and fp16 loss scale) logged from rank 0, and ``engine.monitor``.
 
     Raises:
         ValueError: naming the key path of the first invalid value, or bf16 and fp16 both enabled.
@@ -340,10 +343,14 @@ class ZeroConfig:
     check_grad_overflow: bool = True
     torch_autocast: str | None = None
     torch_autocast_lower_precision_safe_modules: tuple[str, ...] | None = None
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    csv_monitor: CsvMonitorConfig = field(default_factory=CsvMonitorConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         for name, cls in (("optimizer", OptimizerConfig), ("fp16", FP16Config),
-                          ("zero_optimization", ZeroOptimizationConfig), ("aio", AioConfig)):
+                          ("zero_optimization", ZeroOptimizationConfig), ("aio", AioConfig),
+                          *MONITOR_SECTIONS.items()):
             if not isinstance(getattr(self, name), cls):
                 fail(name, f"expected a {cls.__name__}, got {type(getattr(self, name)).__name__} "
                      "(use ZeroConfig.from_deepspeed to read a DeepSpeed dict)")

@@ -55,6 +55,7 @@ from ._lifecycle import USABLE, EngineState, Lifecycle
 from ._loss_scaler import LossScaler
 from ._model_checks import (check_plain_model, check_same_config_on_all_ranks, check_same_model_on_all_ranks,
                             check_trainable_dtypes, collect_trainable)
+from ._monitor import Monitor, start_monitor
 from ._native import _C
 from ._policy import StagePolicy
 from ._reports import comm_report, memory_report
@@ -164,6 +165,9 @@ class Engine(DeepSpeedAccessors):
         self.config = config = config.for_world_size(self.world_size)
         self.comms = build_comms(self.process_group, comm_algorithms, config)
         self.comm = self.comms.main
+        self.monitor = Monitor(config, self.rank)  # Note [Monitors]
+        if self.monitor.enabled:
+            start_monitor(self.monitor, self.comm, self.rank, self.device)
         self.buckets = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype)
 
         refuse_managed(model)
@@ -554,6 +558,11 @@ class Engine(DeepSpeedAccessors):
         self.allocator.after_step(self.global_steps)
         if self.lr_scheduler is not None and self.step_applied:
             self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip
+        if self.monitor.enabled and self.rank == 0:  # Note [Monitors]
+            events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+            if self.config.fp16.enabled:
+                events.append(("Train/Samples/loss_scale", self.loss_scaler.scale, self.global_samples))
+            self.monitor.write_events(events)
         self.zero_grad()
         self.lifecycle.local_grads = False
 
@@ -646,6 +655,7 @@ class Engine(DeepSpeedAccessors):
         unregister(self, [owner.params[local] for owner, local in self.gradients.param_slots] + self._frozen_params()
                    + self.whole_frozen_params)
         self.optimizer_state.close()  # an NVMe state file is removed
+        self.monitor.close()
         if self.param_file is not None:
             self.param_file.close()  # every unit is whole in memory again
         self.lifecycle.to(EngineState.CLOSED)
