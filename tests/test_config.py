@@ -379,6 +379,16 @@ def test_unknown_key(config, path, suggestion):
         assert "stage3_param_persistence_threshold" in message  # lists the accepted keys at that level
 
 
+def test_top_level_comment_keys_are_ignored_and_other_unknown_keys_named():
+    config = ZeroConfig.from_deepspeed({"_comment": "supported models: ...", "_notes": ["a"],
+                                        "zero_optimization": {"stage": 2}})
+    assert config.zero_optimization.stage == 2
+    with pytest.raises(ValueError, match=r"zero_optimization\._comment: unknown key"):  # only at the top, as there
+        ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2, "_comment": "x"}})
+    with pytest.raises(ValueError, match="comment: unknown key"):
+        ZeroConfig.from_deepspeed({"comment": "x"})
+
+
 def test_max_grad_norm_hint():
     with pytest.raises(ValueError, match=r"optimizer\.params\.max_grad_norm: unknown key.*gradient_clipping"):
         ZeroConfig.from_deepspeed(ds(optimizer={"params": {"max_grad_norm": 1.0}}))

@@ -234,6 +234,8 @@ def _section(mapping: Any, path: str, unsupported: list[str]) -> dict[str, Any]:
         if not isinstance(key, str):
             fail(path or "config", f"keys must be strings, got {key!r}")
         name = aliases.get(key, key)
+        if not path and key.startswith("_"):
+            continue  # a top-level "_comment" (JSON has no comments; DeepSpeed ignores keys it does not know there)
         if name in supported:
             if name in out:
                 fail(prefix + name, "given twice, under its name and under an alias DeepSpeed also accepts")
