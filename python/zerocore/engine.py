@@ -165,13 +165,13 @@ class Engine(DeepSpeedAccessors):
         self.config = config = config.for_world_size(self.world_size)
         self.comms = build_comms(self.process_group, comm_algorithms, config)
         self.comm = self.comms.main
-        self.monitor = Monitor(config, self.rank)  # Note [Monitors]
-        if self.monitor.enabled:
-            start_monitor(self.monitor, self.comm, self.rank, self.device)
         self.buckets = BucketSizes.resolve(config.zero_optimization, config.reduce_dtype)
 
         refuse_managed(model)
         check_same_model_on_all_ranks(model, self.comm, self.rank, self.device)
+        self.monitor = Monitor(config, self.rank)  # Note [Monitors]: started once the checks have passed
+        if self.monitor.enabled:
+            start_monitor(self.monitor, self.comm, self.rank, self.device)
         if not meta:
             broadcast_module_state(self.comm, model)
         groups = collect_trainable(model, param_groups, config.optimizer)
