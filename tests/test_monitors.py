@@ -74,6 +74,31 @@ def test_csv_monitor_logs_lr_and_loss_scale_per_boundary_from_rank_0(tmp_path):
     assert rank0["enabled"] and rank1["enabled"] and rank0["samples"] == 24
 
 
+def broken_log_worker(rank: int, world: int, directory: str) -> dict:
+    import shutil
+    import warnings
+
+    torch.manual_seed(0)
+    config = _config(csv_monitor={"enabled": True, "output_path": directory, "job_name": "run"})
+    engine = zerocore.initialize(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), config)
+    if rank == 0:  # the log directory becomes a file: every write there fails (root ignores permission bits)
+        shutil.rmtree(os.path.join(directory, "run"))
+        open(os.path.join(directory, "run"), "w").close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(engine, rank, 2)
+    state = {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return {"warned": [str(w.message) for w in caught if "monitor could not log" in str(w.message)],
+            "state": state, "steps": engine.global_steps}
+
+
+def test_a_failing_monitor_write_warns_on_rank_0_and_training_goes_on_in_lockstep(tmp_path):
+    rank0, rank1 = run_ranks(broken_log_worker, 2, os.fspath(tmp_path))
+    assert len(rank0["warned"]) == 2 and "NotADirectoryError" in rank0["warned"][0] and rank1["warned"] == []
+    assert rank0["steps"] == rank1["steps"] == 2 and rank0["state"] == rank1["state"]
+
+
 def tensorboard_worker(rank: int, world: int, directory: str) -> None:
     torch.manual_seed(0)
     config = _config(tensorboard={"enabled": True, "output_path": directory, "job_name": "tb"})

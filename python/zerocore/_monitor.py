@@ -18,7 +18,7 @@ writes, the other ranks do nothing). zerocore does the same:
 A monitor that cannot start (its package missing, its directory not writable) fails ``initialize`` on every
 rank with rank 0's reason, before anything else is built: never one rank raising while the others go on into a
 collective. ``comet`` is accepted disabled only. The events are written after the step, so ``global_samples``
-counts it, as in DeepSpeed.
+counts it, as in DeepSpeed; a write that fails then (a full disk) is a warning, not an error on rank 0 alone.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import csv
 import dataclasses
 import importlib.util
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -146,6 +147,16 @@ class Monitor:
 
             for name, value, step in events:
                 wandb.log({name: value}, step=step)
+
+    def write_step_events(self, event_list: Sequence[tuple[str, Any, int]]) -> None:
+        """The engine's own events at a step: a write that fails (a full disk, wandb's connection) is warned
+        about, never raised, since only rank 0 writes and a raise there alone would leave the ranks out of
+        lockstep for a log line."""
+        try:
+            self.write_events(event_list)
+        except Exception as error:  # noqa: BLE001 (any monitor's failure: the step itself is done)
+            warnings.warn(f"zerocore: a monitor could not log this step's events ({type(error).__name__}: {error}); "
+                          "training goes on", RuntimeWarning, stacklevel=3)
 
     def _write_csv(self, events: list[tuple[str, float, int]]) -> None:
         for name, value, step in events:

@@ -558,13 +558,13 @@ class Engine(DeepSpeedAccessors):
         self.allocator.after_step(self.global_steps)
         if self.lr_scheduler is not None and self.step_applied:
             self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip
+        self.zero_grad()
+        self.lifecycle.local_grads = False
         if self.monitor.enabled and self.rank == 0:  # Note [Monitors]
             events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
             if self.config.fp16.enabled:
                 events.append(("Train/Samples/loss_scale", self.loss_scaler.scale, self.global_samples))
-            self.monitor.write_events(events)
-        self.zero_grad()
-        self.lifecycle.local_grads = False
+            self.monitor.write_step_events(events)
 
     def apply_update(self) -> None:
         """The sharded optimizer step; called by ``optimizer.step()`` (so lr schedulers see it).
