@@ -191,6 +191,37 @@ def test_stage_3_does_not_gather_for_a_16bit_save_when_the_config_says_so(tmp_pa
         "embed.weight", "hidden.bias", "hidden.weight"]
 
 
+def bad_directory_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(Tied(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                          "zero_optimization": {"stage": stage}})
+    tokens = torch.randint(0, 30, (4, 5), generator=torch.Generator().manual_seed(rank))
+    blocker = os.path.join(directory, "a_file")
+    if rank == 0:
+        open(blocker, "w").close()  # a file where the directory should be: only rank 0 writes, so only it fails
+    try:
+        engine.save_16bit_model(os.path.join(blocker, "out"))
+        error = None
+    except OSError as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    engine.backward(engine(tokens).square().mean())  # caught and gone on, as a script does: still in lockstep
+    engine.step()
+    path = engine.save_16bit_model(os.path.join(directory, "good"))
+    state = {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return {"error": error, "path": path, "state": state}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_16bit_save_that_fails_on_rank_0_raises_on_every_rank(tmp_path, stage):
+    """Only rank 0 writes save_16bit_model's file; when that fails (a bad directory, a full disk) every rank
+    raises, naming rank 0's error, instead of the others passing on into the next collective alone."""
+    rank0, rank1 = run_ranks(bad_directory_worker, 2, stage, os.fspath(tmp_path))
+    assert rank0["error"].startswith("NotADirectoryError")
+    assert rank1["error"].startswith("OSError: save_16bit_model: rank 0 could not write") and "a_file" in rank1["error"]
+    assert rank0["state"] == rank1["state"] and os.path.exists(rank0["path"])
+
+
 def module_state_dict_worker(rank: int, world: int, stage: int) -> list:
     torch.manual_seed(0)
     model = Tied()

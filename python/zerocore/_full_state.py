@@ -8,10 +8,10 @@ import warnings
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ._buffer_sync import broadcast_tensors
+from ._model_checks import all_gather_json
 from ._names import canonical, named_parameters
 
 if TYPE_CHECKING:
@@ -116,9 +116,6 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_file
     """Engine.save_16bit_model: the full state dict in the compute dtype, one safetensors file on rank 0
     (tied parameters once, under their first name); a collective. False, with nothing written, where the config
     asks stage 3 not to gather the weights for it (as DeepSpeed returns)."""
-    from ._checkpoint_format import write_file_durably
-    from ._safetensors_io import write_tensors
-
     if not engine.zero_gather_16bit_weights_on_model_save():
         # (the same config on every rank, checked at initialize: every rank returns here, no collective issued)
         warnings.warn(f"save_16bit_model() wrote nothing to {os.fspath(save_dir)!r}: the config's "
@@ -129,18 +126,37 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_file
         return False
     state = engine.full_state_dict(engine.compute_dtype)
     path = os.path.join(os.fspath(save_dir), save_filename)
+    failure: Exception | None = None
     if engine.rank == 0:
-        first = {name for name, _ in named_parameters(engine.module)}  # a tied parameter's first name
-        left_out = {name for name, _ in named_parameters(engine.module, remove_duplicate=False)} - first  # tied
-        if exclude_frozen_parameters:
-            left_out |= {name for name, p in named_parameters(engine.module, remove_duplicate=False)
-                         if not p.requires_grad}
-        # named as the unwrapped model names them (Note [Names without wrappers]): loadable into its class
-        kept = {canonical(k): v.contiguous() for k, v in state.items() if canonical(k) not in left_out}
-        os.makedirs(os.fspath(save_dir), exist_ok=True)
-        if save_filename.endswith(".safetensors"):
-            write_tensors(path, kept)
-        else:  # DeepSpeed's default name, pytorch_model.bin: a torch.save file, which is what loaders expect there
-            write_file_durably(path, lambda f: torch.save(kept, f))  # durable and whole, as write_tensors' file
-    dist.barrier(group=engine.process_group)
+        try:
+            _write_16bit_file(engine, state, save_dir, path, exclude_frozen_parameters)
+        except Exception as error:  # noqa: BLE001 - re-raised below, here and (named) on the other ranks
+            failure = error
+    # every rank learns whether rank 0's write failed (a bad directory, a full disk) and all raise alike, so none
+    # waits in the next collective for a rank 0 that raised alone; the exchange is also the barrier
+    verdicts = all_gather_json(engine.comm, None if failure is None else f"{type(failure).__name__}: {failure}",
+                               engine.device)
+    if failure is not None:
+        raise failure
+    if verdicts[0] is not None:
+        raise OSError(f"save_16bit_model: rank 0 could not write {path!r} ({verdicts[0]}); nothing was saved")
     return path
+
+
+def _write_16bit_file(engine: Engine, state: dict[str, torch.Tensor], save_dir: str | os.PathLike[str], path: str,
+                      exclude_frozen_parameters: bool) -> None:
+    from ._checkpoint_format import write_file_durably
+    from ._safetensors_io import write_tensors
+
+    first = {name for name, _ in named_parameters(engine.module)}  # a tied parameter's first name
+    left_out = {name for name, _ in named_parameters(engine.module, remove_duplicate=False)} - first  # tied
+    if exclude_frozen_parameters:
+        left_out |= {name for name, p in named_parameters(engine.module, remove_duplicate=False)
+                     if not p.requires_grad}
+    # named as the unwrapped model names them (Note [Names without wrappers]): loadable into its class
+    kept = {canonical(k): v.contiguous() for k, v in state.items() if canonical(k) not in left_out}
+    os.makedirs(os.fspath(save_dir), exist_ok=True)
+    if path.endswith(".safetensors"):
+        write_tensors(path, kept)
+    else:  # DeepSpeed's default name, pytorch_model.bin: a torch.save file, which is what loaders expect there
+        write_file_durably(path, lambda f: torch.save(kept, f))  # durable and whole, as write_tensors' file
