@@ -349,3 +349,45 @@ def test_frozen_weights_are_written_a_group_at_a_time(tmp_path):
     for differ, extra_peak, root_and_one_block, every_unit in run_ranks(frozen_groups_worker, 2, directory):
         assert differ == []
         assert 0 < extra_peak <= root_and_one_block < every_unit, (extra_peak, root_and_one_block, every_unit)
+
+
+def read_failure_worker(rank: int, world: int, directory: str, stage: int, where: str) -> dict:
+    import zerocore._hf_weights as hf
+
+    torch.manual_seed(3)
+    engine = zerocore.initialize(Pretrained(), _config(stage, "fp32"))
+    # which rank's read fails, after the files were checked (a disk error, a file truncated while read): rank 1's
+    # share of the trainable weights (_read), rank 0's read of the frozen ones (_whole there), rank 1's read of
+    # the buffers (_whole there: rank 1 reads no frozen values)
+    failing_rank, function = {"trainable": (1, "_read"), "frozen": (0, "_whole"), "buffers": (1, "_whole")}[where]
+    if rank == failing_rank:
+        def broken(*args: object) -> torch.Tensor:
+            raise OSError(5, "Input/output error (injected)")
+
+        setattr(hf, function, broken)
+    try:
+        engine.load_hf_weights(directory)
+        error = None
+    except OSError as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    losses = _train(engine, rank)  # every rank raised alike: training goes on in lockstep
+    engine.close()
+    return {"error": error, "losses": losses}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("where", ["trainable", "frozen", "buffers"])
+def test_a_read_that_fails_on_one_rank_raises_on_every_rank(tmp_path, stage, where):
+    """After the files are checked, a read can still fail (a disk error) on one rank: its own share of the
+    trainable weights, rank 0's read of the frozen ones, a rank's read of the buffers. Every rank raises, the
+    failing one its error and the others one naming it, and the ranks stay in lockstep."""
+    directory = write_pretrained(str(tmp_path / "pretrained"), False)
+    failing_rank = 0 if where == "frozen" else 1
+    results = run_ranks(read_failure_worker, 2, directory, stage, where)
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, (rank, result)
+        if rank == failing_rank:
+            assert "Input/output error (injected)" in result["error"]
+        else:
+            assert f"rank {failing_rank} could not read" in result["error"], result["error"]
+    assert results[0]["losses"] != [] and len(results[0]["losses"]) == len(results[1]["losses"])

@@ -27,11 +27,13 @@ them at a time; persistent buffers are read whole on every rank. The optimizer's
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
 import os
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -288,19 +290,43 @@ def _whole(tensor: _Tensor) -> torch.Tensor:
 
 
 def _apply(engine: Engine, plan: _Plan) -> None:
+    """Each rank reads and writes its own elements, then rank 0 the frozen parameters' and every rank the
+    buffers. The files were checked on every rank, but a read can still fail (a disk error, a file truncated while
+    read) on one rank: after each part every rank learns whether any failed and all raise alike, never one rank
+    raising while the others go on into the next collective (the weights are then partly loaded)."""
     from ._gathered import write_whole_in_groups
 
     state = engine.optimizer_state
-    for param, tensor in plan.trainable:  # this rank's elements only, a chunk at a time
-        located = _locate(param, "load_hf_weights")
-        for shard, piece_at_shard, piece_at, piece_length in _own_pieces(located):
-            for offset in range(0, piece_length, _CHUNK_ELEMENTS):
-                at_shard, at = piece_at_shard + offset, piece_at + offset
-                length = min(_CHUNK_ELEMENTS, piece_length - offset)
-                write_master_range(state, shard, at_shard,
-                                   _read(tensor, at, length).to(device=engine.device, dtype=torch.float32))
+    with _agreed(engine, "its share of the trainable parameters"):
+        for param, tensor in plan.trainable:  # this rank's elements only, a chunk at a time
+            located = _locate(param, "load_hf_weights")
+            for shard, piece_at_shard, piece_at, piece_length in _own_pieces(located):
+                for offset in range(0, piece_length, _CHUNK_ELEMENTS):
+                    at_shard, at = piece_at_shard + offset, piece_at + offset
+                    length = min(_CHUNK_ELEMENTS, piece_length - offset)
+                    write_master_range(state, shard, at_shard,
+                                       _read(tensor, at, length).to(device=engine.device, dtype=torch.float32))
     engine.reload_params_from_shards()  # every rank: stages 1-2 gather the rest, stage 3 releases its units
-    # read on rank 0 only, a group at a time
+    # read on rank 0 only, a group at a time (each group's reads agreed on before it is written)
     write_whole_in_groups(engine, [(param, functools.partial(_whole, tensor)) for param, tensor in plan.frozen])
-    for buffer, tensor in plan.buffers:
-        buffer.copy_(_whole(tensor))
+    with _agreed(engine, "the buffers"):
+        for buffer, tensor in plan.buffers:
+            buffer.copy_(_whole(tensor))
+
+
+@contextlib.contextmanager
+def _agreed(engine: Engine, what: str) -> Iterator[None]:
+    """Runs the block's reads on every rank; then every rank raises if any rank's failed."""
+    failure: Exception | None = None
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - re-raised below, here and (named) on the other ranks
+        failure = error
+    verdicts = all_gather_json(engine.comm, None if failure is None else f"{type(failure).__name__}: {failure}",
+                               engine.device)
+    if failure is not None:
+        raise failure
+    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
+    if failed:
+        raise OSError(f"load_hf_weights: rank {failed[0][0]} could not read {what} ({failed[0][1]}); the weights "
+                      "are partly loaded: load them again")
