@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._model_checks import all_gather_json
+from ._model_checks import raise_together
 from ._names import canonical, named_parameters
 
 if TYPE_CHECKING:
@@ -24,13 +24,8 @@ def is_count(value: Any) -> bool:
 def agree_on_reading(engine: Engine, problem: BaseException | None, what: str) -> None:
     """Every rank learns whether every rank read and checked the checkpoint, so all go on or all raise (none is
     left in a collective): raises this rank's ``problem``, or another rank's refusal of ``what``. A collective."""
-    verdicts = all_gather_json(engine.comm, None if problem is None else f"{type(problem).__name__}: {problem}",
-                               engine.device)
-    if problem is not None:
-        raise problem
-    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
-    if failed:
-        raise ValueError(f"load_checkpoint: rank {failed[0][0]} refused {what} ({failed[0][1]}); nothing was changed")
+    raise_together(engine.comm, problem, engine.device, lambda rank, message: ValueError(
+        f"load_checkpoint: rank {rank} refused {what} ({message}); nothing was changed"))
 
 
 def check_model(engine: Engine, index: Mapping[str, Any]) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._buffer_sync import broadcast_tensors
-from ._model_checks import all_gather_json
+from ._model_checks import failing_together
 from ._names import canonical, named_parameters
 
 if TYPE_CHECKING:
@@ -126,20 +126,12 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_file
         return False
     state = engine.full_state_dict(engine.compute_dtype)
     path = os.path.join(os.fspath(save_dir), save_filename)
-    failure: Exception | None = None
-    if engine.rank == 0:
-        try:
+    # every rank learns whether rank 0's write failed (a bad directory, a full disk) and all raise alike; the
+    # exchange is also the barrier that has every rank return once the file is there
+    with failing_together(engine.comm, engine.device, lambda rank, message: OSError(
+            f"save_16bit_model: rank {rank} could not write {path!r} ({message}); nothing was saved")):
+        if engine.rank == 0:
             _write_16bit_file(engine, state, save_dir, path, exclude_frozen_parameters)
-        except Exception as error:  # noqa: BLE001 - re-raised below, here and (named) on the other ranks
-            failure = error
-    # every rank learns whether rank 0's write failed (a bad directory, a full disk) and all raise alike, so none
-    # waits in the next collective for a rank 0 that raised alone; the exchange is also the barrier
-    verdicts = all_gather_json(engine.comm, None if failure is None else f"{type(failure).__name__}: {failure}",
-                               engine.device)
-    if failure is not None:
-        raise failure
-    if verdicts[0] is not None:
-        raise OSError(f"save_16bit_model: rank 0 could not write {path!r} ({verdicts[0]}); nothing was saved")
     return path
 
 

@@ -109,7 +109,7 @@ def write_whole_in_groups(engine: Engine, writes: Sequence[tuple[nn.Parameter, C
     that much gathered at once (a LoRA run's whole frozen base model in one block would be the whole model on
     every rank). Every rank calls it with the same parameters in the same order; the values are taken on rank
     0 only (``value()`` is called there, when its group is written) and reach every rank."""
-    from ._model_checks import all_gather_json
+    from ._model_checks import failing_together
 
     group: list[tuple[nn.Parameter, Callable[[], torch.Tensor]]] = []
     elements = 0
@@ -117,19 +117,12 @@ def write_whole_in_groups(engine: Engine, writes: Sequence[tuple[nn.Parameter, C
     def write() -> None:
         # rank 0 reads the group's values before the block: a read that fails there (a disk error) raises on every
         # rank before anything is gathered, not on rank 0 alone after a half-written group was broadcast
-        values, failure = [], None
-        if engine.rank == 0:
-            try:
+        values: list[torch.Tensor] = []
+        with failing_together(engine.comm, engine.device, lambda rank, message: OSError(
+                f"rank {rank} could not read the values of frozen parameters to write ({message}); the groups "
+                "before were written")):
+            if engine.rank == 0:
                 values = [value() for _, value in group]
-            except Exception as error:  # noqa: BLE001 - re-raised below, here and (named) on the other ranks
-                failure = error
-        verdicts = all_gather_json(engine.comm, None if failure is None else f"{type(failure).__name__}: {failure}",
-                                   engine.device)
-        if failure is not None:
-            raise failure
-        if verdicts[0] is not None:
-            raise OSError(f"rank 0 could not read the values of frozen parameters to write ({verdicts[0]}); the "
-                          "groups before were written")
         with gathered([param for param, _ in group], modifier_rank=0):
             for (param, _), whole in zip(group, values):  # (rank 0 only: the others have no values)
                 param.copy_(whole)

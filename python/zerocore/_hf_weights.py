@@ -33,7 +33,6 @@ import functools
 import json
 import os
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,7 +42,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ._deferred_signals import deferred_interrupts
 from ._full_param_state import _locate, _own_pieces, write_master_range
-from ._model_checks import all_gather_json
+from ._model_checks import all_gather_json, failing_together
 from ._names import canonical
 from ._safetensors_io import _TORCH_DTYPE
 
@@ -314,19 +313,8 @@ def _apply(engine: Engine, plan: _Plan) -> None:
             buffer.copy_(_whole(tensor))
 
 
-@contextlib.contextmanager
-def _agreed(engine: Engine, what: str) -> Iterator[None]:
-    """Runs the block's reads on every rank; then every rank raises if any rank's failed."""
-    failure: Exception | None = None
-    try:
-        yield
-    except Exception as error:  # noqa: BLE001 - re-raised below, here and (named) on the other ranks
-        failure = error
-    verdicts = all_gather_json(engine.comm, None if failure is None else f"{type(failure).__name__}: {failure}",
-                               engine.device)
-    if failure is not None:
-        raise failure
-    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
-    if failed:
-        raise OSError(f"load_hf_weights: rank {failed[0][0]} could not read {what} ({failed[0][1]}); the weights "
-                      "are partly loaded: load them again")
+def _agreed(engine: Engine, what: str) -> contextlib.AbstractContextManager[None]:
+    """The block's reads run on every rank; then every rank raises if any rank's failed."""
+    return failing_together(engine.comm, engine.device, lambda rank, message: OSError(
+        f"load_hf_weights: rank {rank} could not read {what} ({message}); the weights are partly loaded: load them "
+        "again"))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import numbers
 import sys
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,6 +54,30 @@ def all_gather_json(comm: Any, value: Any, device: torch.device) -> list[Any]:
     comm.all_gather(slots, -1, "model_check").wait()
     rows = slots.view(world, longest).cpu()
     return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(world)]
+
+
+def raise_together(comm: Any, failure: BaseException | None, device: torch.device,
+                   others: Callable[[int, str], BaseException]) -> None:
+    """Every rank learns whether any rank failed, and all raise alike: this rank its own ``failure``, the others
+    ``others(rank, message)`` for the first rank that failed; nothing when none did. A collective, issued by every
+    rank, so none is left waiting in the next collective for a rank that raised alone."""
+    verdicts = all_gather_json(comm, None if failure is None else f"{type(failure).__name__}: {failure}", device)
+    if failure is not None:
+        raise failure
+    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
+    if failed:
+        raise others(*failed[0])
+
+
+@contextlib.contextmanager
+def failing_together(comm: Any, device: torch.device, others: Callable[[int, str], BaseException]) -> Iterator[None]:
+    """Runs the block on every rank, then :func:`raise_together` with what it raised (any ``Exception``)."""
+    failure: Exception | None = None
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - re-raised by raise_together, here and (named) on the other ranks
+        failure = error
+    raise_together(comm, failure, device, others)
 
 
 def check_same_model_on_all_ranks(model: nn.Module, comm: Any, rank: int, device: torch.device) -> None:
