@@ -44,8 +44,8 @@ def autocast_from_deepspeed(section: Mapping[str, Any]) -> tuple[str | None, tup
     enabled = as_bool(section.get("enabled", False), "torch_autocast.enabled")
     modules = section.get("lower_precision_safe_modules")
     modules = None if modules is None else check_safe_modules(modules)
-    if "dtype" in section and section["dtype"] not in _BF16 + _NOT_YET + _NOT_LOWER:
-        fail("torch_autocast.dtype", f"expected one of {', '.join(map(repr, _BF16))}, got {section['dtype']!r}")
+    if "dtype" in section:
+        _check_spelling(section["dtype"])
     if not enabled:
         return None, modules
     if "dtype" not in section:
@@ -63,9 +63,14 @@ def autocast_dtype_name(value: Any) -> str:
     if value in _NOT_LOWER:
         fail("torch_autocast.dtype", f"{value!r} computes in the parameters' own dtype: leave torch_autocast "
              "disabled instead")
-    if value not in _BF16:
-        fail("torch_autocast.dtype", f"expected one of {', '.join(map(repr, _BF16))}, got {value!r}")
+    _check_spelling(value)
     return "bf16"
+
+
+def _check_spelling(value: Any) -> None:
+    """A dtype DeepSpeed reads at all (its DtypeEnum's spellings), whether enabled or not."""
+    if value not in _BF16 + _NOT_YET + _NOT_LOWER:
+        fail("torch_autocast.dtype", f"expected one of {', '.join(map(repr, _BF16))}, got {value!r}")
 
 
 def check_safe_modules(names: Any) -> tuple[str, ...]:

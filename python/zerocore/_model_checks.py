@@ -61,12 +61,18 @@ def raise_together(comm: Any, failure: BaseException | None, device: torch.devic
     """Every rank learns whether any rank failed, and all raise alike: this rank its own ``failure``, the others
     ``others(rank, message)`` for the first rank that failed; nothing when none did. A collective, issued by every
     rank, so none is left waiting in the next collective for a rank that raised alone."""
-    verdicts = all_gather_json(comm, None if failure is None else f"{type(failure).__name__}: {failure}", device)
+    failed = first_failure(comm, None if failure is None else f"{type(failure).__name__}: {failure}", device)
     if failure is not None:
         raise failure
-    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
-    if failed:
-        raise others(*failed[0])
+    if failed is not None:
+        raise others(*failed)
+
+
+def first_failure(comm: Any, problem: str | None, device: torch.device) -> tuple[int, str] | None:
+    """Every rank's ``problem`` (None: it succeeded) exchanged; the first rank with one and its message, or None.
+    A collective."""
+    verdicts = all_gather_json(comm, problem, device)
+    return next(((rank, message) for rank, message in enumerate(verdicts) if message is not None), None)
 
 
 @contextlib.contextmanager

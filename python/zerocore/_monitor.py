@@ -178,13 +178,12 @@ class Monitor:
 def start_monitor(monitor: Monitor, comm: Any, rank: int, device: torch.device) -> None:
     """Starts the enabled monitors, raising on every rank when any rank could not (Note [Monitors]); a
     collective, issued by every rank since every rank has the same config."""
-    from ._model_checks import all_gather_json
+    from ._model_checks import first_failure
 
-    problems = all_gather_json(comm, monitor.start(), device)
-    failed = [(r, problem) for r, problem in enumerate(problems) if problem is not None]
-    if failed:
+    failed = first_failure(comm, monitor.start(), device)
+    if failed is not None:
         monitor.close()
-        r, problem = failed[0]
+        r, problem = failed
         raise RuntimeError(f"a monitor could not start on rank {r} (this is rank {rank}): {problem}; nothing was "
                            "built. Fix it, or disable that section")
 
