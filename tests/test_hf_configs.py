@@ -502,6 +502,63 @@ def test_hf_config_through_initialize():
         assert out["no_scheduler"] and out["lr_after"] == 0.01
 
 
+# LLaMA-Factory's examples/deepspeed/ds_z0_config.json (open-instruct's stage-0 config is the same idea).
+LLAMA_FACTORY_Z0 = {
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 0, "allgather_partitions": True, "allgather_bucket_size": 5e8,
+                          "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 5e8,
+                          "contiguous_gradients": True, "round_robin_gradients": True},
+}
+
+
+def test_stage_0_is_read_as_stage_1_with_a_warning_that_says_what_differs():
+    """Note [Stage 0 runs as stage 1]: the same config in every other key, and the warning names what a
+    stage-0 script could see differently (.grad empty after backward, torch's clip_grad_norm_)."""
+    with pytest.warns(UserWarning, match=r"stage 0 .* runs as stage 1.*torch.nn.utils.clip_grad_norm_"):
+        zero = ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 0, "reduce_bucket_size": 100}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one = ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 1, "reduce_bucket_size": 100}})
+        assert zero == one and zero.zero_optimization.stage == 1
+        assert ZeroConfig.from_deepspeed(zero.to_deepspeed()) == one  # (round trips without a second warning)
+    with pytest.raises(ValueError, match="zero_optimization.stage"):
+        ZeroConfig.from_deepspeed({"zero_optimization": {"stage": "auto"}})
+
+
+def stage_0_worker(rank: int, world: int) -> None:
+    """LLaMA-Factory's stage-0 config, filled in as the Trainer would, trains as DDP + torch AdamW with
+    clipping does, over two accumulated micro-batches per step."""
+    gas, micro = 2, 2
+    config = copy.deepcopy(LLAMA_FACTORY_Z0)
+    config.update(train_batch_size=micro * gas * world, train_micro_batch_size_per_gpu=micro,
+                  gradient_accumulation_steps=gas, gradient_clipping=0.05,
+                  optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}})
+    config["fp16"]["enabled"] = config["bf16"]["enabled"] = False
+    model = build("mlp")
+    reference = ReferencePair(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01,
+                                                                 foreach=False), wrap=DDP)
+    with pytest.warns(UserWarning, match="stage 0"):
+        engine = zerocore.initialize(model, config, strict=False)
+    assert engine.zero_optimization_stage() == 1
+    for step in range(4):
+        pieces = [batch("mlp", torch.Generator().manual_seed(100 * step + 10 * rank + m), micro) for m in range(gas)]
+        for x, y in pieces:
+            engine.backward(loss_fn("mlp", engine(x), y))
+            engine.step()
+        x, y = torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+        reference.train_step(lambda module, dtype: loss_fn("mlp", module(x.to(dtype)), y.to(dtype)), clip=0.05)
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label="stage 0")
+    engine.close()
+
+
+def test_llama_factorys_stage_0_config_trains_as_ddp():
+    run_ranks(stage_0_worker, 2)
+
+
 SCHEDULES = {
     "WarmupDecayLR": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 5e-3,
                                                           "warmup_num_steps": 3, "total_num_steps": 7,

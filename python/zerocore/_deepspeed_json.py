@@ -280,7 +280,8 @@ def _without_auto(section: dict[str, Any], keep: Sequence[str] = ()) -> dict[str
     zero_optimization section and its offload sections) read "auto" as their default, and the Hugging Face
     Trainer fills in only the bucket sizes there (Note [Hugging Face "auto" values]), so a config that leaves
     sub_group_size or stage3_max_live_parameters "auto" (OpenRLHF's) trains at DeepSpeed's defaults; here the
-    key counts as absent. ``stage`` is kept, to be refused: "auto" there would be DeepSpeed's stage 0."""
+    key counts as absent. ``stage`` is kept, to be refused by name: no one fills it in, and a script that
+    reads the config's stage back would find "auto"."""
     return {key: value for key, value in section.items() if value != "auto" or key in keep}
 
 

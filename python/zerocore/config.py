@@ -128,13 +128,30 @@ class FP16Config:
         set_(self, "min_loss_scale", as_float(self.min_loss_scale, p + "min_loss_scale", 0.0, above=True))
 
 
+# Note [Stage 0 runs as stage 1]
+# DeepSpeed's stage 0 keeps every rank's optimizer state whole and all-reduces the gradients. Stage 1 computes
+# the same update from the same averaged gradients and sends the same bytes (a reduce-scatter and an all-gather
+# are an all-reduce cut in two), while each rank keeps 1/world of the optimizer state: a stage-0 config gets
+# all of what it asked for and less memory, as a config without a zero_optimization section (DeepSpeed's stage
+# 0 too) already did. What a stage-0 script could see differently is said in the warning: the reduced
+# gradients are not left in the parameters' .grad, as at DeepSpeed's stages 1-3, so torch's clip_grad_norm_
+# after engine.backward would find none (and return 0) where DeepSpeed's stage 0 clips them.
+STAGE_0_RUNS_AS_STAGE_1 = (
+    "zero_optimization.stage 0 (DeepSpeed's plain data parallelism) runs as stage 1: the same update from the same "
+    "averaged gradients and the same bytes on the wire, with each rank keeping 1/world of the optimizer state "
+    "instead of all of it. As at DeepSpeed's stages 1-3, the reduced gradients are not left in the parameters' "
+    ".grad after engine.backward: clip with the gradient_clipping key or engine.clip_grad_norm_, not "
+    "torch.nn.utils.clip_grad_norm_ (which finds no gradient there and returns 0)")
+
+
 @dataclass(frozen=True)
 class ZeroOptimizationConfig:
     """ZeRO stage and communication buckets (DeepSpeed ``zero_optimization``). Sizes count elements.
 
     Attributes:
         stage: 1 (optimizer states partitioned), 2 (+ gradients) or 3 (+ parameters). DeepSpeed's stage 0
-            (plain data parallelism) is rejected.
+            (plain data parallelism, what LLaMA-Factory's and open-instruct's ``ds_z0`` configs ask for) runs as
+            stage 1, with a warning saying so (Note [Stage 0 runs as stage 1]).
         reduce_bucket_size: elements per gradient reduce-scatter bucket (>= 1; integral floats such as 5e8
             are accepted). None (unset): ~25 MiB of gradients per bucket, DDP's default, so reduction overlaps
             with backward; ``comm_report()["buckets"]`` says which size was used and why.
@@ -218,11 +235,11 @@ class ZeroOptimizationConfig:
     def __post_init__(self) -> None:
         p = "zero_optimization."
         no_auto(self.stage, p + "stage")
-        if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
-            why = " (DeepSpeed's stage 0 is plain data parallelism; zerocore starts at stage 1)"
-            why = why if self.stage == 0 else ""
-            fail(p + "stage", f"accepted values are 1, 2, 3, got {self.stage!r}{why}")
-        object.__setattr__(self, "stage", int(self.stage))
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            fail(p + "stage", f"accepted values are 0, 1, 2, 3, got {self.stage!r}")
+        if self.stage == 0:
+            warnings.warn(STAGE_0_RUNS_AS_STAGE_1, UserWarning, stacklevel=user_stacklevel())
+        object.__setattr__(self, "stage", max(1, int(self.stage)))
         minimums = {"reduce_bucket_size": 1, "allgather_bucket_size": 1, "stage3_prefetch_bucket_size": 0,
                     "stage3_max_live_parameters": 0, "stage3_param_persistence_threshold": 0}
         for name, minimum in minimums.items():
