@@ -132,6 +132,20 @@ def test_add_param_group_on_the_engine_optimizer_raises_naming_initialize_param_
         engine.close()
 
 
+def test_parameters_as_param_groups_are_one_group_as_torch_takes_them():
+    """``param_groups=model.parameters()`` (torch's ``AdamW(model.parameters())``) is one group, as torch's
+    optimizers and DeepSpeed's model_parameters read it, not a group per tensor; a mix is refused."""
+    model = _linear()
+    engine = zerocore.initialize(model, _CONFIG, param_groups=model.parameters())
+    try:
+        assert [len(g["params"]) for g in engine.optimizer.param_groups] == [4]
+    finally:
+        engine.close()
+    with pytest.raises(TypeError, match="param_groups must be parameters .* or param-group dicts, not a mix"):
+        zerocore.initialize(model, _CONFIG, param_groups=[model[0].weight, {"params": [model[0].bias]}])
+    assert zerocore._gathered.engine_for(model[0].weight) is None  # nothing was taken over
+
+
 @pytest.mark.parametrize("key,value,named", [
     ("lr", -1e-3, "param_groups[1].lr"),
     ("lr", math.nan, "param_groups[1].lr"),

@@ -211,7 +211,14 @@ def collect_trainable(
     if param_groups is None:
         raw = [{"params": list(model.parameters())}]
     else:
-        raw = [dict(g) if isinstance(g, Mapping) else {"params": [g]} for g in param_groups]
+        items = list(param_groups)
+        if items and all(isinstance(item, torch.Tensor) for item in items):
+            raw = [{"params": items}]  # (torch's optimizers and DeepSpeed: an iterable of parameters is one group)
+        elif all(isinstance(item, Mapping) for item in items):
+            raw = [dict(item) for item in items]
+        else:
+            raise TypeError("param_groups must be parameters (one group, as torch's optimizers take them) or "
+                            "param-group dicts, not a mix")
     check_group_hyperparameters(raw)  # at initialize, not at the first step; the config's defaults are valid
     group_of: dict[int, int] = {}  # parameter id -> the group that lists it
     groups: list[dict[str, Any]] = []

@@ -107,7 +107,8 @@ def initialize(
             default: the default group, initialized here from the environment (``torchrun``) or as a
             single-process group when none exists.
         param_groups: torch-style groups (``{"params": [...], "weight_decay": 0.0, ...}``) over the model's
-            parameters; default: one group of every trainable parameter.
+            parameters, or parameters (one group, as torch's optimizers take ``model.parameters()``); default:
+            one group of every trainable parameter.
         comm_algorithms: ``{"reduce_scatter": ..., "all_gather": ...}`` overrides of the per-backend choice
             (see Note [Collective algorithms] in bindings/comm.hpp).
         units: stage 3 units of gathering, module instances and/or classes (Note [Stage 3 units]);
