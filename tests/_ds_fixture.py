@@ -39,6 +39,16 @@ CASES: dict[str, dict] = {
     "stage3-bf16-no-frozen": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True},
                                             "zero_optimization": {"stage": 3}}, "groups": False,
                               "save": {"exclude_frozen_parameters": True}},
+    # stage 0: the optimizer's state in the model state file, by position (FusedAdam's own at fp32, DeepSpeed's
+    # FP16_Optimizer's flat fp32 groups at bf16), the parameter groups split in two
+    "stage0-fp32": {"deepspeed": {"optimizer": _ADAMW, "zero_optimization": {"stage": 0}}, "groups": True},
+    "stage0-bf16": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True}, "scheduler": _WARMUP,
+                                  "zero_optimization": {"stage": 0}}, "groups": True},
+    # (a boost that overflows the gradients of a stage-0 run too). DeepSpeed 0.19.8's engine.backward leaves a
+    # stage-0 fp16 loss unscaled and its FP16_Optimizer divides the gradients by the scale all the same
+    # (deepspeedai/DeepSpeed#8393): its moments and its next update come from gradients / scale
+    "stage0-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 0}},
+                             "groups": False, "boost": {0: 1e35}, "gradients_over_scale": True},
     "stage2-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 2}},
                              "groups": False, "boost": {0: 1e4}},
     "stage3-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 3}},
@@ -103,6 +113,23 @@ def states_differing(model: nn.Module, expected: dict[str, torch.Tensor]) -> lis
             if not torch.equal(value, expected.get(f"{key}/{name}", torch.zeros_like(value))):
                 differ.append(f"{key}/{name}")
     return differ
+
+
+def deepspeed_stage0_state(engine, param: torch.Tensor, key: str) -> torch.Tensor:
+    """A parameter's fp32 master (``key`` "master") or Adam moment from a live DeepSpeed stage-0 engine: its
+    FP16_Optimizer's flat fp32 group (bf16, fp16), or the parameter and its optimizer state (fp32)."""
+    optimizer = engine.optimizer
+    if not hasattr(optimizer, "fp32_groups_flat"):
+        value = param if key == "master" else optimizer.state[param][key]
+        return value.detach().float().clone()
+    for flat, group in zip(optimizer.fp32_groups_flat, optimizer.fp16_groups):
+        offset = 0
+        for p in group:
+            if p is param:
+                source = flat if key == "master" else optimizer.optimizer.state[flat][key]
+                return source.detach().narrow(0, offset, p.numel()).view(p.shape).float().clone()
+            offset += p.numel()
+    raise KeyError("the parameter is in none of the optimizer's groups")
 
 
 def deepspeed_full_moment(engine, param: torch.Tensor, key: str) -> torch.Tensor:

@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -38,10 +39,13 @@ def load_worker(rank: int, world: int, case: str, stage: int, directory: str, of
     groups = param_groups(model, CASES[case])
     engine = zerocore.initialize(model, _config(case, stage, offload),
                                  param_groups=groups if CASES[case]["groups"] else None)
-    path, client_state = engine.load_checkpoint(directory, tag=tag)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path, client_state = engine.load_checkpoint(directory, tag=tag)
     expected = load_file(os.path.join(directory, "expected.safetensors"))
     seen: dict = {"path": os.path.basename(path), "client_state": client_state,
-                  "differ": states_differing(model, expected)}
+                  "differ": states_differing(model, expected),
+                  "warned_of_8393": any("deepspeedai/DeepSpeed#8393" in str(w.message) for w in caught)}
     whole = engine.full_state_dict(rank0_only=False)
     dtype = whole["embed.weight"].dtype
     seen["frozen_kept"] = all(torch.equal(whole[n], initial[n].to(whole[n].dtype)) for n in ("frozen.weight", "frozen.bias"))
@@ -63,6 +67,8 @@ def load_worker(rank: int, world: int, case: str, stage: int, directory: str, of
     seen["trains_on"] = bool(torch.isfinite(loss))
     seen["loss_scaler_after_step"] = engine.loss_scaler.state_dict()
     after = load_file(os.path.join(directory, "expected_after_step.safetensors"))
+    if CASES[case].get("gradients_over_scale"):  # DeepSpeed's next update is its bug's: torch's from the state
+        after = _torch_adamw_step(expected, seen["adam_steps"])
     seen["update_distance"] = {}
     for name, param in model.named_parameters():
         if param.requires_grad and not name.startswith("unused."):  # (DeepSpeed decays a parameter with no
@@ -72,6 +78,22 @@ def load_worker(rank: int, world: int, case: str, stage: int, directory: str, of
             seen["update_distance"][name] = float((ours - ds_update).norm() / ds_update.norm())
     engine.close()
     return seen
+
+
+def _torch_adamw_step(state: dict[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
+    """The masters after torch's AdamW (the fixtures' hyperparameters) takes the fourth step from ``state``
+    (masters and moments by name, ``steps`` taken) on DeepSpeed's two ranks' batches, in fp32."""
+    model = build_fixture_model()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(params.values(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(state[f"master/{name}"])
+            optimizer.state[param] = {"step": torch.tensor(float(steps)), "exp_avg": state[f"exp_avg/{name}"].clone(),
+                                      "exp_avg_sq": state[f"exp_avg_sq/{name}"].clone()}
+    (sum(fixture_loss(model(fixture_batch(3, k)[0]), fixture_batch(3, k)[1]) for k in range(2)) / 2).backward()
+    optimizer.step()
+    return {f"master/{n}": p.detach().clone() for n, p in params.items()}
 
 
 _UNIVERSAL = "global_step3_universal"  # ds_to_universal's conversion of the case's checkpoint (make_fixtures.py)
@@ -88,6 +110,10 @@ _UNIVERSAL = "global_step3_universal"  # ds_to_universal's conversion of the cas
     ("stage3-fp16-overflow", 2, 3, None, None), ("stage3-fp16-overflow", 1, 1, "cpu", None),
     # DeepSpeed's BF16_Optimizer (bf16, fp32 gradient accumulation, stage 1), resumed accumulating in fp32 too
     ("stage1-bf16-fp32-accum", 2, 1, None, None), ("stage1-bf16-fp32-accum", 3, 2, None, None),
+    # stage 0: the optimizer's whole state by position in the model state file (Note [DeepSpeed stage-0 checkpoints])
+    ("stage0-fp32", 2, 1, None, None), ("stage0-fp32", 3, 3, None, None),
+    ("stage0-bf16", 2, 2, None, None), ("stage0-bf16", 1, 3, "cpu", None),
+    ("stage0-fp16-overflow", 2, 2, None, None), ("stage0-fp16-overflow", 3, 1, None, None),
     # DeepSpeed's universal checkpoints: every parameter whole, its moments beside it
     ("stage2-bf16-groups-warmup", 3, 3, None, _UNIVERSAL), ("stage2-bf16-groups-warmup", 1, 2, "cpu", _UNIVERSAL),
     ("stage3-bf16", 2, 1, None, _UNIVERSAL), ("stage3-bf16", 3, 3, None, _UNIVERSAL),
@@ -101,9 +127,11 @@ def test_a_deepspeed_checkpoint_loads_exactly_at_any_world_size_and_stage(case, 
         assert seen["differ"] == [], seen["differ"]
         assert seen["frozen_kept"] and seen["params_are_masters"], seen
         assert seen["buffer"] == [3.0, 3.0, 3.0]
+        assert seen["warned_of_8393"] == bool(CASES[case].get("gradients_over_scale"))
         assert seen["client_state"] == {"epoch": 7, "note": "from deepspeed"}
         skipped = facts.get("skipped_steps", 0)  # fp16 overflows: counted steps that updated nothing
-        assert (seen["global_steps"], seen["adam_steps"]) == (3, 3 - skipped)
+        # (stage 0's FP16_Optimizer counts one more: its first step initializes the state)
+        assert (seen["global_steps"], seen["adam_steps"]) == (3, facts.get("adam_steps", 3 - skipped))
         # DeepSpeed's saved count (3 steps x 4 samples x its 2 ranks), not the steps at this run's batch
         assert seen["global_samples"] == 24, seen["global_samples"]
         if "loss_scaler" in facts:  # the resumed scale, and the counters that decide its next change, DeepSpeed's
@@ -180,8 +208,64 @@ def test_an_unknown_layout_is_refused_by_name(tmp_path):
         torch.save({"optimizer_state_dict": {"state": {}}},
                    copy_dir / "global_step3" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     for message in run_ranks(mismatch_free_worker, 2, str(copy_dir)):
-        assert "is not a DeepSpeed ZeRO (stage 1-3) checkpoint this version reads" in message, message
+        assert "is not a DeepSpeed ZeRO (stage 0-3) checkpoint this version reads" in message, message
         assert "'zero_stage'" in message and "nothing was changed" in message, message
+
+
+def stage0_order_worker(rank: int, world: int, case: str, order: str) -> str:
+    """A stage-0 checkpoint loaded by an engine whose param groups are not the DeepSpeed run's."""
+    model = build_fixture_model()
+    groups = param_groups(model, CASES[case])
+    if order == "one group":
+        groups = [p for g in groups for p in g["params"]]
+    else:  # the same groups, the first one's parameters in another order
+        groups[0]["params"] = groups[0]["params"][::-1]
+    engine = zerocore.initialize(model, _config(case, 2), param_groups=groups)
+    before = zerocore.safe_get_full_fp32_param(model.embed.weight)
+    try:
+        engine.load_checkpoint(os.path.join(FIXTURES, case))
+        return "no error"
+    except ValueError as error:
+        unchanged = torch.equal(before, zerocore.safe_get_full_fp32_param(model.embed.weight))
+        x, y = fixture_batch(0, rank)
+        engine.backward(fixture_loss(engine(x), y))
+        engine.step()  # (every rank raised: they train on together)
+        return f"{error} | unchanged={unchanged}"
+
+
+@pytest.mark.parametrize("case,order,names", [
+    ("stage0-fp32", "one group", "param groups of [3, 3] parameters; the engine's groups hold [6]"),
+    ("stage0-fp32", "reversed", "an Adam moment of shape [20, 8] at the position of 'unused.weight'"),
+    ("stage0-bf16", "one group", "param groups of [248, 12] elements; the engine's groups hold [260]"),
+    ("stage0-bf16", "reversed", "fp32 master at the position of 'unused.weight' is not that parameter's"),
+])
+def test_a_stage_0_checkpoint_in_other_param_groups_is_refused_with_nothing_changed(case, order, names):
+    """Note [DeepSpeed stage-0 checkpoints]: the optimizer state is kept by position, as DeepSpeed (and torch)
+    load it; groups of other sizes, moments of other shapes or masters whose 16-bit copies differ name it."""
+    for message in run_ranks(stage0_order_worker, 2, case, order):
+        assert names in message and "model_parameters" in message and "unchanged=True" in message, message
+
+
+def test_a_stage_1_checkpoint_without_its_optimizer_files_is_not_read_as_stage_0(tmp_path):
+    copy_dir = tmp_path / "ds"
+    shutil.copytree(os.path.join(FIXTURES, "stage1-fp32"), copy_dir)
+    for rank in range(2):
+        os.remove(copy_dir / "global_step3" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    for message in run_ranks(mismatch_free_worker, 2, str(copy_dir)):
+        assert "no ZeRO optimizer files (zero_pp_rank_*_optim_states.pt) for its stage 1" in message, message
+
+
+def test_info_describes_deepspeed_checkpoints_of_stage_0_and_1():
+    """``python -m zerocore.checkpoint info`` on DeepSpeed checkpoints: stage 0's parameters are named by the
+    module's weights, its optimizer state's groups by their sizes (a load names them)."""
+    from zerocore._deepspeed_checkpoint import describe
+
+    lines = describe(os.path.join(FIXTURES, "stage0-bf16", "global_step3"))
+    assert "ZeRO stage 0 checkpoint of 2 ranks" in lines[0] and "optimizer 4" in lines[1], lines
+    assert lines[2].startswith("param groups of [248, 12] trainable elements, kept by position"), lines
+    assert "  hidden.weight [8, 8]" in lines and "  seen [3]" not in lines, lines  # (a buffer, not a parameter)
+    lines = describe(os.path.join(FIXTURES, "stage1-fp32", "global_step3"))
+    assert "ZeRO stage 1 checkpoint" in lines[0] and lines[2].startswith("6 trainable parameters"), lines
 
 
 def test_a_range_of_no_elements_reads_as_an_empty_tensor():

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO checkpoints (stages 1-3, from DeepSpeed's ``engine.save_checkpoint``) loaded by
+"""DeepSpeed ZeRO checkpoints (stages 0-3, from DeepSpeed's ``engine.save_checkpoint``) loaded by
 ``engine.load_checkpoint``: a run moves to zerocore mid-training with its weights, Adam moments, step counts,
 scheduler and buffers, at any world size and stage.
 
@@ -24,6 +24,23 @@ the caller's ``client_state`` (its other top-level keys). The fp32 master and Ad
   ``zero/<name>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt`` (and ``step.pt``; a ``{"param": tensor}``, or the
   tensor itself from a stage-3 conversion), the optimizer's shared state in ``zero/optimizer_state.pt``, and
   the model state files as the stage wrote them (frozen parameters, buffers, counters, scheduler).
+
+Note [DeepSpeed stage-0 checkpoints]
+------------------------------------
+Stage 0 writes no optimizer file: the model state file's ``optimizer`` is the optimizer's whole state_dict,
+which names its parameters by position, as torch's does (``param_shapes`` is None). At fp32 it is the plain
+optimizer's (moments per parameter; DeepSpeed's FusedAdam counts the step on one parameter per group, so the
+group's largest count is its step); at bf16 and fp16 it is FP16_Optimizer's: one flat fp32 master per group
+(``fp32_groups_flat``: the group's parameters end to end, no padding), the moments of each flat, and one step
+more than the run took (its first step, on zero gradients, creates the state; DeepSpeed's next update's bias
+correction counts it, so a zerocore resume does too). A load names the positions by the engine's param groups,
+as DeepSpeed's own resume does with its model_parameters, and checks them before anything changes: the groups'
+sizes, each moment's shape against its parameter's, and each 16-bit weight in ``module`` against the rounding
+of the master at its position; a mismatch asks for the DeepSpeed run's param groups. FP16_Optimizer's loss
+scaler halves at every overflow (it has no hysteresis): the resumed scaler keeps its scale and counters, with
+one overflow to go before it halves, then follows the config's hysteresis. A stage-0 fp16 checkpoint is
+loaded with a warning: DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393) trains it on gradients divided by the
+loss scale, so its moments are that much too small for the true gradients zerocore resumes with.
 
 Every rank reads the files memory-mapped and, one parameter at a time, only the elements its own shards hold
 (its master and moments, from the pages that hold them: a rank reading every parameter whole would read the
@@ -76,13 +93,15 @@ _DEEPSPEED_KEYS = frozenset({
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _STAGE3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _UNIVERSAL_OPTIMIZER = "optimizer_state.pt"  # a universal checkpoint's zero/: what every rank's optimizer shared
+_MODEL_STATES = "mp_rank_00_model_states.pt"  # stages 0-2's model state file
 
 
 def is_deepspeed_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a DeepSpeed checkpoint directory (its ZeRO optimizer files, or a universal
-    checkpoint's ``zero/``), not a zerocore one."""
+    """Whether ``path`` is a DeepSpeed checkpoint directory (its ZeRO optimizer files, a universal checkpoint's
+    ``zero/``, or stage 0's model state file alone), not a zerocore one."""
     return (os.path.isdir(path) and not os.path.exists(os.path.join(path, "index.json"))
-            and (any(_OPTIM.match(name) for name in os.listdir(path)) or _is_universal(path)))
+            and (any(_OPTIM.match(name) for name in os.listdir(path)) or _is_universal(path)
+                 or os.path.isfile(os.path.join(path, _MODEL_STATES))))
 
 
 def _is_universal(path: str) -> bool:
@@ -168,8 +187,10 @@ class _Checkpoint:
     loss_scaler: dict[str, float | int] | None  # a dynamic fp16 scaler's state, as LossScaler.state_dict()
 
 
-def read(path: str) -> _Checkpoint:
-    """Reads and checks a DeepSpeed checkpoint directory (memory-mapped: parameters are assembled later)."""
+def read(path: str, order: list[list[str]] | None = None) -> _Checkpoint:
+    """Reads and checks a DeepSpeed checkpoint directory (memory-mapped: parameters are assembled later).
+    ``order``: the loading engine's trainable parameter names per param group, which name a stage-0
+    checkpoint's optimizer state (kept by position); None names none of them (``describe``)."""
     if _is_universal(path):
         return _read_universal(path)
     optim_files: dict[int, str] = {}
@@ -184,6 +205,8 @@ def read(path: str) -> _Checkpoint:
         raise ValueError(f"load_checkpoint: {path} holds pipeline layer or MoE expert files: zerocore loads "
                          "data-parallel ZeRO checkpoints only")
     world = len(optim_files)
+    if not world and os.path.isfile(os.path.join(path, _MODEL_STATES)):
+        return _read_stage0(path, order)
     if sorted(optim_files) != list(range(world)):
         raise ValueError(f"load_checkpoint: {path} holds the optimizer files of ranks {sorted(optim_files)}: a "
                          "rank's file is missing (a save that did not finish?)")
@@ -217,6 +240,107 @@ def _zero_stage(optim: dict[str, Any]) -> int:
     if "single_partition_of_fp32_groups" in optim:
         return 1
     raise KeyError("zero_stage")
+
+
+def _read_stage0(path: str, order: list[list[str]] | None) -> _Checkpoint:
+    """Stage 0 (Note [DeepSpeed stage-0 checkpoints]): the model state file alone, its ``optimizer`` the
+    optimizer's whole state with the parameters by position, named by ``order``."""
+    model = _load(os.path.join(path, _MODEL_STATES))
+    optimizer = model.get("optimizer")
+    stage = ((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0)
+    if not isinstance(optimizer, dict) or stage not in (0, "0", None):
+        raise ValueError(f"load_checkpoint: {path} holds a DeepSpeed model state file but no ZeRO optimizer files "
+                         f"(zero_pp_rank_*_optim_states.pt) for its stage {stage}: a save that did not finish?")
+    mixed = "fp32_groups_flat" in optimizer  # FP16_Optimizer (bf16, fp16): flat fp32 masters, one per group
+    state = optimizer["optimizer_state_dict"] if mixed else optimizer
+    groups, entries, module = state["param_groups"], state["state"], model["module"]
+    trainable: dict[str, tuple[torch.Size, Any]] = {}
+    flats: dict[str, list[_Flat]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
+    if order is not None:
+        sizes = _stage0_group_sizes(optimizer)
+        ours = [sum(module[name].numel() for name in names if name in module) if mixed else len(names)
+                for names in order]
+        if sizes != ours:
+            unit = "elements" if mixed else "parameters"
+            raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path} keeps its optimizer state by "
+                             f"position, in param groups of {sizes} {unit}; the engine's groups hold {ours}: "
+                             "initialize with the param groups (model_parameters) the DeepSpeed run had, in its order")
+        for g, (group, names) in enumerate(zip(groups, order)):
+            unknown = [name for name in names if name not in module]
+            if unknown:
+                raise ValueError(f"load_checkpoint: trainable parameters {unknown[:5]} are not in the DeepSpeed "
+                                 f"checkpoint {path}")
+            shapes = [module[name].shape for name in names]
+            if mixed:
+                flats["master"].append(_Flat([optimizer["fp32_groups_flat"][g]]))
+                moments = entries.get(group["params"][0], {})
+                for key in ("exp_avg", "exp_avg_sq"):
+                    flats[key].append(_Flat([moments[key] if key in moments else torch.zeros(sum(
+                        math.prod(shape) for shape in shapes))]))
+            else:
+                flats["master"].append(_Flat([module[name] for name in names]))
+                for key in ("exp_avg", "exp_avg_sq"):
+                    flats[key].append(_Flat([entries[i][key] if key in entries.get(i, {}) else torch.zeros(shape)
+                                             for i, shape in zip(group["params"], shapes)]))
+            offset = 0
+            for position, (name, shape) in enumerate(zip(names, shapes)):
+                moment = None if mixed else entries.get(group["params"][position], {}).get("exp_avg")
+                if moment is not None and tuple(moment.shape) != tuple(shape):
+                    raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path} holds an Adam moment "
+                                     f"of shape {list(moment.shape)} at the position of {name!r} "
+                                     f"({list(shape)}): initialize with the param groups (model_parameters) the "
+                                     "DeepSpeed run had, in its order")
+                trainable[name] = (torch.Size(shape), ("flat", g, offset))
+                offset += math.prod(shape)
+            if offset != flats["master"][g].numel:
+                raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path}'s param group {g} holds "
+                                 f"{flats['master'][g].numel} elements, the engine's {offset}: initialize with the "
+                                 "param groups (model_parameters) the DeepSpeed run had, in its order")
+        if mixed:
+            _check_16bit_copies(path, module, trainable, flats["master"])
+    steps = {_as_int(entry.get("step", 0)) for entry in entries.values()}
+    if mixed and "cur_scale" in optimizer:  # (fp16: FP16_Optimizer saves its scale only then)
+        warnings.warn(
+            f"load_checkpoint: {path} is a DeepSpeed {model.get('ds_version', '')} stage-0 fp16 checkpoint. "
+            "DeepSpeed 0.19's engine.backward leaves a stage-0 fp16 loss unscaled while its FP16_Optimizer divides "
+            "the gradients by the loss scale (deepspeedai/DeepSpeed#8393): if this run had that bug, its Adam moments "
+            f"come from gradients / {float(optimizer['cur_scale']):g} or so, and zerocore's updates from the true "
+            "gradients will be several times larger than the learning rate asks until the second moment catches up "
+            "(about 1/(1 - beta2) steps); load_optimizer_states=False starts the moments afresh instead",
+            UserWarning, stacklevel=2)
+    scaler = None
+    if mixed and optimizer.get("dynamic_loss_scale"):
+        # FP16_Optimizer's scaler halves at every overflow (no hysteresis): one left, then the config's own
+        scaler = {"scale": float(optimizer["cur_scale"]), "hysteresis_left": 1, "iteration": int(optimizer["cur_iter"]),
+                  "last_overflow": int(optimizer.get("last_overflow_iter", -1)),
+                  "overflows": _as_int(model.get("skipped_steps", 0))}
+    return _Checkpoint(path, 0, model, trainable, _frozen_values(0, model, [model], trainable), flats,
+                       max(steps, default=0), [{k: v for k, v in g.items() if k not in ("params", "step")}
+                                               for g in groups], scaler)
+
+
+def _stage0_group_sizes(optimizer: dict[str, Any]) -> list[int]:
+    """A stage-0 optimizer's param group sizes: elements of each flat fp32 group (FP16_Optimizer's), or
+    parameters per group (a plain optimizer's)."""
+    if "fp32_groups_flat" in optimizer:
+        return [flat.numel() for flat in optimizer["fp32_groups_flat"]]
+    return [len(group["params"]) for group in optimizer["param_groups"]]
+
+
+def _check_16bit_copies(path: str, module: dict[str, torch.Tensor], trainable: dict[str, tuple[torch.Size, Any]],
+                        masters: list[_Flat]) -> None:
+    """The position check of a 16-bit stage-0 checkpoint: each parameter's 16-bit weight in ``module`` is its
+    fp32 master's rounding, so masters assigned to the wrong parameters (groups in another order) are caught
+    unless they hold the same values."""
+    for name, (shape, (_, group, offset)) in trainable.items():
+        weight = module[name]
+        if weight.dtype in (torch.float16, torch.bfloat16):
+            master = masters[group].read(offset, math.prod(shape))
+            if not torch.equal(master.to(weight.dtype), weight.reshape(-1)):
+                raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path}'s fp32 master at the "
+                                 f"position of {name!r} is not that parameter's (its {weight.dtype} weight differs): "
+                                 "initialize with the param groups (model_parameters) the DeepSpeed run had, in "
+                                 "its order")
 
 
 def _model_states(path: str, stage: int, world: int, kind: str) -> list[dict[str, Any]]:
@@ -280,6 +404,13 @@ def describe(path: str) -> list[str]:
              f"{[g.get('lr') for g in checkpoint.param_groups]}",
              f"{len(checkpoint.trainable)} trainable parameters, {len(checkpoint.frozen)} frozen or tied; client_state keys: "
              f"{sorted(k for k in model if k not in _DEEPSPEED_KEYS)}"]
+    if checkpoint.stage == 0:  # (read without an engine, the optimizer's parameters have no names yet)
+        unit = "elements" if "fp32_groups_flat" in model["optimizer"] else "parameters"
+        lines[-1] = (f"param groups of {_stage0_group_sizes(model['optimizer'])} trainable {unit}, kept by position "
+                     "(a load names them by the engine's param groups); client_state keys: "
+                     f"{sorted(k for k in model if k not in _DEEPSPEED_KEYS)}")
+        lines += [f"  {name} {list(value.shape)}" for name, value in model["module"].items()
+                  if name not in set(model.get("buffer_names") or [])]
     lines += [f"  {name} {list(shape)}" for name, (shape, _) in checkpoint.trainable.items()]
     return lines
 
@@ -411,12 +542,12 @@ def load(engine: Engine, path: str, load_optimizer_states: bool, load_lr_schedul
     """Reads, checks (every rank agreeing) and applies a DeepSpeed checkpoint; returns its client_state."""
     checkpoint, problem = None, None
     try:
-        checkpoint = read(path)
+        checkpoint = read(path, _param_order(engine))
         _check_against(engine, checkpoint)
     except (OSError, ValueError) as error:
         problem = error
     except (KeyError, TypeError, IndexError, AttributeError) as error:  # a layout this reader does not know
-        problem = ValueError(f"load_checkpoint: {path} is not a DeepSpeed ZeRO (stage 1-3) checkpoint this version "
+        problem = ValueError(f"load_checkpoint: {path} is not a DeepSpeed ZeRO (stage 0-3) checkpoint this version "
                              f"reads ({type(error).__name__}: {error}); nothing was changed")
     agree_on_reading(engine, problem, "the DeepSpeed checkpoint")
     assert checkpoint is not None
@@ -424,6 +555,12 @@ def load(engine: Engine, path: str, load_optimizer_states: bool, load_lr_schedul
         _apply(engine, checkpoint, load_optimizer_states and not load_module_only, load_lr_scheduler_states,
                load_module_only)
     return {k: v for k, v in checkpoint.model.items() if k not in _DEEPSPEED_KEYS}
+
+
+def _param_order(engine: Engine) -> list[list[str]]:
+    """The engine's trainable parameter names per param group, in the groups' order."""
+    names = {id(param): name for name, param in named_parameters(engine.module)}
+    return [[names[id(param)] for param in group["params"]] for group in engine.optimizer.param_groups]
 
 
 def _check_against(engine: Engine, checkpoint: _Checkpoint) -> None:
