@@ -44,6 +44,9 @@ CASES: dict[str, dict] = {
     "stage0-fp32": {"deepspeed": {"optimizer": _ADAMW, "zero_optimization": {"stage": 0}}, "groups": True},
     "stage0-bf16": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True}, "scheduler": _WARMUP,
                                   "zero_optimization": {"stage": 0}}, "groups": True},
+    # DeepSpeed's default model_parameters (every parameter, the frozen ones too: FusedAdam keeps their positions)
+    "stage0-fp32-every-param": {"deepspeed": {"optimizer": _ADAMW, "zero_optimization": {"stage": 0}},
+                                "groups": False, "model_parameters": "default"},
     # (a boost that overflows the gradients of a stage-0 run too). DeepSpeed 0.19.8's engine.backward leaves a
     # stage-0 fp16 loss unscaled and its FP16_Optimizer divides the gradients by the scale all the same
     # (deepspeedai/DeepSpeed#8393): its moments and its next update come from gradients / scale
@@ -87,7 +90,8 @@ def run_fixture_script(deepspeed: Any, name: str, rank: int) -> tuple[Any, nn.Mo
     model = build_fixture_model()
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
               **case["deepspeed"]}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    given = None if case.get("model_parameters") == "default" else param_groups(model, case)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=given, config=config)
     for step in range(3):
         tokens, target = fixture_batch(step, rank)
         engine.backward(fixture_loss(engine(tokens), target) * case.get("boost", {}).get(step, 1.0))

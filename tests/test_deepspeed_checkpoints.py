@@ -114,6 +114,7 @@ _UNIVERSAL = "global_step3_universal"  # ds_to_universal's conversion of the cas
     ("stage0-fp32", 2, 1, None, None), ("stage0-fp32", 3, 3, None, None),
     ("stage0-bf16", 2, 2, None, None), ("stage0-bf16", 1, 3, "cpu", None),
     ("stage0-fp16-overflow", 2, 2, None, None), ("stage0-fp16-overflow", 3, 1, None, None),
+    ("stage0-fp32-every-param", 2, 3, None, None),
     # DeepSpeed's universal checkpoints: every parameter whole, its moments beside it
     ("stage2-bf16-groups-warmup", 3, 3, None, _UNIVERSAL), ("stage2-bf16-groups-warmup", 1, 2, "cpu", _UNIVERSAL),
     ("stage3-bf16", 2, 1, None, _UNIVERSAL), ("stage3-bf16", 3, 3, None, _UNIVERSAL),

@@ -34,9 +34,11 @@ group's largest count is its step); at bf16 and fp16 it is FP16_Optimizer's: one
 (``fp32_groups_flat``: the group's parameters end to end, no padding), the moments of each flat, and one step
 more than the run took (its first step, on zero gradients, creates the state; DeepSpeed's next update's bias
 correction counts it, so a zerocore resume does too). A load names the positions by the engine's param groups,
-as DeepSpeed's own resume does with its model_parameters, and checks them before anything changes: the groups'
-sizes, each moment's shape against its parameter's, and each 16-bit weight in ``module`` against the rounding
-of the master at its position; a mismatch asks for the DeepSpeed run's param groups. FP16_Optimizer's loss
+as DeepSpeed's own resume does with its model_parameters (without them, DeepSpeed's fp32 optimizer holds every
+parameter, frozen ones too, in one group: a load whose groups do not fit tries that), and checks them before
+anything changes: the groups' sizes, each moment's shape against its parameter's, and each 16-bit weight in
+``module`` against the rounding of the master at its position; a mismatch asks for the DeepSpeed run's param
+groups. FP16_Optimizer's loss
 scaler halves at every overflow (it has no hysteresis): the resumed scaler keeps its scale and counters, with
 one overflow to go before it halves, then follows the config's hysteresis. A stage-0 fp16 checkpoint is
 loaded with a warning: DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393) trains it on gradients divided by the
@@ -187,10 +189,11 @@ class _Checkpoint:
     loss_scaler: dict[str, float | int] | None  # a dynamic fp16 scaler's state, as LossScaler.state_dict()
 
 
-def read(path: str, order: list[list[str]] | None = None) -> _Checkpoint:
+def read(path: str, order: list[list[str]] | None = None, every: list[str] | None = None) -> _Checkpoint:
     """Reads and checks a DeepSpeed checkpoint directory (memory-mapped: parameters are assembled later).
     ``order``: the loading engine's trainable parameter names per param group, which name a stage-0
-    checkpoint's optimizer state (kept by position); None names none of them (``describe``)."""
+    checkpoint's optimizer state (kept by position), and ``every`` all the module's parameter names in order;
+    None names none of them (``describe``)."""
     if _is_universal(path):
         return _read_universal(path)
     optim_files: dict[int, str] = {}
@@ -206,7 +209,7 @@ def read(path: str, order: list[list[str]] | None = None) -> _Checkpoint:
                          "data-parallel ZeRO checkpoints only")
     world = len(optim_files)
     if not world and os.path.isfile(os.path.join(path, _MODEL_STATES)):
-        return _read_stage0(path, order)
+        return _read_stage0(path, order, every)
     if sorted(optim_files) != list(range(world)):
         raise ValueError(f"load_checkpoint: {path} holds the optimizer files of ranks {sorted(optim_files)}: a "
                          "rank's file is missing (a save that did not finish?)")
@@ -242,9 +245,10 @@ def _zero_stage(optim: dict[str, Any]) -> int:
     raise KeyError("zero_stage")
 
 
-def _read_stage0(path: str, order: list[list[str]] | None) -> _Checkpoint:
+def _read_stage0(path: str, order: list[list[str]] | None, every: list[str] | None) -> _Checkpoint:
     """Stage 0 (Note [DeepSpeed stage-0 checkpoints]): the model state file alone, its ``optimizer`` the
-    optimizer's whole state with the parameters by position, named by ``order``."""
+    optimizer's whole state with the parameters by position, named by ``order``, or by ``every`` (all the
+    module's parameters, as DeepSpeed's default model_parameters lists them) when that is what fits."""
     model = _load(os.path.join(path, _MODEL_STATES))
     optimizer = model.get("optimizer")
     stage = ((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0)
@@ -257,10 +261,13 @@ def _read_stage0(path: str, order: list[list[str]] | None) -> _Checkpoint:
     trainable: dict[str, tuple[torch.Size, Any]] = {}
     flats: dict[str, list[_Flat]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
     if order is not None:
+        trainable_names = {name for names in order for name in names}
         sizes = _stage0_group_sizes(optimizer)
         ours = [sum(module[name].numel() for name in names if name in module) if mixed else len(names)
                 for names in order]
-        if sizes != ours:
+        if sizes != ours and not mixed and every is not None and sizes == [len(every)]:
+            order = [every]  # DeepSpeed's default model_parameters: every parameter, frozen ones too (no state)
+        elif sizes != ours:
             unit = "elements" if mixed else "parameters"
             raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path} keeps its optimizer state by "
                              f"position, in param groups of {sizes} {unit}; the engine's groups hold {ours}: "
@@ -270,7 +277,9 @@ def _read_stage0(path: str, order: list[list[str]] | None) -> _Checkpoint:
             if unknown:
                 raise ValueError(f"load_checkpoint: trainable parameters {unknown[:5]} are not in the DeepSpeed "
                                  f"checkpoint {path}")
-            shapes = [module[name].shape for name in names]
+            # (position in the saved group, name) of the parameters this engine trains
+            positions = [(position, name) for position, name in enumerate(names) if name in trainable_names]
+            shapes = [module[name].shape for _, name in positions]
             if mixed:
                 flats["master"].append(_Flat([optimizer["fp32_groups_flat"][g]]))
                 moments = entries.get(group["params"][0], {})
@@ -278,12 +287,12 @@ def _read_stage0(path: str, order: list[list[str]] | None) -> _Checkpoint:
                     flats[key].append(_Flat([moments[key] if key in moments else torch.zeros(sum(
                         math.prod(shape) for shape in shapes))]))
             else:
-                flats["master"].append(_Flat([module[name] for name in names]))
+                flats["master"].append(_Flat([module[name] for _, name in positions]))
                 for key in ("exp_avg", "exp_avg_sq"):
                     flats[key].append(_Flat([entries[i][key] if key in entries.get(i, {}) else torch.zeros(shape)
-                                             for i, shape in zip(group["params"], shapes)]))
+                                             for i, shape in zip((group["params"][p] for p, _ in positions), shapes)]))
             offset = 0
-            for position, (name, shape) in enumerate(zip(names, shapes)):
+            for (position, name), shape in zip(positions, shapes):
                 moment = None if mixed else entries.get(group["params"][position], {}).get("exp_avg")
                 if moment is not None and tuple(moment.shape) != tuple(shape):
                     raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path} holds an Adam moment "
@@ -542,7 +551,7 @@ def load(engine: Engine, path: str, load_optimizer_states: bool, load_lr_schedul
     """Reads, checks (every rank agreeing) and applies a DeepSpeed checkpoint; returns its client_state."""
     checkpoint, problem = None, None
     try:
-        checkpoint = read(path, _param_order(engine))
+        checkpoint = read(path, _param_order(engine), [name for name, _ in named_parameters(engine.module)])
         _check_against(engine, checkpoint)
     except (OSError, ValueError) as error:
         problem = error
