@@ -52,6 +52,10 @@ CASES: dict[str, dict] = {
     # (deepspeedai/DeepSpeed#8393): its moments and its next update come from gradients / scale
     "stage0-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 0}},
                              "groups": False, "boost": {0: 1e35}, "gradients_over_scale": True},
+    # the same at stage 2, whose module state still holds the tied head.weight beside the trainable embed.weight
+    "stage2-bf16-no-frozen": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True},
+                                            "zero_optimization": {"stage": 2}}, "groups": False,
+                              "save": {"exclude_frozen_parameters": True}},
     "stage2-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 2}},
                              "groups": False, "boost": {0: 1e4}},
     "stage3-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 3}},

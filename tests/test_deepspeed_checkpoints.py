@@ -106,6 +106,7 @@ _UNIVERSAL = "global_step3_universal"  # ds_to_universal's conversion of the cas
     ("stage3-bf16", 2, 3, None, None), ("stage3-bf16", 3, 2, None, None),
     ("stage3-fp32", 2, 3, None, None), ("stage3-fp32", 4, 1, None, None),
     ("stage3-bf16-no-frozen", 2, 3, None, None), ("stage3-bf16-no-frozen", 2, 2, None, None),
+    ("stage2-bf16-no-frozen", 2, 2, None, None), ("stage2-bf16-no-frozen", 3, 3, None, None),
     ("stage2-fp16-overflow", 2, 2, None, None), ("stage2-fp16-overflow", 3, 3, None, None),
     ("stage3-fp16-overflow", 2, 3, None, None), ("stage3-fp16-overflow", 1, 1, "cpu", None),
     # DeepSpeed's BF16_Optimizer (bf16, fp32 gradient accumulation, stage 1), resumed accumulating in fp32 too
@@ -245,6 +246,31 @@ def test_a_stage_0_checkpoint_in_other_param_groups_is_refused_with_nothing_chan
     load it; groups of other sizes, moments of other shapes or masters whose 16-bit copies differ name it."""
     for message in run_ranks(stage0_order_worker, 2, case, order):
         assert names in message and "model_parameters" in message and "unchanged=True" in message, message
+
+
+def stage0_without_frozen_worker(rank: int, world: int, directory: str) -> dict:
+    model = build_fixture_model()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    engine = zerocore.initialize(model, _config("stage0-fp32-every-param", 2))
+    engine.load_checkpoint(directory)
+    expected = load_file(os.path.join(directory, "expected.safetensors"))
+    whole = engine.full_state_dict(rank0_only=False)
+    return {"differ": states_differing(model, expected),
+            "frozen_kept": all(torch.equal(whole[n], value) for n, value in frozen.items())}
+
+
+def test_a_stage_0_checkpoint_saved_without_its_frozen_parameters_keeps_the_models_own(tmp_path):
+    """DeepSpeed's exclude_frozen_parameters=True at stage 0 (the module's frozen weights left out, their
+    positions still in the optimizer's group of every parameter): the trainable ones load exactly, the frozen
+    ones stay the model's."""
+    copy_dir = tmp_path / "ds"
+    shutil.copytree(os.path.join(FIXTURES, "stage0-fp32-every-param"), copy_dir)
+    file = copy_dir / "global_step3" / "mp_rank_00_model_states.pt"
+    state = torch.load(file, weights_only=False)
+    state["module"] = {k: v for k, v in state["module"].items() if not k.startswith("frozen.")}
+    torch.save(state, file)
+    for seen in run_ranks(stage0_without_frozen_worker, 2, str(copy_dir)):
+        assert seen == {"differ": [], "frozen_kept": True}, seen
 
 
 def test_a_stage_1_checkpoint_without_its_optimizer_files_is_not_read_as_stage_0(tmp_path):

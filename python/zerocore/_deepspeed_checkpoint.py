@@ -273,12 +273,12 @@ def _read_stage0(path: str, order: list[list[str]] | None, every: list[str] | No
                              f"position, in param groups of {sizes} {unit}; the engine's groups hold {ours}: "
                              "initialize with the param groups (model_parameters) the DeepSpeed run had, in its order")
         for g, (group, names) in enumerate(zip(groups, order)):
-            unknown = [name for name in names if name not in module]
+            # (position in the saved group, name) of the parameters this engine trains
+            positions = [(position, name) for position, name in enumerate(names) if name in trainable_names]
+            unknown = [name for _, name in positions if name not in module]
             if unknown:
                 raise ValueError(f"load_checkpoint: trainable parameters {unknown[:5]} are not in the DeepSpeed "
                                  f"checkpoint {path}")
-            # (position in the saved group, name) of the parameters this engine trains
-            positions = [(position, name) for position, name in enumerate(names) if name in trainable_names]
             shapes = [module[name].shape for _, name in positions]
             if mixed:
                 flats["master"].append(_Flat([optimizer["fp32_groups_flat"][g]]))
@@ -586,9 +586,11 @@ def _check_against(engine: Engine, checkpoint: _Checkpoint) -> None:
             raise ValueError(f"load_checkpoint: parameter {name!r} is {list(param.shape)} in the model but "
                              f"{list(shape)} in the DeepSpeed checkpoint {checkpoint.path}; nothing was changed")
     frozen = {canonical(n): v for n, v in checkpoint.frozen.items()}
-    for name, param in named_parameters(engine.module):
-        if name in ours or not frozen:  # none saved (exclude_frozen_parameters=True): the model's own stay
-            continue
+    ours_frozen = [(name, param) for name, param in named_parameters(engine.module) if name not in ours]
+    # none saved (exclude_frozen_parameters=True): the model's own stay. (Not "the checkpoint holds no frozen
+    # tensor": a tied parameter's second name, head.weight beside embed.weight, is one of those.)
+    saved = any(name in frozen for name, _ in ours_frozen)
+    for name, param in ours_frozen if saved else ():
         if name not in frozen:
             raise ValueError(f"load_checkpoint: frozen parameter {name!r} is not in the DeepSpeed checkpoint "
                              f"{checkpoint.path}; nothing was changed")
