@@ -37,12 +37,12 @@ correction counts it, so a zerocore resume does too). A load names the positions
 as DeepSpeed's own resume does with its model_parameters (without them, DeepSpeed's fp32 optimizer holds every
 parameter, frozen ones too, in one group: a load whose groups do not fit tries that), and checks them before
 anything changes: the groups' sizes, each moment's shape against its parameter's, and each 16-bit weight in
-``module`` against the rounding of the master at its position; a mismatch asks for the DeepSpeed run's param
-groups. FP16_Optimizer's loss
-scaler halves at every overflow (it has no hysteresis): the resumed scaler keeps its scale and counters, with
-one overflow to go before it halves, then follows the config's hysteresis. A stage-0 fp16 checkpoint is
-loaded with a warning: DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393) trains it on gradients divided by the
-loss scale, so its moments are that much too small for the true gradients zerocore resumes with.
+``module`` against the rounding of the master at its position (each parameter's first and last elements: a
+rank reads no whole parameter it does not hold); a mismatch asks for the DeepSpeed run's param groups.
+FP16_Optimizer's loss scaler halves at every overflow (it has no hysteresis): the resumed scaler keeps its
+scale and counters, with one overflow to go before it halves, then follows the config's hysteresis. A stage-0
+fp16 checkpoint is loaded with a warning: DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393) trains it on gradients
+divided by the loss scale, so its moments are that much too small for the true gradients zerocore resumes with.
 
 Every rank reads the files memory-mapped and, one parameter at a time, only the elements its own shards hold
 (its master and moments, from the pages that hold them: a rank reading every parameter whole would read the
@@ -96,6 +96,7 @@ _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.
 _STAGE3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _UNIVERSAL_OPTIMIZER = "optimizer_state.pt"  # a universal checkpoint's zero/: what every rank's optimizer shared
 _MODEL_STATES = "mp_rank_00_model_states.pt"  # stages 0-2's model state file
+_CHECKED = 256  # elements at each end of a parameter that a stage-0 load compares with its 16-bit weight
 
 
 def is_deepspeed_checkpoint(path: str) -> bool:
@@ -257,7 +258,8 @@ def _read_stage0(path: str, order: list[list[str]] | None, every: list[str] | No
                          f"(zero_pp_rank_*_optim_states.pt) for its stage {stage}: a save that did not finish?")
     mixed = "fp32_groups_flat" in optimizer  # FP16_Optimizer (bf16, fp16): flat fp32 masters, one per group
     state = optimizer["optimizer_state_dict"] if mixed else optimizer
-    groups, entries, module = state["param_groups"], state["state"], model["module"]
+    groups, entries = state["param_groups"], state["state"]
+    module = {canonical(name): value for name, value in model["module"].items()}  # (the engine's names)
     trainable: dict[str, tuple[torch.Size, Any]] = {}
     flats: dict[str, list[_Flat]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
     if order is not None:
@@ -340,12 +342,16 @@ def _check_16bit_copies(path: str, module: dict[str, torch.Tensor], trainable: d
                         masters: list[_Flat]) -> None:
     """The position check of a 16-bit stage-0 checkpoint: each parameter's 16-bit weight in ``module`` is its
     fp32 master's rounding, so masters assigned to the wrong parameters (groups in another order) are caught
-    unless they hold the same values."""
+    unless they hold the same values. Its first and last ``_CHECKED`` elements are compared: every rank reads
+    them, and whole parameters would be the whole checkpoint on every rank."""
     for name, (shape, (_, group, offset)) in trainable.items():
-        weight = module[name]
-        if weight.dtype in (torch.float16, torch.bfloat16):
-            master = masters[group].read(offset, math.prod(shape))
-            if not torch.equal(master.to(weight.dtype), weight.reshape(-1)):
+        weight, numel = module[name].reshape(-1), math.prod(shape)
+        if weight.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        for start in sorted({0, max(0, numel - _CHECKED)}):
+            length = min(_CHECKED, numel - start)
+            master = masters[group].read(offset + start, length)
+            if not torch.equal(master.to(weight.dtype), weight[start : start + length]):
                 raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path}'s fp32 master at the "
                                  f"position of {name!r} is not that parameter's (its {weight.dtype} weight differs): "
                                  "initialize with the param groups (model_parameters) the DeepSpeed run had, in "
