@@ -22,6 +22,7 @@ SYSTEMS = {
     "torch_zero": "DDP(gradient_as_bucket_view) + ZeroRedundancyOptimizer(torch AdamW(fused), "
                   "parameters_as_bucket_view)",
     "fsdp2": "FSDP2 fully_shard per block + root (default resharding) + torch AdamW(fused)",
+    "ds_zero0": "DeepSpeed stage 0 (plain data parallelism) + torch AdamW(fused) client optimizer",
     "ds_zero1": "DeepSpeed ZeRO-1 (default buckets) + torch AdamW(fused) client optimizer",
     "ds_zero2": "DeepSpeed ZeRO-2 (default buckets) + torch AdamW(fused) client optimizer",
     "ds_zero3": "DeepSpeed ZeRO-3 (default buckets) + torch AdamW(fused) client optimizer",
@@ -38,7 +39,7 @@ SYSTEMS = {
     "zero3_gloo": "zerocore stage 3, default config, Gloo transport (send_recv + broadcast) + zerocore CPUAdam",
 }
 GLOO_TRANSPORT = {"reduce_scatter": "send_recv", "all_gather": "broadcast"}
-DEEPSPEED_SYSTEMS = ("ds_zero1", "ds_zero2", "ds_zero3")
+DEEPSPEED_SYSTEMS = ("ds_zero0", "ds_zero1", "ds_zero2", "ds_zero3")
 PRECISION = {
     "fp32": "fp32 everywhere",
     "bf16": "ddp/torch_zero: torch.autocast('cpu', bf16) around forward+loss, fp32 params/grads/all-reduce/AdamW; "

@@ -31,6 +31,8 @@ Systems (``--only`` picks a subset; DeepSpeed's are skipped with a note when ``i
                forward for the blocks, not for the root, as its docs recommend) + fused AdamW.
   ds_zero1/2/3 DeepSpeed ZeRO stage 1/2/3 with DeepSpeed's defaults (buckets 5e8 elements, overlap_comm per
                stage default) + the fused AdamW client optimizer; accelerator "cpu", Gloo.
+  ds_zero0     DeepSpeed's stage 0 (plain data parallelism: what a ds_z0 config asks for; zerocore runs it as
+               stage 1, so zero1 is its peer), the same client optimizer.
   zero1/2/3    zerocore "default": the config a user writes -- only "zero_optimization": {"stage": N} and
                the "optimizer" block (nothing is required beyond them: no batch keys, no buckets).
   zeroN_tuned  zerocore "tuned": explicit batch keys, reduce/allgather buckets of ``--bucket`` elements
