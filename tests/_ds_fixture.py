@@ -56,6 +56,13 @@ CASES: dict[str, dict] = {
     "stage2-bf16-no-frozen": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True},
                                             "zero_optimization": {"stage": 2}}, "groups": False,
                               "save": {"exclude_frozen_parameters": True}},
+    # LLaMA-Factory's ds_z2_config.json: round_robin_gradients reorders each group's flat partitions (and
+    # param_shapes says so). DeepSpeed 0.19.8's fragment addresses (safe_get_full_*, ds_to_universal's slices)
+    # follow the unordered groups when no alignment padding lies between parameters, so they point at another
+    # parameter's elements; what the run holds is read from its flat partitions instead
+    "stage2-bf16-round-robin": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 2, "round_robin_gradients": True, "overlap_comm": False, "allgather_bucket_size": 5e8,
+        "reduce_bucket_size": 5e8, "contiguous_gradients": True}}, "groups": True, "read_flat_partitions": True},
     "stage2-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 2}},
                              "groups": False, "boost": {0: 1e4}},
     "stage3-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 3}},
@@ -137,6 +144,24 @@ def deepspeed_stage0_state(engine, param: torch.Tensor, key: str) -> torch.Tenso
                 source = flat if key == "master" else optimizer.optimizer.state[flat][key]
                 return source.detach().narrow(0, offset, p.numel()).view(p.shape).float().clone()
             offset += p.numel()
+    raise KeyError("the parameter is in none of the optimizer's groups")
+
+
+def deepspeed_flat_state(engine, param: torch.Tensor, key: str) -> torch.Tensor:
+    """A parameter's fp32 master (``key`` "master") or Adam moment at stages 1-2, read from the ranks' flat
+    partitions at the offset DeepSpeed flattened it to (its round-robin order), not through the fragment
+    addresses. A collective."""
+    import torch.distributed as dist
+
+    optimizer = engine.optimizer
+    for g, (group, offsets) in enumerate(zip(optimizer.round_robin_bit16_groups, optimizer.round_robin_bit16_offsets)):
+        for p, offset in zip(group, offsets):
+            if p is param:
+                part = optimizer.single_partition_of_fp32_groups[g]
+                part = part if key == "master" else optimizer.optimizer.state[part][key]
+                parts = [torch.zeros_like(part) for _ in range(dist.get_world_size())]
+                dist.all_gather(parts, part.detach().contiguous())
+                return torch.cat(parts)[offset : offset + p.numel()].view(p.shape).float().clone()
     raise KeyError("the parameter is in none of the optimizer's groups")
 
 

@@ -107,6 +107,7 @@ _UNIVERSAL = "global_step3_universal"  # ds_to_universal's conversion of the cas
     ("stage3-fp32", 2, 3, None, None), ("stage3-fp32", 4, 1, None, None),
     ("stage3-bf16-no-frozen", 2, 3, None, None), ("stage3-bf16-no-frozen", 2, 2, None, None),
     ("stage2-bf16-no-frozen", 2, 2, None, None), ("stage2-bf16-no-frozen", 3, 3, None, None),
+    ("stage2-bf16-round-robin", 2, 2, None, None), ("stage2-bf16-round-robin", 3, 1, None, None),
     ("stage2-fp16-overflow", 2, 2, None, None), ("stage2-fp16-overflow", 3, 3, None, None),
     ("stage3-fp16-overflow", 2, 3, None, None), ("stage3-fp16-overflow", 1, 1, "cpu", None),
     # DeepSpeed's BF16_Optimizer (bf16, fp32 gradient accumulation, stage 1), resumed accumulating in fp32 too
