@@ -240,7 +240,7 @@ def stage0_order_worker(rank: int, world: int, case: str, order: str) -> str:
     ("stage0-fp32", "one group", "param groups of [3, 3] parameters; the engine's groups hold [6]"),
     ("stage0-fp32", "reversed", "an Adam moment of shape [20, 8] at the position of 'unused.weight'"),
     ("stage0-bf16", "one group", "param groups of [248, 12] elements; the engine's groups hold [260]"),
-    ("stage0-bf16", "reversed", "fp32 master at the position of 'unused.weight' is not that parameter's"),
+    ("stage0-bf16", "reversed", "fp32 master of 'unused.weight' is not the one its torch.bfloat16 weight"),
 ])
 def test_a_stage_0_checkpoint_in_other_param_groups_is_refused_with_nothing_changed(case, order, names):
     """Note [DeepSpeed stage-0 checkpoints]: the optimizer state is kept by position, as DeepSpeed (and torch)
@@ -294,6 +294,28 @@ def test_info_describes_deepspeed_checkpoints_of_stage_0_and_1():
     assert "  hidden.weight [8, 8]" in lines and "  seen [3]" not in lines, lines  # (a buffer, not a parameter)
     lines = describe(os.path.join(FIXTURES, "stage1-fp32", "global_step3"))
     assert "ZeRO stage 1 checkpoint" in lines[0] and lines[2].startswith("6 trainable parameters"), lines
+
+
+def misplaced_universal_worker(rank: int, world: int) -> str:
+    model = build_fixture_model()
+    engine = zerocore.initialize(model, _config("stage2-bf16-round-robin", 2),
+                                 param_groups=param_groups(model, CASES["stage2-bf16-round-robin"]))
+    before = zerocore.safe_get_full_fp32_param(model.hidden.weight)
+    try:
+        engine.load_checkpoint(os.path.join(FIXTURES, "stage2-bf16-round-robin"), tag=_UNIVERSAL)
+        return "no error"
+    except ValueError as error:
+        return f"{error} | unchanged={torch.equal(before, zerocore.safe_get_full_fp32_param(model.hidden.weight))}"
+
+
+def test_a_universal_conversion_that_misplaced_parameters_is_refused_naming_why():
+    """DeepSpeed 0.19.8's ds_to_universal of a round_robin_gradients run (LLaMA-Factory's ZeRO-2 config) writes
+    hidden.weight and unused.weight from each other's elements (its fragment addresses ignore the round-robin
+    order): each master is checked against the weight the model state holds, so the load is refused, naming
+    the parameter and the checkpoint to load instead, where it would have trained on the wrong values."""
+    for message in run_ranks(misplaced_universal_worker, 2):
+        assert "fp32 master of 'unused.weight' is not the one its torch.bfloat16 weight" in message, message
+        assert "round_robin_gradients" in message and "unchanged=True" in message, message
 
 
 def test_a_range_of_no_elements_reads_as_an_empty_tensor():

@@ -25,6 +25,15 @@ the caller's ``client_state`` (its other top-level keys). The fp32 master and Ad
   tensor itself from a stage-3 conversion), the optimizer's shared state in ``zero/optimizer_state.pt``, and
   the model state files as the stage wrote them (frozen parameters, buffers, counters, scheduler).
 
+At stages 0-2 the model state file also holds every trainable weight whole (16-bit ones the rounding of their
+fp32 masters, fp32 ones the masters), so each master read is checked against it, on the parameter's first and
+last 256 elements, before anything changes: a master taken from the wrong place is refused by name, not
+loaded. Such a place exists: DeepSpeed 0.19.8 flattens each group in round-robin order with
+``round_robin_gradients`` (LLaMA-Factory's ZeRO-2 config sets it; ``param_shapes`` follows that order, which
+zerocore reads), but its fragment addresses follow the unordered group when no alignment padding lies between
+parameters, so its ``safe_get_full_*`` and ``ds_to_universal`` take other parameters' elements; a universal
+conversion of such a run is refused, naming the original checkpoint to load instead.
+
 Note [DeepSpeed stage-0 checkpoints]
 ------------------------------------
 Stage 0 writes no optimizer file: the model state file's ``optimizer`` is the optimizer's whole state_dict,
@@ -36,13 +45,13 @@ more than the run took (its first step, on zero gradients, creates the state; De
 correction counts it, so a zerocore resume does too). A load names the positions by the engine's param groups,
 as DeepSpeed's own resume does with its model_parameters (without them, DeepSpeed's fp32 optimizer holds every
 parameter, frozen ones too, in one group: a load whose groups do not fit tries that), and checks them before
-anything changes: the groups' sizes, each moment's shape against its parameter's, and each 16-bit weight in
-``module`` against the rounding of the master at its position (each parameter's first and last elements: a
-rank reads no whole parameter it does not hold); a mismatch asks for the DeepSpeed run's param groups.
-FP16_Optimizer's loss scaler halves at every overflow (it has no hysteresis): the resumed scaler keeps its
-scale and counters, with one overflow to go before it halves, then follows the config's hysteresis. A stage-0
-fp16 checkpoint is loaded with a warning: DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393) trains it on gradients
-divided by the loss scale, so its moments are that much too small for the true gradients zerocore resumes with.
+anything changes: the groups' sizes, each moment's shape against its parameter's, and each weight in ``module``
+against the master at its position (as at stages 1-2, above); a mismatch asks for the DeepSpeed run's param
+groups. FP16_Optimizer's loss scaler halves at every overflow (it has no hysteresis): the resumed scaler keeps
+its scale and counters, with one overflow to go before it halves, then follows the config's hysteresis. A
+stage-0 fp16 checkpoint is loaded with a warning: DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393) trains it on
+gradients divided by the loss scale, so its moments are that much too small for the true gradients zerocore
+resumes with.
 
 Every rank reads the files memory-mapped and, one parameter at a time, only the elements its own shards hold
 (its master and moments, from the pages that hold them: a rank reading every parameter whole would read the
@@ -96,7 +105,7 @@ _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.
 _STAGE3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _UNIVERSAL_OPTIMIZER = "optimizer_state.pt"  # a universal checkpoint's zero/: what every rank's optimizer shared
 _MODEL_STATES = "mp_rank_00_model_states.pt"  # stages 0-2's model state file
-_CHECKED = 256  # elements at each end of a parameter that a stage-0 load compares with its 16-bit weight
+_CHECKED = 256  # elements at each end of a parameter whose master a load compares with its saved weight
 
 
 def is_deepspeed_checkpoint(path: str) -> bool:
@@ -230,9 +239,11 @@ def read(path: str, order: list[list[str]] | None = None, every: list[str] | Non
     frozen = _frozen_values(stage, model, models, trainable)
     state = optims[0].get("base_optimizer_state") or optims[0].get("optimizer_state_dict") or {}
     steps = {_as_int(s.get("step", 0)) for s in state.get("state", {}).values()}
-    return _Checkpoint(path, stage, model, trainable, frozen, flats, max(steps, default=0),
-                       [{k: v for k, v in g.items() if k != "params"} for g in state.get("param_groups", [])],
-                       _dynamic_loss_scaler(optims[0].get("loss_scaler"), model))
+    checkpoint = _Checkpoint(path, stage, model, trainable, frozen, flats, max(steps, default=0),
+                             [{k: v for k, v in g.items() if k != "params"} for g in state.get("param_groups", [])],
+                             _dynamic_loss_scaler(optims[0].get("loss_scaler"), model))
+    _check_masters_against_weights(checkpoint, "this layout is not one zerocore reads right")
+    return checkpoint
 
 
 def _zero_stage(optim: dict[str, Any]) -> int:
@@ -307,8 +318,6 @@ def _read_stage0(path: str, order: list[list[str]] | None, every: list[str] | No
                 raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path}'s param group {g} holds "
                                  f"{flats['master'][g].numel} elements, the engine's {offset}: initialize with the "
                                  "param groups (model_parameters) the DeepSpeed run had, in its order")
-        if mixed:
-            _check_16bit_copies(path, module, trainable, flats["master"])
     steps = {_as_int(entry.get("step", 0)) for entry in entries.values()}
     if mixed and "cur_scale" in optimizer:  # (fp16: FP16_Optimizer saves its scale only then)
         warnings.warn(
@@ -325,9 +334,12 @@ def _read_stage0(path: str, order: list[list[str]] | None, every: list[str] | No
         scaler = {"scale": float(optimizer["cur_scale"]), "hysteresis_left": 1, "iteration": int(optimizer["cur_iter"]),
                   "last_overflow": int(optimizer.get("last_overflow_iter", -1)),
                   "overflows": _as_int(model.get("skipped_steps", 0))}
-    return _Checkpoint(path, 0, model, trainable, _frozen_values(0, model, [model], trainable), flats,
-                       max(steps, default=0), [{k: v for k, v in g.items() if k not in ("params", "step")}
-                                               for g in groups], scaler)
+    checkpoint = _Checkpoint(path, 0, model, trainable, _frozen_values(0, model, [model], trainable), flats,
+                             max(steps, default=0), [{k: v for k, v in g.items() if k not in ("params", "step")}
+                                                     for g in groups], scaler)
+    _check_masters_against_weights(checkpoint, "initialize with the param groups (model_parameters) the DeepSpeed "
+                                   "run had, in its order")
+    return checkpoint
 
 
 def _stage0_group_sizes(optimizer: dict[str, Any]) -> list[int]:
@@ -338,24 +350,27 @@ def _stage0_group_sizes(optimizer: dict[str, Any]) -> list[int]:
     return [len(group["params"]) for group in optimizer["param_groups"]]
 
 
-def _check_16bit_copies(path: str, module: dict[str, torch.Tensor], trainable: dict[str, tuple[torch.Size, Any]],
-                        masters: list[_Flat]) -> None:
-    """The position check of a 16-bit stage-0 checkpoint: each parameter's 16-bit weight in ``module`` is its
-    fp32 master's rounding, so masters assigned to the wrong parameters (groups in another order) are caught
-    unless they hold the same values. Its first and last ``_CHECKED`` elements are compared: every rank reads
-    them, and whole parameters would be the whole checkpoint on every rank."""
-    for name, (shape, (_, group, offset)) in trainable.items():
-        weight, numel = module[name].reshape(-1), math.prod(shape)
-        if weight.dtype not in (torch.float16, torch.bfloat16):
+def _check_masters_against_weights(checkpoint: _Checkpoint, remedy: str) -> None:
+    """The check that each trainable parameter's fp32 master is the one its weight in the model state file
+    was last copied from (stages 0-2 save the weights whole: 16-bit ones are the masters' rounding, fp32 ones
+    the masters), on each parameter's first and last ``_CHECKED`` elements (every rank reads these: whole
+    parameters would be the whole checkpoint on every rank). A master read from the wrong place (a stage-0
+    group in another order, a universal conversion that misplaced a slice, a layout misread) is caught unless
+    it holds the same values; ``remedy`` says what to do about it."""
+    module = {canonical(name): value for name, value in (checkpoint.model.get("module") or {}).items()}
+    for name, (shape, _) in checkpoint.trainable.items():
+        weight, numel = module.get(canonical(name)), math.prod(shape)
+        if not isinstance(weight, torch.Tensor) or weight.numel() != numel or weight.dtype not in (
+                torch.float16, torch.bfloat16, torch.float32):  # (stage 3 keeps placeholders there)
             continue
+        weight = weight.reshape(-1)
         for start in sorted({0, max(0, numel - _CHECKED)}):
-            length = min(_CHECKED, numel - start)
-            master = masters[group].read(offset + start, length)
-            if not torch.equal(master.to(weight.dtype), weight[start : start + length]):
-                raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path}'s fp32 master at the "
-                                 f"position of {name!r} is not that parameter's (its {weight.dtype} weight differs): "
-                                 "initialize with the param groups (model_parameters) the DeepSpeed run had, in "
-                                 "its order")
+            stop = min(numel, start + _CHECKED)
+            master = assemble(checkpoint, name, "master", start, stop)
+            if not torch.equal(master.to(weight.dtype), weight[start:stop]):
+                raise ValueError(f"load_checkpoint: the DeepSpeed checkpoint {checkpoint.path}'s fp32 master of "
+                                 f"{name!r} is not the one its {weight.dtype} weight in the model state was copied "
+                                 f"from (elements {start}-{stop - 1} differ): {remedy}; nothing was changed")
 
 
 def _model_states(path: str, stage: int, world: int, kind: str) -> list[dict[str, Any]]:
@@ -401,10 +416,15 @@ def _read_universal(path: str) -> _Checkpoint:
     if not steps:  # (stage 3's conversion writes no step files: the optimizer's own state has them)
         state = optim.get("base_optimizer_state") or optim.get("optimizer_state_dict") or {}
         steps = {_as_int(s.get("step", 0)) for s in state.get("state", {}).values()}
-    return _Checkpoint(path, stage, model, trainable, _frozen_values(stage, model, models, trainable), {},
-                       max(steps, default=0),
-                       [{k: v for k, v in g.items() if k not in ("params", "step")} for g in optim.get("param_groups", [])],
-                       _dynamic_loss_scaler(optim.get("loss_scaler"), model))
+    checkpoint = _Checkpoint(path, stage, model, trainable, _frozen_values(stage, model, models, trainable), {},
+                             max(steps, default=0), [{k: v for k, v in g.items() if k not in ("params", "step")}
+                                                     for g in optim.get("param_groups", [])],
+                             _dynamic_loss_scaler(optim.get("loss_scaler"), model))
+    _check_masters_against_weights(
+        checkpoint, "DeepSpeed's ds_to_universal takes each parameter's slice by the run's fragment addresses, "
+        "which point at other parameters' elements in a stage 1-2 run with round_robin_gradients (DeepSpeed 0.19.8): "
+        "load the checkpoint it was converted from instead")
+    return checkpoint
 
 
 def describe(path: str) -> list[str]:
