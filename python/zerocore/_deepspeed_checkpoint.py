@@ -242,7 +242,9 @@ def read(path: str, order: list[list[str]] | None = None, every: list[str] | Non
     checkpoint = _Checkpoint(path, stage, model, trainable, frozen, flats, max(steps, default=0),
                              [{k: v for k, v in g.items() if k != "params"} for g in state.get("param_groups", [])],
                              _dynamic_loss_scaler(optims[0].get("loss_scaler"), model))
-    _check_masters_against_weights(checkpoint, "this layout is not one zerocore reads right")
+    _check_masters_against_weights(
+        checkpoint, "either its layout is one zerocore misreads (param_shapes not in the order the parameters were "
+        "flattened in), or the weights were changed after the last step and before the save")
     return checkpoint
 
 
