@@ -105,6 +105,8 @@ _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.
 _STAGE3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _UNIVERSAL_OPTIMIZER = "optimizer_state.pt"  # a universal checkpoint's zero/: what every rank's optimizer shared
 _MODEL_STATES = "mp_rank_00_model_states.pt"  # stages 0-2's model state file
+# what a stage-0 load whose positions do not fit the engine's param groups asks for
+_STAGE0_REMEDY = "initialize with the param groups (model_parameters) the DeepSpeed run had, in its order"
 _CHECKED = 256  # elements at each end of a parameter whose master a load compares with its saved weight
 
 
@@ -286,7 +288,7 @@ def _read_stage0(path: str, order: list[list[str]] | None, every: list[str] | No
             unit = "elements" if mixed else "parameters"
             raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path} keeps its optimizer state by "
                              f"position, in param groups of {sizes} {unit}; the engine's groups hold {ours}: "
-                             "initialize with the param groups (model_parameters) the DeepSpeed run had, in its order")
+                             f"{_STAGE0_REMEDY}")
         for g, (group, names) in enumerate(zip(groups, order)):
             # (position in the saved group, name) of the parameters this engine trains
             positions = [(position, name) for position, name in enumerate(names) if name in trainable_names]
@@ -312,14 +314,12 @@ def _read_stage0(path: str, order: list[list[str]] | None, every: list[str] | No
                 if moment is not None and tuple(moment.shape) != tuple(shape):
                     raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path} holds an Adam moment "
                                      f"of shape {list(moment.shape)} at the position of {name!r} "
-                                     f"({list(shape)}): initialize with the param groups (model_parameters) the "
-                                     "DeepSpeed run had, in its order")
+                                     f"({list(shape)}): {_STAGE0_REMEDY}")
                 trainable[name] = (torch.Size(shape), ("flat", g, offset))
                 offset += math.prod(shape)
             if offset != flats["master"][g].numel:
                 raise ValueError(f"load_checkpoint: the DeepSpeed stage-0 checkpoint {path}'s param group {g} holds "
-                                 f"{flats['master'][g].numel} elements, the engine's {offset}: initialize with the "
-                                 "param groups (model_parameters) the DeepSpeed run had, in its order")
+                                 f"{flats['master'][g].numel} elements, the engine's {offset}: {_STAGE0_REMEDY}")
     steps = {_as_int(entry.get("step", 0)) for entry in entries.values()}
     if mixed and "cur_scale" in optimizer:  # (fp16: FP16_Optimizer saves its scale only then)
         warnings.warn(
@@ -339,8 +339,7 @@ def _read_stage0(path: str, order: list[list[str]] | None, every: list[str] | No
     checkpoint = _Checkpoint(path, 0, model, trainable, _frozen_values(0, model, [model], trainable), flats,
                              max(steps, default=0), [{k: v for k, v in g.items() if k not in ("params", "step")}
                                                      for g in groups], scaler)
-    _check_masters_against_weights(checkpoint, "initialize with the param groups (model_parameters) the DeepSpeed "
-                                   "run had, in its order")
+    _check_masters_against_weights(checkpoint, _STAGE0_REMEDY)
     return checkpoint
 
 

@@ -194,6 +194,18 @@ def check_group_hyperparameters(groups: Sequence[Mapping[str, Any]], where: str 
                              "adamw_mode: set that instead (True: AdamW's decoupled decay, False: L2 as in Adam)")
 
 
+def as_param_groups(items: Iterable[Any], what: str) -> list[dict[str, Any]]:
+    """Parameters or param-group dicts as param groups: an iterable of parameters is one group, as torch's
+    optimizers and DeepSpeed's model_parameters take it. ``what`` names the argument in the error for a mix."""
+    items = list(items)
+    if items and all(isinstance(item, torch.Tensor) for item in items):
+        return [{"params": items}]
+    if all(isinstance(item, Mapping) for item in items):
+        return [dict(item) for item in items]
+    raise TypeError(f"{what} must be parameters (one group, as torch's optimizers take them) or param-group dicts, "
+                    "not a mix")
+
+
 def collect_trainable(
     model: nn.Module, param_groups: Iterable[Mapping[str, Any]] | None, defaults: OptimizerConfig
 ) -> list[dict[str, Any]]:
@@ -211,14 +223,7 @@ def collect_trainable(
     if param_groups is None:
         raw = [{"params": list(model.parameters())}]
     else:
-        items = list(param_groups)
-        if items and all(isinstance(item, torch.Tensor) for item in items):
-            raw = [{"params": items}]  # (torch's optimizers and DeepSpeed: an iterable of parameters is one group)
-        elif all(isinstance(item, Mapping) for item in items):
-            raw = [dict(item) for item in items]
-        else:
-            raise TypeError("param_groups must be parameters (one group, as torch's optimizers take them) or "
-                            "param-group dicts, not a mix")
+        raw = as_param_groups(param_groups, "param_groups")
     check_group_hyperparameters(raw)  # at initialize, not at the first step; the config's defaults are valid
     group_of: dict[int, int] = {}  # parameter id -> the group that lists it
     groups: list[dict[str, Any]] = []

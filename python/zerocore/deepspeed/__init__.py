@@ -59,6 +59,7 @@ from torch import nn
 
 from .._config_values import as_bool
 from .._deepspeed_json import load_json
+from .._model_checks import as_param_groups
 from ..engine import Engine
 from ..engine import initialize as _initialize
 from ..optim import _ZerocoreAdam
@@ -163,18 +164,6 @@ def _as_dict(config: Any) -> dict[str, Any]:
     raise TypeError(f"deepspeed.initialize: config must be a dict or a JSON file path, got {type(config).__name__}")
 
 
-def _groups_of(model_parameters: Any) -> list[dict[str, Any]] | None:
-    """DeepSpeed's model_parameters as param groups: an iterable of parameters is one group."""
-    if model_parameters is None:
-        return None
-    items = list(model_parameters)
-    if all(isinstance(item, torch.Tensor) for item in items):
-        return [{"params": items}]
-    if all(isinstance(item, Mapping) for item in items):
-        return [dict(item) for item in items]
-    raise TypeError("deepspeed.initialize: model_parameters must be parameters or param-group dicts, not a mix")
-
-
 def _adam_groups(optimizer: Any) -> tuple[str, list[dict[str, Any]]]:
     """The optimizer type and param groups of a client Adam/AdamW (Note [DeepSpeed's initialize])."""
     name = type(optimizer).__name__
@@ -251,7 +240,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if dist_init_required is False and not dist.is_initialized():
         raise ValueError("deepspeed.initialize: dist_init_required=False, but no process group is initialized")
     ds_config = _as_dict(_config_of(args, config, config_params))
-    groups = _groups_of(model_parameters)
+    groups = (None if model_parameters is None
+              else as_param_groups(model_parameters, "deepspeed.initialize: model_parameters"))
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
         # DeepSpeed's other form: a callable building the optimizer from the parameters
         optimizer = optimizer(groups if groups is not None else [p for p in model.parameters() if p.requires_grad])
