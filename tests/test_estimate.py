@@ -357,3 +357,29 @@ def test_every_training_argument_auto_is_either_a_placeholder_or_the_precision()
     from zerocore._hf_auto import _TRAINING_ARGUMENTS, TRAINING_ONLY_PLACEHOLDERS
 
     assert set(_TRAINING_ARGUMENTS) == set(TRAINING_ONLY_PLACEHOLDERS) | {"bf16.enabled", "fp16.enabled"}
+
+
+@pytest.mark.parametrize("where", ["flag", "config"])
+def test_cli_plans_stage_0_as_the_stage_1_it_runs_and_says_so(where, tmp_path, capsys):
+    """A stage-0 config (LLaMA-Factory's ds_z0) trains as stage 1 (Note [Stage 0 runs as stage 1]); its
+    estimate is stage 1's, said in the table without the training warning about clipping."""
+    import warnings
+
+    from zerocore.estimate import main
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 0 if where == "config" else 2},
+                                "bf16": {"enabled": True}}))
+    stage = ["--stage", "0"] if where == "flag" else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["--params", "7e9", "--world", "8", "--config", str(path), *stage, "--json"]) == 0
+        planned = json.loads(capsys.readouterr().out)
+        assert main(["--params", "7e9", "--world", "8", "--config", str(path), *stage]) == 0
+    table = capsys.readouterr().out
+    expected = zerocore.estimate_memory(7 * 10**9, {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}, 8,
+                                        device="cuda")
+    assert planned["stage"] == 1 and planned["bytes"] == expected["bytes"]
+    assert "ZeRO stage 1 (stage 0 runs as stage 1), bfloat16" in table
+    assert main(["--params", "7e9", "--world", "8", "--stage", "1"]) == 0
+    assert "stage 0" not in capsys.readouterr().out

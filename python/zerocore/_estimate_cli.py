@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from ._deepspeed_json import load_json
 from ._hf_auto import PRECISIONS, for_planning
-from .config import ZeroConfig
+from .config import STAGE_0_RUNS_AS_STAGE_1, ZeroConfig
 from .estimate import INT64_MAX, estimate_memory
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -47,12 +49,20 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:,.2f} GiB"
 
 
-def _table(result: dict[str, Any], params: int) -> str:
+def _asks_stage_0(data: Any, stage: int | None) -> bool:
+    if stage is None:
+        section = data.get("zero_optimization") if isinstance(data, dict) else None
+        stage = section.get("stage") if isinstance(section, dict) else None
+    return stage == 0 and not isinstance(stage, bool)
+
+
+def _table(result: dict[str, Any], params: int, stage_0: bool = False) -> str:
     where = result["where"]
     approx = " (one flat tensor: padding is a lower bound)" if result["approximate"] else ""
     placement = result["optimizer_placement"] + (", pinned" if result["pinned_host"] else "")
     lines = [f"zerocore memory estimate: {params:,} parameters{approx}",
-             (f"ZeRO stage {result['stage']}, {result['compute_dtype']} on {result['device']}, "
+             (f"ZeRO stage {result['stage']}{' (stage 0 runs as stage 1)' if stage_0 else ''}, "
+              f"{result['compute_dtype']} on {result['device']}, "
               f"world size {result['world_size']}, optimizer state: {placement}"),
              "", f"{'per rank':<34}{'bytes':>18}    where"]
     for key, value in result["bytes"].items():
@@ -82,7 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="trainable parameters (7e9, 7B): one flat tensor, so padding is a lower bound")
     parser.add_argument("--world", type=int, required=True, help="data-parallel ranks")
     parser.add_argument("--config", help="a DeepSpeed JSON config (default: zerocore's defaults, stage 1 fp32)")
-    parser.add_argument("--stage", type=int, choices=(1, 2, 3), help="override zero_optimization.stage")
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3),
+                        help="override zero_optimization.stage (0, DeepSpeed's plain data parallelism, runs and "
+                             "plans as stage 1)")
     parser.add_argument("--device", default="cuda", help="where the engine runs: cuda (default) or cpu")
     parser.add_argument("--rank", type=int, help="report this rank (default: the largest of any rank)")
     add_planning_arguments(parser)
@@ -91,10 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         data = for_planning(load_json(args.config) if args.config else {}, args.precision, args.hidden_size)
-        config = ZeroConfig.from_deepspeed(data, strict=not args.no_strict, hidden_size=args.hidden_size)
-        if args.stage is not None:
-            config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
-                config.zero_optimization, stage=args.stage))
+        with warnings.catch_warnings():
+            # stage 0's warning is about clipping in a training script; a plan only needs to say what it plans
+            warnings.filterwarnings("ignore", message=re.escape(STAGE_0_RUNS_AS_STAGE_1))
+            config = ZeroConfig.from_deepspeed(data, strict=not args.no_strict, hidden_size=args.hidden_size)
+            if args.stage is not None:
+                config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
+                    config.zero_optimization, stage=args.stage))
         result = estimate_memory(args.params, config, args.world, args.rank, device=args.device,
                                  hidden_size=args.hidden_size)
     except (ValueError, OSError) as error:
@@ -103,5 +118,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2, default=list))  # per_rank: every rank's entry
     else:
-        print(_table(result, args.params))
+        print(_table(result, args.params, stage_0=_asks_stage_0(data, args.stage)))
     return 0
