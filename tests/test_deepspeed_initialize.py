@@ -124,6 +124,28 @@ def test_an_optimizer_callable_is_called_with_the_parameters():
     engine.close()
 
 
+def test_a_groups_own_keys_reach_the_engines_groups_from_either_argument():
+    """BEiT's DeepSpeed fine-tuning passes param groups carrying ``lr_scale`` (layer-wise lr decay) and sets each
+    group's lr from it every step: they reach the engine's groups whether given as model_parameters or in a
+    client optimizer; torch's flags (foreach, amsgrad=False, ...) do not."""
+    def groups(model):
+        return [{"params": [model.net[0].weight], "lr_scale": 0.25, "layer_id": 1},
+                {"params": [p for n, p in model.named_parameters() if n != "net.0.weight"], "lr_scale": 1.0}]
+
+    config = {**_BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    model = build("mlp")
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups(model), config=config)
+    assert [(g["lr_scale"], g.get("layer_id")) for g in optimizer.param_groups] == [(0.25, 1), (1.0, None)]
+    engine.close()
+    model = build("mlp")
+    client = torch.optim.AdamW(groups(model), lr=1e-3, foreach=False)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client, config=_BASE)
+    assert [g["lr_scale"] for g in optimizer.param_groups] == [0.25, 1.0]
+    flags = {"foreach", "amsgrad", "maximize", "fused", "capturable", "differentiable", "decoupled_weight_decay"}
+    assert not flags & set(optimizer.param_groups[0])
+    engine.close()
+
+
 def config_worker(rank: int, world: int, path: str) -> tuple:
     model = build("mlp")
     args = argparse.Namespace(deepspeed_config=path, local_rank=rank)

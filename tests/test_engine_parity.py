@@ -187,7 +187,7 @@ def _train_with_groups(rank: int, stage: int, model: torch.nn.Module, groups: An
         model, lambda m: torch.optim.AdamW(groups(m), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, foreach=False), wrap=DDP)
     engine = zerocore.initialize(model, _config(Case("transformer", stage)), param_groups=groups(model))
     optimizers = (*reference.optimizers, engine.optimizer)
-    schedulers = [schedule(o) for o in optimizers]
+    schedulers = [s for s in map(schedule, optimizers) if s is not None]
     for step in range(steps):
         x, y = batch("transformer", torch.Generator().manual_seed(10_000 * step + rank))
         engine.backward(loss_fn("transformer", engine(x), y))
@@ -216,6 +216,54 @@ def param_groups_worker(rank: int, world: int, stage: int) -> bool:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_param_groups_and_lr_scheduler_match_torch(stage):
     assert all(run_ranks(param_groups_worker, 2, stage))
+
+
+def layer_decay_worker(rank: int, world: int, stage: int, save_dir: str) -> bool:
+    """BEiT's and MAE's layer-wise lr decay: each group carries its own ``lr_scale`` and ``layer_id``, which the
+    training loop reads to set the group's lr every step (``group["lr"] = lr * group["lr_scale"]``); torch and
+    DeepSpeed keep a group's own keys. Also per-group betas and eps, a group given torch's flags at their
+    defaults, and a tensor lr (torch takes one), which a checkpoint saves as its number and a load writes back
+    into the same tensor."""
+    model = build("transformer")
+
+    def groups(m):
+        named = list(m.named_parameters())
+        depth = {name: (0 if name.startswith("embed") else 3 if name.startswith(("norm", "head")) else
+                        1 + int(name.split(".")[1])) for name, _ in named}
+        out = [{"params": [p for name, p in named if depth[name] == layer], "layer_id": layer,
+                "lr_scale": 0.5 ** (3 - layer), "weight_decay": 0.05} for layer in range(4)]
+        out[1].update(betas=(0.8, 0.95), eps=1e-6, amsgrad=False, maximize=False, foreach=None)
+        out[2]["lr"] = torch.tensor(1e-3)
+        return out
+
+    def layer_decay(optimizers, step):
+        for o in optimizers:
+            for group in o.param_groups:
+                lr = 3e-3 * (0.7 ** step) * group["lr_scale"]
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
+
+    engine, reference = _train_with_groups(rank, stage, model, groups, lambda o: None, 5, layer_decay)
+    assert [g["layer_id"] for g in engine.optimizer.param_groups] == [0, 1, 2, 3]
+    reference.assert_matches(engine.full_state_dict(rank0_only=False), label=f"layer decay, stage {stage}")
+    lr_tensor = engine.optimizer.param_groups[2]["lr"]
+    saved = lr_tensor.item()
+    engine.save_checkpoint(save_dir, tag="t")
+    lr_tensor.fill_(0.0)
+    engine.optimizer.param_groups[1]["eps"] = 1.0
+    engine.load_checkpoint(save_dir, tag="t")
+    groups_now = engine.optimizer.param_groups
+    assert groups_now[2]["lr"] is lr_tensor and lr_tensor.item() == saved
+    assert groups_now[1]["eps"] == 1e-6 and groups_now[1]["betas"] == (0.8, 0.95)
+    assert [g["lr_scale"] for g in groups_now] == [0.125, 0.25, 0.5, 1.0]
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_param_groups_keep_their_own_keys_for_layer_wise_lr_decay(stage, tmp_path):
+    assert all(run_ranks(layer_decay_worker, 2, stage, str(tmp_path)))
 
 
 def empty_group_worker(rank: int, world: int, stage: int, save_dir: str) -> bool:

@@ -166,6 +166,35 @@ def test_bad_param_group_hyperparameters_are_rejected_at_initialize_naming_group
     assert zerocore._gathered.engine_for(model[0].weight) is None  # nothing was taken over
 
 
+@pytest.mark.parametrize("key,meant", [("weight_deacy", "weight_decay"), ("beta1", "betas"), ("Lr", "lr"),
+                                       ("bias_corection", "bias_correction"), ("adam_w_mode", "adamw_mode"),
+                                       ("amsgard", "amsgrad")])
+def test_a_misspelt_param_group_key_is_refused_naming_the_key_meant(key, meant):
+    """A group's own keys are kept (torch and DeepSpeed keep them), but one that misspells a hyperparameter would
+    leave that hyperparameter at its default: a silently different run."""
+    model = _linear()
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), key: 0.5}]
+    with pytest.raises(ValueError, match=rf"param_groups\[1\] has key '{key}': did you mean '{meant}'\?"):
+        zerocore.initialize(model, _CONFIG, param_groups=groups)
+    assert zerocore._gathered.engine_for(model[0].weight) is None  # nothing was taken over
+
+
+def test_a_groups_own_keys_are_kept_and_torchs_decoupled_weight_decay_is_read():
+    model = _linear()
+    groups = [{"params": list(model[0].parameters()), "lr_scale": 0.1, "layer_id": 0, "initial_lr": 1e-3,
+               "decoupled_weight_decay": False, "weight_decay": 0.1, "fused": None, "capturable": False},
+              {"params": list(model[2].parameters()), "adamw_mode": False}]
+    engine = zerocore.initialize(model, _CONFIG, param_groups=groups)
+    try:
+        first, second = engine.optimizer.param_groups
+        assert (first["lr_scale"], first["layer_id"], first["initial_lr"]) == (0.1, 0, 1e-3)
+        assert first["adamw_mode"] is False and second["adamw_mode"] is False  # torch's Adam: L2 weight decay
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has no 'params'"):
+        zerocore.initialize(model, _CONFIG, param_groups=[{"lr": 1e-3}])
+
+
 def test_check_group_hyperparameters_accepts_what_torch_accepts_and_changes_nothing():
     groups = [{"params": [], "lr": torch.tensor(1e-3), "betas": (0.0, 0.999), "eps": 0.0, "weight_decay": 0,
                "adamw_mode": False, "bias_correction": True, "name": "x"}]

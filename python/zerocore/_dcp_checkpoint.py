@@ -57,7 +57,7 @@ from ._full_param_state import _locate, write_own
 from ._local_param_state import local_range
 from ._names import canonical, named_buffers, named_parameters
 from ._user_frames import user_stacklevel
-from .optimizer import ADAM_HYPERPARAMETERS
+from .optimizer import ADAM_HYPERPARAMETERS, set_group_value
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -555,7 +555,8 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, plan: _Plan, optimizer_state
     engine.restore_counters(step, step, 0, step * engine.config.gradient_accumulation_steps, idle)
     for group, saved in zip(engine.optimizer.param_groups, plan.hyperparameters):
         if saved is not None:
-            group.update(saved)
+            for key, value in saved.items():
+                set_group_value(group, key, value)
     if scheduler_states and engine.lr_scheduler is not None and step > 0:
         # the schedule where a run that took these steps has it (FSDP's scheduler is the script's own object)
         with warnings.catch_warnings():

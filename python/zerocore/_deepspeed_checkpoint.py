@@ -89,7 +89,7 @@ from ._deferred_signals import deferred_interrupts
 from ._full_param_state import _locate, write_own
 from ._local_param_state import local_range
 from ._names import canonical, named_buffers, named_parameters
-from .optimizer import ADAM_HYPERPARAMETERS
+from .optimizer import ADAM_HYPERPARAMETERS, set_group_value
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -670,7 +670,7 @@ def _apply(engine: Engine, checkpoint: _Checkpoint, optimizer_states: bool, sche
         for group, saved in zip(engine.optimizer.param_groups, checkpoint.param_groups):
             for key in ADAM_HYPERPARAMETERS:
                 if key in saved:
-                    group[key] = tuple(saved[key]) if key == "betas" else saved[key]
+                    set_group_value(group, key, saved[key])
         # the scale and the counters that decide when it next grows, shrinks or spends its hysteresis, so the
         # resumed run's scale follows DeepSpeed's step by step
         if engine.config.fp16.enabled and engine.loss_scaler.dynamic and checkpoint.loss_scaler is not None:

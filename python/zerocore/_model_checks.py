@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import numbers
@@ -19,6 +20,24 @@ from ._user_frames import user_stacklevel
 from .config import OptimizerConfig
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction", "name"}
+# torch's Adam/AdamW group flags: how torch runs its step (kept, as torch keeps them), or, for amsgrad, maximize
+# and decoupled_weight_decay, what it computes (check_group_hyperparameters refuses what zerocore's Adam would not do)
+TORCH_ADAM_FLAGS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable",
+                    "decoupled_weight_decay")
+
+
+def _check_group_keys(group: Mapping[str, Any], index: int) -> None:
+    """A group's own keys (BEiT's and MAE's ``lr_scale`` for layer-wise lr decay, ``layer_id``) are kept, as
+    torch's optimizers and DeepSpeed keep them, for the script's schedule to read; a key that is a misspelling
+    of one zerocore's Adam reads would leave that hyperparameter at its default, so it is refused."""
+    for key in sorted(set(group) - _GROUP_KEYS - set(TORCH_ADAM_FLAGS), key=str):
+        if not isinstance(key, str):
+            raise ValueError(f"param_groups[{index}] has a key {key!r} that is not a string")
+        read = sorted(_GROUP_KEYS - {"params", "name"})
+        close = difflib.get_close_matches(key.lower(), read + list(TORCH_ADAM_FLAGS), n=1, cutoff=0.8)
+        if close:
+            raise ValueError(f"param_groups[{index}] has key {key!r}: did you mean {close[0]!r}? (zerocore's Adam "
+                             f"reads {read}; a group's other keys are kept unread, for the script's own schedule)")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -228,9 +247,9 @@ def collect_trainable(
     group_of: dict[int, int] = {}  # parameter id -> the group that lists it
     groups: list[dict[str, Any]] = []
     for index, group in enumerate(raw):
-        unknown = set(group) - _GROUP_KEYS
-        if unknown:
-            raise ValueError(f"param_groups[{index}] has unknown keys {sorted(unknown)}; accepted: {sorted(_GROUP_KEYS)}")
+        _check_group_keys(group, index)
+        if "params" not in group:
+            raise ValueError(f"param_groups[{index}] has no 'params'")
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         unique: list[nn.Parameter] = []
@@ -246,7 +265,10 @@ def collect_trainable(
         # A group left with no trainable parameter (HF's no-decay group of a LoRA model whose biases and
         # norms are frozen) is kept, as torch's optimizers keep it: dropped, every later group's index would
         # shift, and a scheduler's per-group lambdas or a param_groups[i]["lr"] callback would act on another.
-        groups.append({**base, **{k: v for k, v in group.items() if k != "params"}, "params": unique})
+        own = {k: v for k, v in group.items() if k != "params"}
+        if "decoupled_weight_decay" in own and "adamw_mode" not in own:  # torch's Adam(decoupled_weight_decay=True)
+            own["adamw_mode"] = bool(own["decoupled_weight_decay"])
+        groups.append({**base, **own, "params": unique})
     missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
     if missing:
         raise ValueError(

@@ -65,6 +65,7 @@ from ._deferred_signals import deferred_interrupts
 from ._model_checks import all_gather_json
 from ._names import named_buffers, tied_aliases
 from .lr_schedules import apply_current_values
+from .optimizer import group_for_saving, set_group_value
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -246,8 +247,7 @@ def _write_index(engine: Engine, tmp: str, model_checksums: Any, untracked: dict
                      # per parameter: the applied steps it got no gradient for (its own step count lags)
                      "idle_steps": dict(sorted(engine.optimizer_state.idle_steps.items()))},
         "loss_scaler": engine.loss_scaler.state_dict(),
-        "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-                         for g in engine.optimizer.param_groups],
+        "param_groups": [group_for_saving(g, i) for i, g in enumerate(engine.optimizer.param_groups)],
         "param_group_names": group_names(engine),  # which parameters each group holds, checked at load
         "lr_scheduler": scheduler,  # both through _json_state: a Counter of milestones stays one
         "client_state": client,
@@ -361,7 +361,7 @@ def _apply_staged(engine: Engine, staged: _Staged, load_optimizer_states: bool, 
             engine.loss_scaler.load_state_dict(index["loss_scaler"])
         for group, saved in zip(engine.optimizer.param_groups, index["param_groups"]):
             for key, value in saved.items():
-                group[key] = tuple(value) if key == "betas" else value
+                set_group_value(group, key, value)
     if load_lr_scheduler_states and engine.lr_scheduler is not None and index["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(json_state.decode(index["lr_scheduler"]))
         if not load_optimizer_states:  # the fresh groups hold the schedule's first values, not its current ones

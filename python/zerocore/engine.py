@@ -108,7 +108,9 @@ def initialize(
             single-process group when none exists.
         param_groups: torch-style groups (``{"params": [...], "weight_decay": 0.0, ...}``) over the model's
             parameters, or parameters (one group, as torch's optimizers take ``model.parameters()``); default:
-            one group of every trainable parameter.
+            one group of every trainable parameter. A group's own keys (``lr_scale`` for layer-wise lr decay)
+            stay in ``engine.optimizer.param_groups`` for the script to read, as torch keeps them; one that
+            misspells a hyperparameter (``weight_deacy``) is refused.
         comm_algorithms: ``{"reduce_scatter": ..., "all_gather": ...}`` overrides of the per-backend choice
             (see Note [Collective algorithms] in bindings/comm.hpp).
         units: stage 3 units of gathering, module instances and/or classes (Note [Stage 3 units]);

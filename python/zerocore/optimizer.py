@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import warnings
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ._user_frames import user_stacklevel
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -14,6 +18,46 @@ if TYPE_CHECKING:
 # The param-group hyperparameters zerocore's Adam shares with torch's Adam/AdamW and DeepSpeed's: what moves
 # between zerocore and their checkpoints and optimizers (DCP and DeepSpeed loads and exports, deepspeed.initialize).
 ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def as_json_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:  # torch's optimizers take a tensor lr (and betas)
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [as_json_value(v) for v in value]
+    return value
+
+
+def group_for_saving(group: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """A param group's values (all but ``params``) as a checkpoint's index.json holds them: a one-element tensor
+    as its number, tuples as lists. A value JSON cannot hold (a key of the script's own) is left out with a
+    warning: the hyperparameters zerocore's Adam reads are numbers, and the loading engine's group keeps its own
+    value of that key."""
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        value = as_json_value(value)
+        try:
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError):
+            warnings.warn(f"save_checkpoint: optimizer.param_groups[{index}][{key!r}] is a {type(value).__name__}, "
+                          "which a checkpoint's index.json cannot hold: not saved (a load keeps the loading "
+                          "engine's value of it)", UserWarning, stacklevel=user_stacklevel())
+            continue
+        out[key] = value
+    return out
+
+
+def set_group_value(group: dict[str, Any], key: str, value: Any) -> None:
+    """A loaded hyperparameter into a param group: into a tensor lr in place (what a compiled step or a torch
+    scheduler holds), betas as a tuple, anything else as it is."""
+    current = group.get(key)
+    if isinstance(current, torch.Tensor) and current.numel() == 1 and isinstance(value, (int, float)) \
+            and not isinstance(value, bool):
+        current.fill_(value)
+    else:
+        group[key] = tuple(value) if key == "betas" and isinstance(value, (list, tuple)) else value
 
 
 class ZeroOptimizer(torch.optim.Optimizer):

@@ -13,7 +13,8 @@ training_dataloader, lr_scheduler)``, built by :func:`zerocore.initialize`:
 * ``optimizer``: a torch ``Adam``/``AdamW`` (or DeepSpeed's ``FusedAdam``/``DeepSpeedCPUAdam``, from DeepSpeed or
   from ``ops.adam`` here, or zerocore.optim's) that has not
   stepped, or a callable building one from the parameters, becomes the engine's own sharded Adam with the same param groups and hyperparameters (decoupled
-  weight decay or L2 as the optimizer has it), as the Hugging Face Trainer hands its optimizer to DeepSpeed. Any
+  weight decay or L2 as the optimizer has it; a group's own keys, such as BEiT's ``lr_scale``, kept, torch's
+  flags not), as the Hugging Face Trainer hands its optimizer to DeepSpeed. Any
   other optimizer (SGD, amsgrad, maximize) is refused by name: the engine's update is its fused Adam. A config
   with its own ``optimizer`` section and an optimizer argument is refused, as DeepSpeed refuses it;
 * ``lr_scheduler``: a callable taking the engine's optimizer and returning a torch scheduler (what the Hugging
@@ -59,11 +60,11 @@ from torch import nn
 
 from .._config_values import as_bool
 from .._deepspeed_json import load_json
-from .._model_checks import as_param_groups
+from .._model_checks import TORCH_ADAM_FLAGS, as_param_groups
 from ..engine import Engine
 from ..engine import initialize as _initialize
 from ..optim import _ZerocoreAdam
-from ..optimizer import ADAM_HYPERPARAMETERS
+from ..optimizer import ADAM_HYPERPARAMETERS, as_json_value, set_group_value
 from . import accelerator, checkpointing, comm, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 
@@ -188,7 +189,9 @@ def _adam_groups(optimizer: Any) -> tuple[str, list[dict[str, Any]]]:
             decoupled = bool(optimizer.adam_w_mode)
         else:
             decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-        entry = {key: (tuple(group[key]) if key == "betas" else group[key]) for key in ADAM_HYPERPARAMETERS}
+        # the group's own keys too (BEiT's lr_scale, which its schedule reads), but torch's flags
+        entry = {key: value for key, value in group.items() if key not in TORCH_ADAM_FLAGS}
+        entry.update({key: (tuple(group[key]) if key == "betas" else group[key]) for key in ADAM_HYPERPARAMETERS})
         entry.update(params=list(group["params"]), adamw_mode=decoupled)
         if "bias_correction" in group:
             entry["bias_correction"] = bool(group["bias_correction"])
@@ -213,13 +216,17 @@ def _rebind(scheduler: torch.optim.lr_scheduler.LRScheduler, engine: Engine) -> 
     """A scheduler built on the client optimizer moves the engine's lr instead: the engine's groups are that
     optimizer's, lr included, as its construction left them. torch marks an optimizer's ``step`` when a scheduler
     is built on it (to warn about a scheduler stepped first); a scheduler of factor 1 built on the engine's
-    optimizer marks it the same way and changes no lr."""
+    optimizer marks it the same way; the lrs it sets (each group's ``initial_lr``, which the groups carry over
+    from the client's, times 1) are put back."""
     if len(scheduler.base_lrs) != len(engine.optimizer.param_groups):
         raise ValueError(f"deepspeed.initialize: lr_scheduler schedules {len(scheduler.base_lrs)} param groups, the "
                          f"engine has {len(engine.optimizer.param_groups)}")
     scheduler.optimizer = engine.optimizer
     if not hasattr(engine.optimizer.step, "_wrapped_by_lr_sched"):
+        lrs = [as_json_value(group["lr"]) for group in engine.optimizer.param_groups]  # (a tensor lr's number)
         torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda _: 1.0)
+        for group, lr in zip(engine.optimizer.param_groups, lrs):
+            set_group_value(group, "lr", lr)
     return scheduler
 
 
