@@ -6,6 +6,7 @@ with torch's AdamW; the script that wrote tests/fixtures/deepspeed under DeepSpe
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
 import os
@@ -144,6 +145,32 @@ def test_a_groups_own_keys_reach_the_engines_groups_from_either_argument():
     flags = {"foreach", "amsgrad", "maximize", "fused", "capturable", "differentiable", "decoupled_weight_decay"}
     assert not flags & set(optimizer.param_groups[0])
     engine.close()
+
+
+def reference_model_worker(rank: int, world: int, stage: int) -> bool:
+    """TRL's prepare_deepspeed: the reference model, frozen, through deepspeed.initialize with the Trainer's own
+    config (optimizer and scheduler sections included) and stage 0 below ZeRO-3, then eval(); its forwards are
+    the plain model's in bf16."""
+    torch.manual_seed(0)
+    model = build("transformer").requires_grad_(False)
+    plain = copy.deepcopy(model).bfloat16()
+    config = {**_BASE, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (stage 0's note about clipping)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    tokens = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        same = torch.equal(engine(tokens), plain(tokens))
+    engine.close()
+    return same
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_frozen_reference_model_initializes_as_trl_gives_it(stage):
+    assert all(run_ranks(reference_model_worker, 2, stage))
 
 
 def config_worker(rank: int, world: int, path: str) -> tuple:

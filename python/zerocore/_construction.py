@@ -65,10 +65,6 @@ def training_device(model: nn.Module, policy: StagePolicy,
     """Where the engine trains, and whether the model is on the meta device (stage 3 materializes it on
     ``device``, by default the current CUDA device if any, else the CPU)."""
     where = model_device(model)
-    if not any(p.requires_grad for p in model.parameters()) and not policy.params_sharded:
-        raise ValueError(f"the model has no trainable parameters (none with requires_grad=True): stage "
-                         f"{policy.stage} would hold it whole on every rank, as a plain module does; use it as one, "
-                         "or shard it with zero_optimization.stage 3 (a frozen reference or teacher model)")
     if where.type == "cpu" and torch.cuda.is_available():
         # DDP and the engine train where the model is; FSDP2 and DeepSpeed move it to the GPU themselves, so a
         # script ported from them runs on the CPU, silently slower by orders of magnitude
