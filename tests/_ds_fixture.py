@@ -67,6 +67,11 @@ CASES: dict[str, dict] = {
                              "groups": False, "boost": {0: 1e4}},
     "stage3-fp16-overflow": {"deepspeed": {"optimizer": _ADAMW, "fp16": _FP16, "zero_optimization": {"stage": 3}},
                              "groups": True, "boost": {0: 1e4}},
+    # written by 3 ranks (the others by 2): other partition boundaries and alignment padding in DeepSpeed's files
+    "stage2-bf16-world3": {"deepspeed": {"optimizer": _ADAMW, "bf16": {"enabled": True}, "scheduler": _WARMUP,
+                                         "zero_optimization": {"stage": 2}}, "groups": True, "world": 3},
+    "stage3-fp32-world3": {"deepspeed": {"optimizer": _ADAMW, "zero_optimization": {"stage": 3, "sub_group_size": 100}},
+                           "groups": True, "world": 3},
 }
 
 

@@ -58,10 +58,13 @@ def load_worker(rank: int, world: int, case: str, stage: int, directory: str, of
     seen["loss_scaler"] = engine.loss_scaler.state_dict()
     # the resumed run's first update against DeepSpeed's own fourth step from the same state and batch: the
     # step count (Adam's bias correction), lr and moments all enter it (an update from t=1 would be 1.7x this one)
-    # DeepSpeed's two ranks' batches, spread over this run's ranks so the averaged gradient is the same
-    mine = [k for k in range(2) if k % world == rank] or [0]
-    loss = sum(fixture_loss(engine(fixture_batch(3, k)[0]), fixture_batch(3, k)[1]) for k in mine)
-    loss = loss * (world / 2 if any(k % world == rank for k in range(2)) else 0.0)
+    # DeepSpeed's ranks' batches, spread over this run's ranks so the averaged gradient is the same (in one
+    # forward on every rank: a rank given two batches must not run a forward the others do not)
+    ds_world = CASES[case].get("world", 2)
+    mine = [k for k in range(ds_world) if k % world == rank] or [0]
+    output = engine(torch.cat([fixture_batch(3, k)[0] for k in mine]))
+    loss = sum(fixture_loss(out, fixture_batch(3, k)[1]) for k, out in zip(mine, output.split(4)))
+    loss = loss * (world / ds_world if any(k % world == rank for k in range(ds_world)) else 0.0)
     engine.backward(loss)
     engine.step()
     seen["trains_on"] = bool(torch.isfinite(loss))
@@ -120,6 +123,10 @@ _UNIVERSAL = "global_step3_universal"  # ds_to_universal's conversion of the cas
     # DeepSpeed's universal checkpoints: every parameter whole, its moments beside it
     ("stage2-bf16-groups-warmup", 3, 3, None, _UNIVERSAL), ("stage2-bf16-groups-warmup", 1, 2, "cpu", _UNIVERSAL),
     ("stage3-bf16", 2, 1, None, _UNIVERSAL), ("stage3-bf16", 3, 3, None, _UNIVERSAL),
+    # written by 3 DeepSpeed ranks
+    ("stage2-bf16-world3", 2, 2, None, None), ("stage2-bf16-world3", 4, 3, None, None),
+    ("stage2-bf16-world3", 2, 1, None, _UNIVERSAL),
+    ("stage3-fp32-world3", 3, 3, None, None), ("stage3-fp32-world3", 2, 1, "cpu", None),
 ])
 def test_a_deepspeed_checkpoint_loads_exactly_at_any_world_size_and_stage(case, world, stage, offload, tag):
     directory = os.path.join(FIXTURES, case)
@@ -135,8 +142,8 @@ def test_a_deepspeed_checkpoint_loads_exactly_at_any_world_size_and_stage(case, 
         skipped = facts.get("skipped_steps", 0)  # fp16 overflows: counted steps that updated nothing
         # (stage 0's FP16_Optimizer counts one more: its first step initializes the state)
         assert (seen["global_steps"], seen["adam_steps"]) == (3, facts.get("adam_steps", 3 - skipped))
-        # DeepSpeed's saved count (3 steps x 4 samples x its 2 ranks), not the steps at this run's batch
-        assert seen["global_samples"] == 24, seen["global_samples"]
+        # DeepSpeed's saved count (3 steps x 4 samples x its ranks), not the steps at this run's batch
+        assert seen["global_samples"] == 12 * CASES[case].get("world", 2), seen["global_samples"]
         if "loss_scaler" in facts:  # the resumed scale, and the counters that decide its next change, DeepSpeed's
             assert seen["loss_scaler"] == facts["loss_scaler"]
             assert seen["loss_scaler_after_step"] == facts["loss_scaler_after_step"]
