@@ -237,12 +237,19 @@ def test_optimizer_state_by_parameter_index_is_refused_naming_get_state_dict(tmp
 
 # ---- the other way: python -m zerocore.checkpoint to-dcp (Note [DCP export]) ------------------------------
 
-def train_and_save_worker(rank: int, world: int, directory: str, stage: int, exclude_frozen: bool = False) -> bytes:
+def _groups_with_lr_scale(model: torch.nn.Module) -> list[dict]:
+    """The fixture's groups, each with a key of the script's own (BEiT's layer-wise lr decay)."""
+    return [{**group, "lr_scale": 0.5 * (i + 1)}
+            for i, group in enumerate(param_groups(model, CASES["tutorial-fp32-groups"]))]
+
+
+def train_and_save_worker(rank: int, world: int, directory: str, stage: int, exclude_frozen: bool = False,
+                          lr_scale: bool = False) -> bytes:
     """zerocore trains the fixture model (two param groups, tied, frozen and unused parameters, a buffer) two
     steps and saves; returns its state and, after one more step on both fixture batches, its masters."""
     model = build_fixture_model()
-    engine = zerocore.initialize(model, _config("tutorial-fp32-groups", stage),
-                                 param_groups=param_groups(model, CASES["tutorial-fp32-groups"]))
+    groups = _groups_with_lr_scale(model) if lr_scale else param_groups(model, CASES["tutorial-fp32-groups"])
+    engine = zerocore.initialize(model, _config("tutorial-fp32-groups", stage), param_groups=groups)
     for step in range(2):
         engine.backward(fixture_loss(engine(fixture_batch(step, rank)[0]), fixture_batch(step, rank)[1]))
         engine.step()
@@ -305,6 +312,27 @@ def test_to_dcp_writes_what_torch_resumes_adamw_training_from(tmp_path):
                 continue
             update, torch_update = ours["after"][name] - before, param.detach() - before
             assert float((update - torch_update).norm() / torch_update.norm()) < 1e-4, name
+
+
+def test_to_dcp_carries_a_groups_own_keys_which_torchs_load_would_otherwise_drop(tmp_path):
+    """torch's load replaces each param group with the saved one: a key of the script's own (lr_scale, which a
+    layer-wise lr decay loop reads every step) must be in the export or the resumed script loses it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from zerocore.checkpoint import to_dcp
+
+    checkpoint, out = str(tmp_path / "ckpt"), str(tmp_path / "dcp")
+    run_ranks(train_and_save_worker, 2, checkpoint, 1, False, True)
+    to_dcp(checkpoint, out)
+    model = build_fixture_model()
+    optimizer = torch.optim.AdamW(_groups_with_lr_scale(model), **ADAMW)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=out, no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert [g["lr_scale"] for g in optimizer.param_groups] == [0.5, 1.0]
+    assert not any("adamw_mode" in g or "bias_correction" in g for g in optimizer.param_groups)
 
 
 def roundtrip_worker(rank: int, world: int, directory: str, stage: int, expected_file: str) -> list[str]:

@@ -39,7 +39,7 @@ import torch
 
 from ._checkpoint_format import read_index, resolve_tag, tag_path
 from ._saved_tensors import SavedTensors
-from .optimizer import ADAM_HYPERPARAMETERS
+from .optimizer import ADAM_HYPERPARAMETERS, own_group_keys
 
 
 def _previous_output(out_dir: str) -> list[str]:
@@ -96,8 +96,9 @@ def to_dcp(checkpoint_dir: str, out_dir: str, tag: str | None = None, overwrite:
         defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
         groups = []
         for group, names in zip(index["param_groups"], index["param_group_names"]):
-            torch_group = {**defaults, **{key: (tuple(group[key]) if key == "betas" else group[key])
-                                          for key in ADAM_HYPERPARAMETERS if key in group}}
+            torch_group = {**defaults, **own_group_keys(group),  # (torch's load replaces its groups with these)
+                           **{key: (tuple(group[key]) if key == "betas" else group[key])
+                              for key in ADAM_HYPERPARAMETERS if key in group}}
             torch_group["decoupled_weight_decay"] = bool(group.get("adamw_mode", True))
             torch_group["params"] = list(names)
             groups.append(torch_group)

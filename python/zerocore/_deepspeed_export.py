@@ -61,7 +61,7 @@ from ._checkpoint_format import fsync_dir, read_index, resolve_tag, tag_path, wr
 from ._checkpoint_match import global_steps, optimizer_steps
 from ._saved_tensors import SavedTensors
 from ._user_frames import user_stacklevel
-from .optimizer import ADAM_HYPERPARAMETERS
+from .optimizer import ADAM_HYPERPARAMETERS, own_group_keys
 
 # The DeepSpeed version whose universal loader this output was checked against (stage 1's loader asserts a
 # version at least 0.3.17 is named).
@@ -109,7 +109,9 @@ def _scheduler_state(index: Mapping[str, Any]) -> Any:
 def _param_groups(index: Mapping[str, Any]) -> list[dict[str, Any]]:
     groups, first = [], 0
     for group, names in zip(index["param_groups"], index["param_group_names"]):
-        entry = {key: (tuple(group[key]) if key == "betas" else group[key]) for key in ADAM_HYPERPARAMETERS if key in group}
+        entry = own_group_keys(group)  # (DeepSpeed's load replaces its groups with these)
+        entry.update({key: (tuple(group[key]) if key == "betas" else group[key]) for key in ADAM_HYPERPARAMETERS
+                      if key in group})
         entry["params"] = list(range(first, first + len(names)))
         first += len(names)
         groups.append(entry)

@@ -18,12 +18,9 @@ from torch import nn
 
 from ._user_frames import user_stacklevel
 from .config import OptimizerConfig
+from .optimizer import TORCH_ADAM_FLAGS
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction", "name"}
-# torch's Adam/AdamW group flags: how torch runs its step (kept, as torch keeps them), or, for amsgrad, maximize
-# and decoupled_weight_decay, what it computes (check_group_hyperparameters refuses what zerocore's Adam would not do)
-TORCH_ADAM_FLAGS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable",
-                    "decoupled_weight_decay")
 
 
 def _check_group_keys(group: Mapping[str, Any], index: int) -> None:

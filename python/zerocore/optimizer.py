@@ -18,6 +18,18 @@ if TYPE_CHECKING:
 # The param-group hyperparameters zerocore's Adam shares with torch's Adam/AdamW and DeepSpeed's: what moves
 # between zerocore and their checkpoints and optimizers (DCP and DeepSpeed loads and exports, deepspeed.initialize).
 ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+# torch's Adam/AdamW group flags: how torch runs its step, or, for amsgrad, maximize and decoupled_weight_decay,
+# what it computes (_model_checks.check_group_hyperparameters refuses what zerocore's Adam would not do)
+TORCH_ADAM_FLAGS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable",
+                    "decoupled_weight_decay")
+
+
+def own_group_keys(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's keys of the script's own (BEiT's ``lr_scale``, a scheduler's ``initial_lr``): neither
+    ``params``, Adam's hyperparameters, zerocore's ``adamw_mode`` / ``bias_correction`` nor torch's flags. An
+    export carries them, since torch's and DeepSpeed's loads replace a group with the saved one."""
+    return {key: value for key, value in group.items()
+            if key not in ("params", "adamw_mode", "bias_correction", *ADAM_HYPERPARAMETERS, *TORCH_ADAM_FLAGS)}
 
 
 def as_json_value(value: Any) -> Any:

@@ -60,11 +60,11 @@ from torch import nn
 
 from .._config_values import as_bool
 from .._deepspeed_json import load_json
-from .._model_checks import TORCH_ADAM_FLAGS, as_param_groups
+from .._model_checks import as_param_groups
 from ..engine import Engine
 from ..engine import initialize as _initialize
 from ..optim import _ZerocoreAdam
-from ..optimizer import ADAM_HYPERPARAMETERS, as_json_value, set_group_value
+from ..optimizer import ADAM_HYPERPARAMETERS, TORCH_ADAM_FLAGS, as_json_value, set_group_value
 from . import accelerator, checkpointing, comm, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 
