@@ -335,6 +335,29 @@ def test_to_dcp_carries_a_groups_own_keys_which_torchs_load_would_otherwise_drop
     assert not any("adamw_mode" in g or "bias_correction" in g for g in optimizer.param_groups)
 
 
+def test_to_dcp_resumes_under_a_scheduler_built_before_the_load(tmp_path):
+    """torchtitan builds the lr scheduler before it loads, so torch's recipe asks the checkpoint for each group's
+    initial_lr, which a zerocore run without a torch scheduler never had: the export gives it the run's lr (the
+    load failed: 'Missing key in checkpoint state_dict: optim.param_groups.0.initial_lr')."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from zerocore.checkpoint import to_dcp
+
+    checkpoint, out = str(tmp_path / "ckpt"), str(tmp_path / "dcp")
+    run_ranks(train_and_save_worker, 2, checkpoint, 2)
+    to_dcp(checkpoint, out)
+    model = build_fixture_model()
+    optimizer = torch.optim.AdamW(param_groups(model, CASES["tutorial-fp32-groups"]), **ADAMW)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=out, no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert [(g["lr"], g["initial_lr"]) for g in optimizer.param_groups] == [(0.5, 0.5), (0.5, 0.5)]
+    assert scheduler.base_lrs == [ADAMW["lr"]] * 2  # (the scheduler's own state is the script's to load)
+
+
 def roundtrip_worker(rank: int, world: int, directory: str, stage: int, expected_file: str) -> list[str]:
     model = build_fixture_model()
     engine = zerocore.initialize(model, _config("tutorial-fp32-groups", stage),

@@ -100,6 +100,9 @@ def to_dcp(checkpoint_dir: str, out_dir: str, tag: str | None = None, overwrite:
                            **{key: (tuple(group[key]) if key == "betas" else group[key])
                               for key in ADAM_HYPERPARAMETERS if key in group}}
             torch_group["decoupled_weight_decay"] = bool(group.get("adamw_mode", True))
+            # what a torch scheduler built on the resuming optimizer before the load (torchtitan's order) asks for:
+            # its base lr, as a scheduler built on this run's optimizer would have recorded it
+            torch_group.setdefault("initial_lr", torch_group["lr"])
             torch_group["params"] = list(names)
             groups.append(torch_group)
         # the state dict DCP's planner sees (its tensors on the meta device: shapes and dtypes only)
