@@ -109,7 +109,7 @@ def _scheduler_state(index: Mapping[str, Any]) -> Any:
 def _param_groups(index: Mapping[str, Any]) -> list[dict[str, Any]]:
     groups, first = [], 0
     for group, names in zip(index["param_groups"], index["param_group_names"]):
-        entry = own_group_keys(group)  # (DeepSpeed's load replaces its groups with these)
+        entry = own_group_keys(group)  # (DeepSpeed's universal load sets its groups' keys from these)
         entry.update({key: (tuple(group[key]) if key == "betas" else group[key]) for key in ADAM_HYPERPARAMETERS
                       if key in group})
         entry["params"] = list(range(first, first + len(names)))

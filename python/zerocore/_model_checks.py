@@ -18,9 +18,9 @@ from torch import nn
 
 from ._user_frames import user_stacklevel
 from .config import OptimizerConfig
-from .optimizer import TORCH_ADAM_FLAGS
+from .optimizer import ADAM_GROUP_KEYS, TORCH_ADAM_FLAGS
 
-_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction", "name"}
+_GROUP_KEYS = {*ADAM_GROUP_KEYS, "name"}
 
 
 def _check_group_keys(group: Mapping[str, Any], index: int) -> None:

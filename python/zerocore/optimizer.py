@@ -22,17 +22,19 @@ ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 # what it computes (_model_checks.check_group_hyperparameters refuses what zerocore's Adam would not do)
 TORCH_ADAM_FLAGS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable",
                     "decoupled_weight_decay")
+# what zerocore's Adam reads from a group; any other key is the script's own (own_group_keys)
+ADAM_GROUP_KEYS = ("params", *ADAM_HYPERPARAMETERS, "adamw_mode", "bias_correction")
 
 
 def own_group_keys(group: Mapping[str, Any]) -> dict[str, Any]:
-    """A param group's keys of the script's own (BEiT's ``lr_scale``, a scheduler's ``initial_lr``): neither
-    ``params``, Adam's hyperparameters, zerocore's ``adamw_mode`` / ``bias_correction`` nor torch's flags. An
-    export carries them, since torch's and DeepSpeed's loads replace a group with the saved one."""
-    return {key: value for key, value in group.items()
-            if key not in ("params", "adamw_mode", "bias_correction", *ADAM_HYPERPARAMETERS, *TORCH_ADAM_FLAGS)}
+    """A param group's keys of the script's own (BEiT's ``lr_scale``, a scheduler's ``initial_lr``): none that
+    zerocore's Adam reads and none of torch's flags. An export carries them: torch's load replaces a group with
+    the saved one (DeepSpeed's universal load sets its groups' keys from the saved ones)."""
+    return {key: value for key, value in group.items() if key not in (*ADAM_GROUP_KEYS, *TORCH_ADAM_FLAGS)}
 
 
 def as_json_value(value: Any) -> Any:
+    """A group value as JSON holds it: a one-element tensor as its number, a tuple as a list."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:  # torch's optimizers take a tensor lr (and betas)
         return value.item()
     if isinstance(value, (tuple, list)):
