@@ -166,6 +166,30 @@ def test_bad_param_group_hyperparameters_are_rejected_at_initialize_naming_group
     assert zerocore._gathered.engine_for(model[0].weight) is None  # nothing was taken over
 
 
+def test_named_parameters_are_taken_as_torchs_optimizers_take_them():
+    """torch's optimizers take ``model.named_parameters()`` (since 2.6): the parameters in ``params``, their names
+    in ``param_names``, those of frozen parameters left out with them."""
+    model = _linear()
+    model[0].bias.requires_grad_(False)
+    engine = zerocore.initialize(model, _CONFIG, param_groups=model.named_parameters())
+    try:
+        (group,) = engine.optimizer.param_groups
+        assert group["param_names"] == ["0.weight", "2.weight", "2.bias"] and len(group["params"]) == 3
+    finally:
+        engine.close()
+    groups = [{"params": list(model[0].named_parameters()), "weight_decay": 0.0},
+              {"params": model[2].named_parameters()}]
+    engine = zerocore.initialize(model, _CONFIG, param_groups=groups)
+    try:
+        assert [g["param_names"] for g in engine.optimizer.param_groups] == [["weight"], ["weight", "bias"]]
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="should be with/without names"):  # torch's own rule
+        zerocore.initialize(model, _CONFIG, param_groups=[{"params": list(model[0].named_parameters())},
+                                                          {"params": list(model[2].parameters())}])
+    assert zerocore._gathered.engine_for(model[0].weight) is None  # nothing was taken over
+
+
 @pytest.mark.parametrize("key,meant", [("weight_deacy", "weight_decay"), ("beta1", "betas"), ("Lr", "lr"),
                                        ("bias_corection", "bias_correction"), ("adam_w_mode", "adamw_mode"),
                                        ("amsgard", "amsgrad")])

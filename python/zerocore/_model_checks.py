@@ -210,16 +210,32 @@ def check_group_hyperparameters(groups: Sequence[Mapping[str, Any]], where: str 
                              "adamw_mode: set that instead (True: AdamW's decoupled decay, False: L2 as in Adam)")
 
 
+def _named(items: list[Any]) -> bool:
+    return bool(items) and all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                               and isinstance(item[1], torch.Tensor) for item in items)
+
+
+def _unnamed(group: dict[str, Any]) -> dict[str, Any]:
+    """A group whose params are ``(name, parameter)`` pairs (torch's optimizers take ``named_parameters()``
+    since 2.6) as torch keeps it: the parameters in ``params``, their names in ``param_names``."""
+    params = group.get("params")
+    params = list(params) if isinstance(params, Iterable) and not isinstance(params, torch.Tensor) else params
+    if isinstance(params, list) and _named(params):
+        return {**group, "params": [p for _, p in params], "param_names": [n for n, _ in params]}
+    return {**group, "params": params} if "params" in group else group
+
+
 def as_param_groups(items: Iterable[Any], what: str) -> list[dict[str, Any]]:
-    """Parameters or param-group dicts as param groups: an iterable of parameters is one group, as torch's
-    optimizers and DeepSpeed's model_parameters take it. ``what`` names the argument in the error for a mix."""
+    """Parameters, named parameters or param-group dicts as param groups: an iterable of parameters (or of
+    ``model.named_parameters()``'s pairs) is one group, as torch's optimizers and DeepSpeed's model_parameters
+    take it. ``what`` names the argument in the error for a mix."""
     items = list(items)
-    if items and all(isinstance(item, torch.Tensor) for item in items):
-        return [{"params": items}]
+    if items and (all(isinstance(item, torch.Tensor) for item in items) or _named(items)):
+        return [_unnamed({"params": items})]
     if all(isinstance(item, Mapping) for item in items):
-        return [dict(item) for item in items]
-    raise TypeError(f"{what} must be parameters (one group, as torch's optimizers take them) or param-group dicts, "
-                    "not a mix")
+        return [_unnamed(dict(item)) for item in items]
+    raise TypeError(f"{what} must be parameters (one group, as torch's optimizers take them), named parameters or "
+                    "param-group dicts, not a mix")
 
 
 def collect_trainable(
@@ -249,9 +265,12 @@ def collect_trainable(
             raise ValueError(f"param_groups[{index}] has no 'params'")
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        given_names = group.get("param_names")
+        named = isinstance(given_names, (list, tuple)) and len(given_names) == len(params)
         unique: list[nn.Parameter] = []
+        kept_names: list[Any] = []  # torch's param_names, for the parameters kept
         taken: set[int] = set()  # ids, not `in unique`: that would compare tensors elementwise
-        for param in params:
+        for position, param in enumerate(params):
             if id(param) not in names:
                 raise ValueError(f"param_groups[{index}] holds a tensor that is not a parameter of the model")
             if group_of.setdefault(id(param), index) != index:
@@ -259,12 +278,16 @@ def collect_trainable(
             if param.requires_grad and id(param) not in taken:
                 taken.add(id(param))
                 unique.append(param)
+                if named:
+                    kept_names.append(given_names[position])
         # A group left with no trainable parameter (HF's no-decay group of a LoRA model whose biases and
         # norms are frozen) is kept, as torch's optimizers keep it: dropped, every later group's index would
         # shift, and a scheduler's per-group lambdas or a param_groups[i]["lr"] callback would act on another.
         own = {k: v for k, v in group.items() if k != "params"}
         if "decoupled_weight_decay" in own and "adamw_mode" not in own:  # torch's Adam(decoupled_weight_decay=True)
             own["adamw_mode"] = bool(own["decoupled_weight_decay"])
+        if named:
+            own["param_names"] = kept_names
         groups.append({**base, **own, "params": unique})
     missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
     if missing:

@@ -107,7 +107,8 @@ def initialize(
             default: the default group, initialized here from the environment (``torchrun``) or as a
             single-process group when none exists.
         param_groups: torch-style groups (``{"params": [...], "weight_decay": 0.0, ...}``) over the model's
-            parameters, or parameters (one group, as torch's optimizers take ``model.parameters()``); default:
+            parameters, or parameters (one group, as torch's optimizers take ``model.parameters()``, or
+            ``model.named_parameters()``: the names go to ``param_names``, as torch keeps them); default:
             one group of every trainable parameter. A group's own keys (``lr_scale`` for layer-wise lr decay)
             stay in ``engine.optimizer.param_groups`` for the script to read, as torch keeps them; one that
             misspells a hyperparameter (``weight_deacy``) is refused.
