@@ -173,6 +173,42 @@ def test_a_frozen_reference_model_initializes_as_trl_gives_it(stage):
     assert all(run_ranks(reference_model_worker, 2, stage))
 
 
+def test_a_plateau_scheduler_steps_with_the_metrics_step_is_given():
+    """DeepSpeed's engine.step(lr_kwargs=...) reaches the scheduler's step: a ReduceLROnPlateau built on the
+    client optimizer cuts the engine's lr once the metric stops improving; a step without the metric it needs
+    is refused before the parameters move."""
+    model = build("mlp")
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(client, factor=0.5, patience=0)
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=client, lr_scheduler=plateau,
+                                                           config=_BASE)
+    assert scheduler is plateau and plateau.optimizer is engine.optimizer
+    x, y = torch.randn(4, 12), torch.randn(4, 5)
+    lrs = []
+    for _ in range(3):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step(lr_kwargs={"metrics": 1.0})  # never improves after the first
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == [1e-2, 5e-3, 2.5e-3]
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    before = {n: zerocore.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    with pytest.raises(TypeError, match="metrics.*nothing was changed"):
+        engine.step()
+    assert all(torch.equal(zerocore.safe_get_full_fp32_param(p), before[n]) for n, p in model.named_parameters())
+    engine.step(lr_kwargs={"metrics": 0.5})  # the same micro-step, now with its metric
+    assert engine.global_steps == 4
+    engine.close()
+
+
+def test_lr_kwargs_without_a_scheduler_are_refused():
+    engine = zerocore.initialize(build("mlp"), _BASE)
+    engine.backward(engine(torch.randn(4, 12)).square().mean())
+    with pytest.raises(ValueError, match="no lr scheduler"):
+        engine.step(lr_kwargs={"metrics": 1.0})
+    engine.step()
+    engine.close()
+
+
 def config_worker(rank: int, world: int, path: str) -> tuple:
     model = build("mlp")
     args = argparse.Namespace(deepspeed_config=path, local_rank=rank)

@@ -26,6 +26,7 @@ Every other method of the engine lands them all before it does anything.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -72,6 +73,27 @@ __all__ = ["Engine", "EngineState", "initialize"]
 # States in which the model's parameters may be read or written from outside training.
 # errors every rank raises at the same point, or after which no collective may follow: nothing to play out
 _RAISED_IN_LOCKSTEP = (RanksDivergedError, ShardReadError, CompileRefused, dist.DistError)
+
+
+def _check_lr_kwargs(scheduler: Any, lr_kwargs: Mapping[str, Any] | None) -> None:
+    """The lr scheduler's step must take ``lr_kwargs`` (a ReduceLROnPlateau needs its metrics): checked before
+    the update, so a mismatch changes nothing instead of raising after the parameters moved."""
+    if lr_kwargs is not None and not isinstance(lr_kwargs, Mapping):
+        raise TypeError(f"step(lr_kwargs=...) takes a mapping of keyword arguments, got {type(lr_kwargs).__name__}")
+    if scheduler is None:
+        if lr_kwargs:
+            raise ValueError(f"step(lr_kwargs={dict(lr_kwargs)!r}): the engine has no lr scheduler to pass them to; "
+                             "nothing was changed")
+        return
+    try:
+        inspect.signature(scheduler.step).bind(**(lr_kwargs or {}))
+    except TypeError as error:
+        raise TypeError(f"step(): the lr scheduler's step() ({type(scheduler).__name__}) cannot take "
+                        f"lr_kwargs={dict(lr_kwargs or {})!r} ({error}): pass what it needs, as in "
+                        "engine.step(lr_kwargs={'metrics': val_loss}) for ReduceLROnPlateau; nothing was changed") \
+            from None
+    except ValueError:  # a step() whose signature cannot be read: its own call decides
+        pass
 
 
 def _raised_in_lockstep(error: BaseException | None) -> bool:
@@ -516,8 +538,10 @@ class Engine(DeepSpeedAccessors):
                 self.lifecycle.exit_no_sync()
 
     # ---- step ---------------------------------------------------------------------------------------
-    def step(self) -> None:
-        """Ends a micro-step; at the accumulation boundary, updates the parameters on every rank."""
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
+        """Ends a micro-step; at the accumulation boundary, updates the parameters on every rank and steps the lr
+        scheduler, with ``lr_kwargs`` as DeepSpeed passes them (``{"metrics": val_loss}`` for a
+        ``ReduceLROnPlateau``; Megatron-DeepSpeed's ``{"increment": n}``)."""
         life = self.lifecycle
         if life.state in (EngineState.IDLE, EngineState.FORWARD) and self._micro_step_ended_unstepped:
             self._micro_step_ended_unstepped = False  # its micro-step has ended already
@@ -539,13 +563,15 @@ class Engine(DeepSpeedAccessors):
                 f"changed: call set_gradient_accumulation_boundary({boundary}) and step() to end this micro-step")
         if boundary and self.stage3 is not None:
             self.stage3.refuse_while_held("step()")
+        if boundary:
+            _check_lr_kwargs(self.lr_scheduler, lr_kwargs)  # before anything changes
         self._end_micro_step(boundary)
         life.to(EngineState.IDLE)
         if boundary:
             with deferred_interrupts("the optimizer step"):  # Note [Interrupts deferred in an update]
-                self._boundary_step()
+                self._boundary_step(lr_kwargs)
 
-    def _boundary_step(self) -> None:
+    def _boundary_step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         skipped = self.skipped_steps
         self._update_due = True
         try:
@@ -561,7 +587,7 @@ class Engine(DeepSpeedAccessors):
         self.optimizer.overflow = not self.step_applied
         self.allocator.after_step(self.global_steps)
         if self.lr_scheduler is not None and self.step_applied:
-            self.lr_scheduler.step()  # as DeepSpeed: after an applied step, not an fp16-overflow skip
+            self.lr_scheduler.step(**(lr_kwargs or {}))  # as DeepSpeed: after an applied step, not an fp16 skip
         self.zero_grad()
         self.lifecycle.local_grads = False
         if self.monitor.enabled and self.rank == 0:  # Note [Monitors]

@@ -19,7 +19,8 @@ training_dataloader, lr_scheduler)``, built by :func:`zerocore.initialize`:
   with its own ``optimizer`` section and an optimizer argument is refused, as DeepSpeed refuses it;
 * ``lr_scheduler``: a callable taking the engine's optimizer and returning a torch scheduler (what the Hugging
   Face Trainer passes), or a scheduler built on the optimizer passed as ``optimizer=`` (what scripts written for
-  DeepSpeed pass), which then moves the engine's lr instead; ``engine.step()`` steps it after every applied step.
+  DeepSpeed pass), which then moves the engine's lr instead; ``engine.step()`` steps it after every applied step
+  (``engine.step(lr_kwargs={"metrics": val_loss})`` passes DeepSpeed's lr_kwargs on, as a ReduceLROnPlateau needs).
   A scheduler built on any other optimizer is refused: it would move that optimizer's lr, not the engine's. One
   in both the config and the argument is refused;
 * ``training_data``: a ``torch.utils.data.Dataset`` becomes a ``DataLoader`` of ``train_micro_batch_size_per_gpu``
@@ -218,8 +219,10 @@ def _rebind(scheduler: torch.optim.lr_scheduler.LRScheduler, engine: Engine) -> 
     is built on it (to warn about a scheduler stepped first); a scheduler of factor 1 built on the engine's
     optimizer marks it the same way; the lrs it sets (each group's ``initial_lr``, which the groups carry over
     from the client's, times 1) are put back."""
-    if len(scheduler.base_lrs) != len(engine.optimizer.param_groups):
-        raise ValueError(f"deepspeed.initialize: lr_scheduler schedules {len(scheduler.base_lrs)} param groups, the "
+    # (a ReduceLROnPlateau has no base_lrs: it schedules its optimizer's groups)
+    scheduled = len(scheduler.base_lrs) if hasattr(scheduler, "base_lrs") else len(scheduler.optimizer.param_groups)
+    if scheduled != len(engine.optimizer.param_groups):
+        raise ValueError(f"deepspeed.initialize: lr_scheduler schedules {scheduled} param groups, the "
                          f"engine has {len(engine.optimizer.param_groups)}")
     scheduler.optimizer = engine.optimizer
     if not hasattr(engine.optimizer.step, "_wrapped_by_lr_sched"):
