@@ -416,6 +416,28 @@ def test_checkpointing_and_lr_schedules_modules(tmp_path):
         checkpointing.configure(None, deepspeed_config=str(path))
 
 
+def test_checkpoint_passes_keyword_arguments_to_the_function_as_deepspeeds_does():
+    """DeepSpeed's checkpoint(function, *args, **kwargs) calls function(*args, **kwargs) (a Hugging Face layer's
+    attention_mask=): a keyword tensor gets its gradient, and a keyword named like torch's checkpoint options
+    reaches the function."""
+    from zerocore.deepspeed import checkpointing
+
+    layer = torch.nn.Linear(4, 4)
+    x, mask = torch.randn(3, 4, requires_grad=True), torch.rand(3, 4, requires_grad=True)
+
+    def function(h, mask, debug=False):
+        assert debug == "mine"
+        return torch.tanh(layer(h)) * mask
+
+    grads = []
+    for run in (lambda: function(x, mask=mask, debug="mine"),
+                lambda: checkpointing.checkpoint(function, x, mask=mask, debug="mine")):
+        x.grad = mask.grad = None
+        run().square().sum().backward()
+        grads.append((x.grad.clone(), mask.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 class Switchable(Model):
     """A model with Hugging Face's gradient_checkpointing_enable(): its encoder's blocks rerun in the backward."""
 

@@ -14,6 +14,7 @@ it.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -62,9 +63,12 @@ def reset() -> None:
     """DeepSpeed's: frees its contiguous buffers between steps; torch's checkpointing keeps none."""
 
 
-def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)``, its activations recomputed in the backward instead of kept (DeepSpeed's signature)."""
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``, its activations recomputed in the backward instead of kept (DeepSpeed's
+    signature: the keyword arguments go to ``function``, a Hugging Face layer's ``attention_mask=`` and the
+    like, never to torch's checkpoint options)."""
+    run = functools.partial(function, **kwargs) if kwargs else function
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
 
 
 non_reentrant_checkpoint = checkpoint

@@ -45,9 +45,9 @@ def log_dist(message: str, ranks: Sequence[int] | None = None, level: int = logg
         logger.log(level, "[Rank %d] %s", rank, message)
 
 
-def z3_leaf_module(module: nn.Module) -> bool:
-    """Whether ``module`` is marked a leaf (gathered whole)."""
-    return getattr(module, "_z3_leaf", False) is True
+def z3_leaf_module(model: nn.Module) -> bool:
+    """Whether the module ``model`` is marked a leaf (gathered whole); DeepSpeed's parameter name."""
+    return getattr(model, "_z3_leaf", False) is True
 
 
 def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
