@@ -314,6 +314,47 @@ def test_one_cycle_values_by_hand():
     assert asymmetric == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0], rel=1e-14, abs=1e-15)
 
 
+_RESUMABLE = {
+    "WarmupLR": lambda o, **k: WarmupLR(o, warmup_min_lr=0.1, warmup_max_lr=1.0, warmup_num_steps=5, **k),
+    "WarmupDecayLR": lambda o, **k: WarmupDecayLR(o, total_num_steps=12, warmup_num_steps=4, **k),
+    "WarmupCosineLR": lambda o, **k: WarmupCosineLR(o, total_num_steps=12, warmup_num_steps=4, **k),
+    "OneCycle": lambda o, **k: OneCycle(o, cycle_min_lr=0.1, cycle_max_lr=1.1, cycle_first_step_size=3,
+                                        decay_step_size=2, decay_lr_rate=0.5, **k),
+    "LRRangeTest": lambda o, **k: LRRangeTest(o, lr_range_test_step_size=2, lr_range_test_step_rate=0.5, **k),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_RESUMABLE))
+def test_a_schedule_built_at_a_last_batch_iteration_resumes_as_deepspeeds(name):
+    """DeepSpeed's schedules take last_batch_iteration=k (a script resuming builds them so): the optimizer keeps
+    its lr and betas until the next step, which sets those of iteration k + 1; and step(j) sets those of j."""
+    make = _RESUMABLE[name]
+    reference, opt = [], _optimizer(betas=(0.9, 0.99))
+    sched = make(opt)
+    for _ in range(10):
+        reference.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))  # values at iteration i - 1
+        opt.step()
+        sched.step()
+    for k in (0, 3, 7):
+        # (WarmupCosineLR scales the lr the optimizer has when it is built, DeepSpeed's too: 1.0 in both runs)
+        opt = _optimizer(lr=1.0, betas=(0.5, 0.99))
+        resumed = make(opt, last_batch_iteration=k)
+        assert (opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]) == (1.0, (0.5, 0.99))
+        assert resumed.last_batch_iteration == k and resumed.get_last_lr() == [1.0]
+        opt.step()
+        resumed.step()
+        lr, betas = reference[k + 2]
+        assert opt.param_groups[0]["lr"] == lr
+        assert opt.param_groups[0]["betas"] == (betas if name == "OneCycle" else (0.5, 0.99))
+    opt = _optimizer()
+    jumped = make(opt)
+    for j in (5, 2):
+        jumped.step(j)  # DeepSpeed's step(last_batch_iteration)
+        assert jumped.last_batch_iteration == j and opt.param_groups[0]["lr"] == reference[j + 1][0]
+    with pytest.raises(ValueError, match="last_batch_iteration"):
+        make(_optimizer(), last_batch_iteration=-2)
+
+
 @pytest.mark.parametrize("make", [
     lambda o: OneCycle(o, cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=3, cycle_min_mom=0.8,
                        cycle_max_mom=0.95),

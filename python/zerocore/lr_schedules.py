@@ -50,8 +50,32 @@ class _DeepSpeedSchedule(LRScheduler):
     """Base of the DeepSpeed schedules (Note [DeepSpeed schedule timing]): subclasses give
     ``_lrs_at(iteration)``, DeepSpeed's ``get_lr()`` at ``last_batch_iteration = iteration``."""
 
-    def __init__(self, optimizer: Optimizer) -> None:
+    def __init__(self, optimizer: Optimizer, last_batch_iteration: int = -1) -> None:
+        if isinstance(last_batch_iteration, bool) or not isinstance(last_batch_iteration, int) \
+                or last_batch_iteration < -1:
+            raise ValueError(f"{_P}last_batch_iteration: expected an int >= -1, got {last_batch_iteration!r}")
+        kept = [(group["lr"], group.get("betas")) for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch=-1)
+        if last_batch_iteration != -1:
+            # DeepSpeed's: a schedule resumed at that iteration leaves the optimizer's lr (and OneCycle's
+            # momentum) as they are until its next step, which sets them at last_batch_iteration + 1
+            self.last_epoch = last_batch_iteration + 1
+            for group, (lr, betas) in zip(optimizer.param_groups, kept):
+                group["lr"] = lr
+                if betas is not None:
+                    group["betas"] = betas
+            self._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+    def step(self, last_batch_iteration: int | None = None, *, batch_iteration: int | None = None) -> None:
+        """The next step; or, as DeepSpeed's ``step(last_batch_iteration)`` (``batch_iteration`` in OneCycle and
+        LRRangeTest), the values at that iteration."""
+        iteration = last_batch_iteration if last_batch_iteration is not None else batch_iteration
+        if iteration is None:
+            super().step()
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (torch's: stepping to an epoch is deprecated there)
+            super().step(iteration + 1)
 
     @property
     def last_batch_iteration(self) -> int:
@@ -86,7 +110,7 @@ class WarmupLR(_DeepSpeedSchedule):
 
     def __init__(self, optimizer: Optimizer, warmup_min_lr: float | Sequence[float] = 0.0,
                  warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
-                 warmup_type: str = "log") -> None:
+                 warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
         groups = len(optimizer.param_groups)
         if warmup_max_lr is None:
             warmup_max_lr = float(optimizer.param_groups[0]["lr"])
@@ -96,7 +120,7 @@ class WarmupLR(_DeepSpeedSchedule):
         if warmup_type not in ("log", "linear"):
             raise ValueError(f"{_P}warmup_type: expected 'log' or 'linear', got {warmup_type!r}")
         self.warmup_type = warmup_type
-        super().__init__(optimizer)
+        super().__init__(optimizer, last_batch_iteration)
 
     def _gamma(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
@@ -117,13 +141,13 @@ class WarmupDecayLR(WarmupLR):
 
     def __init__(self, optimizer: Optimizer, total_num_steps: int,
                  warmup_min_lr: float | Sequence[float] = 0.0, warmup_max_lr: float | Sequence[float] = 0.001,
-                 warmup_num_steps: int = 1000, warmup_type: str = "log") -> None:
+                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
         self.total_num_steps = int(total_num_steps)
         if self.total_num_steps < max(2, int(warmup_num_steps)):
             warnings.warn(f"{_P}total_num_steps ({total_num_steps}) is less than warmup_num_steps "
                           f"({warmup_num_steps}); the lr decays from the first step after the warmup",
                           UserWarning, stacklevel=user_stacklevel())
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def _gamma(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
@@ -138,7 +162,8 @@ class WarmupCosineLR(_DeepSpeedSchedule):
     ``cos_min_ratio`` at ``total_num_steps``, staying there after. 0 before the first step, as in DeepSpeed."""
 
     def __init__(self, optimizer: Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
-                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log") -> None:
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
+                 last_batch_iteration: int = -1) -> None:
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
@@ -151,7 +176,7 @@ class WarmupCosineLR(_DeepSpeedSchedule):
                           f"({warmup_num_steps}); the lr drops to cos_min_ratio right after the warmup",
                           UserWarning, stacklevel=user_stacklevel())
         self.org_lrs = [float(group["lr"]) for group in optimizer.param_groups]
-        super().__init__(optimizer)
+        super().__init__(optimizer, last_batch_iteration)
 
     def lr_ratio(self, iteration: int) -> float:
         """The fraction of each group's lr at DeepSpeed's ``last_batch_iteration = iteration``."""
@@ -187,7 +212,7 @@ class OneCycle(_DeepSpeedSchedule):
                  cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
                  cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
                  decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
-                 cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0) -> None:
+                 cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0, last_batch_iteration: int = -1) -> None:
         groups = len(optimizer.param_groups)
         self.first_step_size = float(cycle_first_step_size)
         self.second_step_size = (float(cycle_second_step_size) if cycle_second_step_size is not None
@@ -216,7 +241,7 @@ class OneCycle(_DeepSpeedSchedule):
                               f"as DeepSpeed does, replacing beta2 = {changed}; set scheduler.params."
                               "cycle_momentum to false to keep the optimizer's betas", UserWarning,
                               stacklevel=user_stacklevel())
-        super().__init__(optimizer)
+        super().__init__(optimizer, last_batch_iteration)
 
     def _scale_factor(self, batch_iteration: int) -> float:
         cycle = math.floor(1 + batch_iteration / self.total_size)
@@ -282,12 +307,12 @@ class LRRangeTest(_DeepSpeedSchedule):
 
     def __init__(self, optimizer: Optimizer, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
                  lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
-                 lr_range_test_staircase: bool = False) -> None:
+                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1) -> None:
         self.min_lrs = _per_group(lr_range_test_min_lr, "lr_range_test_min_lr", len(optimizer.param_groups))
         self.step_size = int(lr_range_test_step_size)
         self.step_rate = float(lr_range_test_step_rate)
         self.staircase = bool(lr_range_test_staircase)
-        super().__init__(optimizer)
+        super().__init__(optimizer, last_batch_iteration)
 
     def _lrs_at(self, iteration: int) -> list[float]:
         interval = float(iteration + 1) / self.step_size
