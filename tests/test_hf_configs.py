@@ -346,6 +346,14 @@ def test_a_schedule_built_at_a_last_batch_iteration_resumes_as_deepspeeds(name):
         lr, betas = reference[k + 2]
         assert opt.param_groups[0]["lr"] == lr
         assert opt.param_groups[0]["betas"] == (betas if name == "OneCycle" else (0.5, 0.99))
+        opt = _optimizer(lr=1.0, betas=(0.5, 0.99))
+        loaded = make(opt)
+        lr, betas = opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]
+        loaded.load_state_dict({"last_batch_iteration": k})  # DeepSpeed's state_dict(): the position only
+        assert (opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]) == (lr, betas)
+        opt.step()
+        loaded.step()
+        assert opt.param_groups[0]["lr"] == reference[k + 2][0]
     opt = _optimizer()
     jumped = make(opt)
     for j in (5, 2):

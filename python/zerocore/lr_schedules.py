@@ -66,6 +66,17 @@ class _DeepSpeedSchedule(LRScheduler):
                     group["betas"] = betas
             self._last_lr = [group["lr"] for group in optimizer.param_groups]
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's state dict, or DeepSpeed's schedules' own (``{"last_batch_iteration": k}``, what a script
+        switched from DeepSpeed saved in its client state): the position only, as DeepSpeed's load sets it."""
+        if "last_epoch" not in state_dict and "last_batch_iteration" in state_dict:
+            iteration = state_dict["last_batch_iteration"]
+            if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < -1:
+                raise ValueError(f"load_state_dict: last_batch_iteration must be an int >= -1, got {iteration!r}")
+            self.last_epoch = iteration + 1
+            return
+        super().load_state_dict(state_dict)
+
     def step(self, last_batch_iteration: int | None = None, *, batch_iteration: int | None = None) -> None:
         """The next step; or, as DeepSpeed's ``step(last_batch_iteration)`` (``batch_iteration`` in OneCycle and
         LRRangeTest), the values at that iteration."""
