@@ -354,13 +354,13 @@ def test_a_schedule_built_at_a_last_batch_iteration_resumes_as_deepspeeds(name):
         opt.step()
         loaded.step()
         assert opt.param_groups[0]["lr"] == reference[k + 2][0]
-    opt = _optimizer()
+    opt = _optimizer(betas=(0.9, 0.99))
     jumped = make(opt)
     for j in (5, 2):
         jumped.step(j)  # DeepSpeed's step(last_batch_iteration)
         assert jumped.last_batch_iteration == j and opt.param_groups[0]["lr"] == reference[j + 1][0]
     with pytest.raises(ValueError, match="last_batch_iteration"):
-        make(_optimizer(), last_batch_iteration=-2)
+        make(_optimizer(betas=(0.9, 0.99)), last_batch_iteration=-2)
 
 
 @pytest.mark.parametrize("make", [
