@@ -200,6 +200,25 @@ def test_a_plateau_scheduler_steps_with_the_metrics_step_is_given():
     engine.close()
 
 
+def test_deepspeeds_config_accessors_answer_from_the_config():
+    """get_batch_info() (DeepSpeed's examples unpack it and call each), optimizer_name() (a client optimizer's
+    class name, else the config's type in lower case), the scheduler's name and params, the bucket size used."""
+    config = {**_BASE, "gradient_accumulation_steps": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+    engine, *_ = deepspeed.initialize(model=build("mlp"), config=config)
+    total, micro, accumulation = engine.get_batch_info()
+    assert (total(), micro(), accumulation()) == (8, 4, 2)
+    assert engine.optimizer_name() == "adamw" and engine.optimizer_params()["lr"] == 1e-3
+    assert (engine.scheduler_name(), engine.scheduler_params()) == ("WarmupLR", {"warmup_num_steps": 5})
+    assert engine.zero_reduce_bucket_size() == engine.comm_report()["buckets"]["reduce_bucket_elements"]
+    assert engine.zero_overlap_comm() is True and engine.zero_contiguous_gradients() is True
+    engine.close()
+    model = build("mlp")
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=_BASE)
+    assert engine.optimizer_name() == "AdamW" and engine.scheduler_name() is None
+    engine.close()
+
+
 def test_lr_kwargs_without_a_scheduler_are_refused():
     engine = zerocore.initialize(build("mlp"), _BASE)
     engine.backward(engine(torch.randn(4, 12)).square().mean())

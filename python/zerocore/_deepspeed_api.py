@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from ._autocast_config import DEFAULT_SAFE_MODULES
 
 if TYPE_CHECKING:
+    from ._buckets import BucketSizes
     from ._loss_scaler import LossScaler
     from .config import ZeroConfig
     from .optimizer import ZeroOptimizer
@@ -94,6 +95,7 @@ class DeepSpeedAccessors:
         return attribute
 
     config: ZeroConfig
+    buckets: BucketSizes
     optimizer: ZeroOptimizer
     world_size: int
     step_applied: bool
@@ -133,6 +135,43 @@ class DeepSpeedAccessors:
             return self.config.train_batch_size
         micro = self.config.train_micro_batch_size_per_gpu
         return None if micro is None else micro * self.config.gradient_accumulation_steps * self.world_size
+
+    def get_batch_info(self) -> tuple[Callable[[], int | None], Callable[[], int | None], Callable[[], int]]:
+        """DeepSpeed's: the three batch-size accessors themselves (``train_batch_size``,
+        ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``), which its scripts call."""
+        return self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+
+    def optimizer_name(self) -> str:
+        """The optimizer's name as DeepSpeed gives it: a client optimizer's class name (``deepspeed.initialize``'s
+        ``optimizer=``), else the config's type in lower case (``"adamw"``)."""
+        return getattr(self, "_client_optimizer_name", None) or self.config.optimizer.type.lower()
+
+    def optimizer_params(self) -> dict[str, Any]:
+        """The optimizer's hyperparameters (the engine's defaults for its param groups)."""
+        optimizer = self.config.optimizer
+        return {"lr": optimizer.lr, "betas": list(optimizer.betas), "eps": optimizer.eps,
+                "weight_decay": optimizer.weight_decay, "adam_w_mode": optimizer.adamw_mode,
+                "bias_correction": optimizer.bias_correction}
+
+    def scheduler_name(self) -> str | None:
+        """The config's ``scheduler.type`` (None without a scheduler section)."""
+        return None if self.config.scheduler is None else self.config.scheduler.type
+
+    def scheduler_params(self) -> dict[str, Any] | None:
+        return None if self.config.scheduler is None else dict(self.config.scheduler.params_dict)
+
+    def zero_reduce_bucket_size(self) -> int:
+        """Elements per gradient bucket: the config's, or the size zerocore picked (``comm_report()["buckets"]``)."""
+        return self.buckets.reduce
+
+    def zero_overlap_comm(self) -> bool:
+        return self.config.zero_optimization.overlap_comm
+
+    def zero_contiguous_gradients(self) -> bool:
+        return self.config.zero_optimization.contiguous_gradients
+
+    def zero_sub_group_size(self) -> int:
+        return self.config.zero_optimization.sub_group_size
 
     def zero_optimization_stage(self) -> int:
         return self.stage

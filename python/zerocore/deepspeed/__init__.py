@@ -281,6 +281,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     drop_last = as_bool(ds_config.pop("dataloader_drop_last", False), "dataloader_drop_last")
     _place_on_local_gpu(model, args)
     engine = _initialize(model, ds_config, param_groups=groups)
+    if optimizer is not None:
+        engine._client_optimizer_name = type(optimizer).__name__  # (DeepSpeed's optimizer_name() gives it)
     if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
         engine.lr_scheduler = _rebind(lr_scheduler, engine)
     elif lr_scheduler is not None:
