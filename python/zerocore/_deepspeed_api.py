@@ -96,6 +96,8 @@ class DeepSpeedAccessors:
 
     config: ZeroConfig
     buckets: BucketSizes
+    # the class name of the optimizer deepspeed.initialize was given (what DeepSpeed's optimizer_name() says)
+    _client_optimizer_name: str | None = None
     optimizer: ZeroOptimizer
     world_size: int
     step_applied: bool
@@ -144,7 +146,7 @@ class DeepSpeedAccessors:
     def optimizer_name(self) -> str:
         """The optimizer's name as DeepSpeed gives it: a client optimizer's class name (``deepspeed.initialize``'s
         ``optimizer=``), else the config's type in lower case (``"adamw"``)."""
-        return getattr(self, "_client_optimizer_name", None) or self.config.optimizer.type.lower()
+        return self._client_optimizer_name or self.config.optimizer.type.lower()
 
     def optimizer_params(self) -> dict[str, Any]:
         """The optimizer's hyperparameters (the engine's defaults for its param groups)."""

@@ -21,6 +21,7 @@ from .config import OptimizerConfig
 from .optimizer import ADAM_GROUP_KEYS, TORCH_ADAM_FLAGS
 
 _GROUP_KEYS = {*ADAM_GROUP_KEYS, "name"}
+_READ_KEYS = sorted(set(ADAM_GROUP_KEYS) - {"params"})  # the hyperparameters a misspelt key would leave at default
 
 
 def _check_group_keys(group: Mapping[str, Any], index: int) -> None:
@@ -30,11 +31,11 @@ def _check_group_keys(group: Mapping[str, Any], index: int) -> None:
     for key in sorted(set(group) - _GROUP_KEYS - set(TORCH_ADAM_FLAGS), key=str):
         if not isinstance(key, str):
             raise ValueError(f"param_groups[{index}] has a key {key!r} that is not a string")
-        read = sorted(_GROUP_KEYS - {"params", "name"})
-        close = difflib.get_close_matches(key.lower(), read + list(TORCH_ADAM_FLAGS), n=1, cutoff=0.8)
+        close = difflib.get_close_matches(key.lower(), _READ_KEYS + list(TORCH_ADAM_FLAGS), n=1, cutoff=0.8)
         if close:
             raise ValueError(f"param_groups[{index}] has key {key!r}: did you mean {close[0]!r}? (zerocore's Adam "
-                             f"reads {read}; a group's other keys are kept unread, for the script's own schedule)")
+                             f"reads {_READ_KEYS}; a group's other keys are kept unread, for the script's own "
+                             "schedule)")
 
 
 def model_device(model: nn.Module) -> torch.device:

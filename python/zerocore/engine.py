@@ -26,7 +26,6 @@ Every other method of the engine lands them all before it does anything.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -66,34 +65,13 @@ from ._stage3 import NO_BUCKET_CAP, Stage3Runtime
 from ._step import agree_on_state_files, boundary_update
 from ._units import resolve_units
 from .config import ZeroConfig, hidden_size_of
-from .lr_schedules import build_lr_scheduler
+from .lr_schedules import build_lr_scheduler, check_step_kwargs
 from .optimizer import ZeroOptimizer
 
 __all__ = ["Engine", "EngineState", "initialize"]
 # States in which the model's parameters may be read or written from outside training.
 # errors every rank raises at the same point, or after which no collective may follow: nothing to play out
 _RAISED_IN_LOCKSTEP = (RanksDivergedError, ShardReadError, CompileRefused, dist.DistError)
-
-
-def _check_lr_kwargs(scheduler: Any, lr_kwargs: Mapping[str, Any] | None) -> None:
-    """The lr scheduler's step must take ``lr_kwargs`` (a ReduceLROnPlateau needs its metrics): checked before
-    the update, so a mismatch changes nothing instead of raising after the parameters moved."""
-    if lr_kwargs is not None and not isinstance(lr_kwargs, Mapping):
-        raise TypeError(f"step(lr_kwargs=...) takes a mapping of keyword arguments, got {type(lr_kwargs).__name__}")
-    if scheduler is None:
-        if lr_kwargs:
-            raise ValueError(f"step(lr_kwargs={dict(lr_kwargs)!r}): the engine has no lr scheduler to pass them to; "
-                             "nothing was changed")
-        return
-    try:
-        inspect.signature(scheduler.step).bind(**(lr_kwargs or {}))
-    except TypeError as error:
-        raise TypeError(f"step(): the lr scheduler's step() ({type(scheduler).__name__}) cannot take "
-                        f"lr_kwargs={dict(lr_kwargs or {})!r} ({error}): pass what it needs, as in "
-                        "engine.step(lr_kwargs={'metrics': val_loss}) for ReduceLROnPlateau; nothing was changed") \
-            from None
-    except ValueError:  # a step() whose signature cannot be read: its own call decides
-        pass
 
 
 def _raised_in_lockstep(error: BaseException | None) -> bool:
@@ -564,7 +542,7 @@ class Engine(DeepSpeedAccessors):
         if boundary and self.stage3 is not None:
             self.stage3.refuse_while_held("step()")
         if boundary:
-            _check_lr_kwargs(self.lr_scheduler, lr_kwargs)  # before anything changes
+            check_step_kwargs(self.lr_scheduler, lr_kwargs)  # before anything changes
         self._end_micro_step(boundary)
         life.to(EngineState.IDLE)
         if boundary:

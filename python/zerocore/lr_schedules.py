@@ -20,6 +20,7 @@ The formulas are DeepSpeed's, rewritten here; the tests check them value by valu
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -351,6 +352,28 @@ def apply_current_values(scheduler: LRScheduler) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             scheduler.get_lr()
+
+
+def check_step_kwargs(scheduler: Any, lr_kwargs: Mapping[str, Any] | None) -> None:
+    """The engine's lr scheduler's step must take ``lr_kwargs`` (``engine.step(lr_kwargs=...)``, as DeepSpeed's;
+    a ReduceLROnPlateau needs its metrics): checked before the update, so a mismatch changes nothing instead of
+    raising after the parameters moved."""
+    if lr_kwargs is not None and not isinstance(lr_kwargs, Mapping):
+        raise TypeError(f"step(lr_kwargs=...) takes a mapping of keyword arguments, got {type(lr_kwargs).__name__}")
+    if scheduler is None:
+        if lr_kwargs:
+            raise ValueError(f"step(lr_kwargs={dict(lr_kwargs)!r}): the engine has no lr scheduler to pass them to; "
+                             "nothing was changed")
+        return
+    try:
+        inspect.signature(scheduler.step).bind(**(lr_kwargs or {}))
+    except TypeError as error:
+        raise TypeError(f"step(): the lr scheduler's step() ({type(scheduler).__name__}) cannot take "
+                        f"lr_kwargs={dict(lr_kwargs or {})!r} ({error}): pass what it needs, as in "
+                        "engine.step(lr_kwargs={'metrics': val_loss}) for ReduceLROnPlateau; nothing was changed") \
+            from None
+    except ValueError:  # a step() whose signature cannot be read: its own call decides
+        pass
 
 
 def build_lr_scheduler(config: Any, optimizer: Optimizer) -> LRScheduler | None:

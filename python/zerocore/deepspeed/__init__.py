@@ -65,7 +65,7 @@ from .._model_checks import as_param_groups
 from ..engine import Engine
 from ..engine import initialize as _initialize
 from ..optim import _ZerocoreAdam
-from ..optimizer import ADAM_HYPERPARAMETERS, TORCH_ADAM_FLAGS, as_json_value, set_group_value
+from ..optimizer import ADAM_HYPERPARAMETERS, as_json_value, own_group_keys, set_group_value
 from . import accelerator, checkpointing, comm, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 
@@ -190,8 +190,7 @@ def _adam_groups(optimizer: Any) -> tuple[str, list[dict[str, Any]]]:
             decoupled = bool(optimizer.adam_w_mode)
         else:
             decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-        # the group's own keys too (BEiT's lr_scale, which its schedule reads), but torch's flags
-        entry = {key: value for key, value in group.items() if key not in TORCH_ADAM_FLAGS}
+        entry = own_group_keys(group)  # (BEiT's lr_scale, which its schedule reads; not torch's flags)
         entry.update({key: (tuple(group[key]) if key == "betas" else group[key]) for key in ADAM_HYPERPARAMETERS})
         entry.update(params=list(group["params"]), adamw_mode=decoupled)
         if "bias_correction" in group:
