@@ -715,6 +715,43 @@ def test_reading_a_sharded_parameter_at_rest_raises_instead_of_computing_on_plac
             assert "'blocks.1.linear.weight'" in message and "zerocore.gathered" in message, message
 
 
+def conversion_worker(rank: int, world: int) -> list[str]:
+    """A script or trainer that moves an already placed model (model.to(device), model.float()) at stage 3:
+    torch returns each parameter itself, so nothing is read and the run goes on unchanged, as DeepSpeed's
+    stage 3 allows it; a conversion that would change a sharded parameter still raises, naming it."""
+    torch.manual_seed(0)
+    model = Zoo()
+    engine = zerocore.initialize(model, config())
+    engine.backward(loss_of(engine, *data(0, rank)))
+    engine.step()
+    weight = model.blocks[1].linear.weight
+    before = engine.full_state_dict(rank0_only=False)
+    for same in (lambda: model.to("cpu"), lambda: model.to(torch.float32), lambda: model.float(), lambda: model.cpu(),
+                 lambda: model.to(device="cpu", dtype=torch.float32, non_blocking=True), lambda: weight.to(weight)):
+        same()
+    assert model.blocks[1].linear.weight is weight and "sharded by ZeRO stage 3" in repr(weight)
+    after = engine.full_state_dict(rank0_only=False)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    messages = []
+    for change in (lambda: weight.to(torch.float64), lambda: weight.to("cpu", copy=True), lambda: weight.half(),
+                   lambda: weight.to(memory_format=torch.channels_last)):
+        try:
+            messages.append(f"no error: {change()!r}")
+        except RuntimeError as error:
+            messages.append(str(error))
+    engine.backward(loss_of(engine, *data(1, rank)))
+    engine.step()
+    assert all(torch.isfinite(v).all() for v in engine.full_state_dict(rank0_only=False).values())
+    return messages
+
+
+def test_a_conversion_to_what_a_sharded_parameter_already_is_passes_and_any_other_raises():
+    for messages in run_ranks(conversion_worker, 2):
+        assert len(messages) == 4
+        for message in messages:
+            assert "'blocks.1.linear.weight'" in message and "zerocore.gathered" in message, message
+
+
 def state_dict_worker(rank: int, world: int) -> str:
     torch.manual_seed(0)
     model = Zoo()

@@ -9,7 +9,10 @@ placeholders]). ``model.fc.weight.sum()``, ``copy.deepcopy(model)``, ``model.to(
 then silently compute on, or save, NaN. So a released parameter's class is swapped for a subclass of its
 own class whose ``__torch_function__`` raises for every operation that reads values, naming the parameter
 and the ways to get its values; operations on metadata (shape, dtype, device, ``numel``, hashing, hooks,
-``requires_grad``, ``.grad``) and the engine's ``.data =`` go through. Gathering swaps the class back, so
+``requires_grad``, ``.grad``) and the engine's ``.data =`` go through, and so does a conversion that would
+return the parameter itself (``model.to(its device)``, ``model.float()`` on float32 parameters: scripts and
+trainers move an already placed model, and torch's own ``.to`` returns the tensor unchanged then, reading no
+values; one to another device or dtype still raises). Gathering swaps the class back, so
 the forward and backward, which only run on gathered units, never pay for the Python override. The class
 stays a subclass of the original, so ``isinstance(p, nn.Parameter)`` holds throughout.
 """
@@ -32,9 +35,11 @@ _METADATA = frozenset({
     "is_cuda", "is_cpu", "is_meta", "is_xpu", "is_mps", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
     "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
     "is_signed", "get_device", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-    "__hash__", "__len__",
+    "__hash__", "__len__", "_has_compatible_shallow_copy_type",
 })
 _NAME = "_zerocore_sharded_name"
+# Conversions that return the tensor itself when it already has the target device, dtype and memory format.
+_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16"})
 
 
 def _operation(func: Any) -> tuple[str, str]:
@@ -43,6 +48,17 @@ def _operation(func: Any) -> tuple[str, str]:
     if name in ("__get__", "__set__", "__delete__"):
         return getattr(getattr(func, "__self__", None), "__name__", name), name
     return name, "call"
+
+
+def _converts_to_itself(param: torch.Tensor, name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Would ``param.<name>(*args, **kwargs)`` return ``param`` itself? Asked of an empty tensor with the same
+    dtype and device, so no placeholder value is read and nothing of the parameter's size is allocated."""
+    with torch._C.DisableTorchFunctionSubclass():
+        probe = torch.empty(0, dtype=param.dtype, device=param.device)
+        try:
+            return getattr(probe, name)(*args, **kwargs) is probe
+        except Exception:  # noqa: BLE001 - arguments torch refuses: the refusal below names the parameter
+            return False
 
 
 class CompileRefused(RuntimeError):
@@ -62,6 +78,9 @@ class _RefusesCompute:
         if name in _METADATA or (name == "data" and kind == "__set__"):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if (name in _CONVERSIONS and kind == "call" and args and isinstance(args[0], _RefusesCompute)
+                and _converts_to_itself(args[0], name, args[1:], kwargs or {})):
+            return args[0]
         sharded = list({id(a): a for a in args if isinstance(a, _RefusesCompute)}.values())
         if name in ("__repr__", "__format__") and sharded and not (kind == "call" and name == "__format__" and args[1]):
             param = sharded[0]
