@@ -913,21 +913,3 @@ def test_the_step_starts_the_next_forwards_first_gathers_and_reads_stay_right():
         assert result["forward_gathers"] == 4, result
 
 
-def compile_worker(rank: int, world: int) -> str:
-    torch.manual_seed(0)
-    model = Zoo()
-    zerocore.initialize(model, config())
-    compiled = torch.compile(model, backend="eager")
-    try:
-        compiled(*data(0, rank)[:1])
-    except Exception as error:  # noqa: BLE001 - dynamo wraps it in its own error type
-        return str(error)
-    return "no error"
-
-
-def test_torch_compile_of_a_stage_3_model_says_it_is_not_supported_yet():
-    """Dynamo fakes every parameter while tracing; a sharded one used to answer with the advice for reading
-    it outside a forward (wrap it in gathered()), which does not apply."""
-    for message in run_ranks(compile_worker, 2, timeout=120):
-        assert "compiling the whole stage-3 model" in message and "is not supported yet" in message, message
-        assert "compile each unit before zerocore.initialize" in message, message

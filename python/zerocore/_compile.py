@@ -13,9 +13,10 @@ what the stage keeps out of the compiled code:
 * stage 3: each unit's ``forward``, the innermost units only. The gather and release hooks run in the unit's
   ``__call__``, outside the compiled ``forward``, as with blocks compiled one by one before ``initialize``
   (``model.layers[i] = torch.compile(layer)``, torchtitan's way with FSDP2); a unit that contains another
-  unit, and the root's own code between the units, run uncompiled, since compiling them would trace the
-  inner units' hooks (compiling the whole stage-3 model is not supported yet). A unit compiled before
-  ``initialize`` is left as it is.
+  unit, and the root's own code between the units, run uncompiled, so each unit's graph is whole
+  (``fullgraph=True`` holds; ``torch.compile(model)`` of the whole model also works, breaking its graph at
+  each unit's hooks: Note [Hooks outside compiled code]). A unit compiled before ``initialize`` is left as
+  it is.
 
 Compiling changes no result: the compiled code computes what the eager code does (bitwise with the
 ``aot_eager`` backend, tested). Like DeepSpeed's, it lasts for the module's life: ``close()`` hands back the
@@ -33,6 +34,39 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+
+# Note [Hooks outside compiled code]
+# ----------------------------------
+# Stage 3's module hooks gather, release, prefetch and check units: collectives, storage resizes and class
+# swaps that dynamo must not trace (a traced gather would be baked into a graph, or fail inside
+# ``attach_views``). Each hook is wrapped in ``torch.compiler.disable``, as FSDP2 leaves its hooks out of
+# dynamo by default (``skip_fsdp_hooks``): a compiled model breaks its graph at each unit's hooks, runs them
+# eagerly, and compiles the code between them, so ``torch.compile(model)`` (or ``model.compile()``) of a
+# whole stage-3 model runs each unit's forward compiled with its parameters gathered. Dynamo guards a
+# tensor's Python class, so compiled code that meets a parameter still sharded (one read outside its unit's
+# forward) recompiles, and the retrace refuses it (Note [Sharded parameters refuse compute]) instead of
+# computing on a placeholder. Outside compiled code the wrapper costs one function call per hook.
+def outside_compiled_code(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, run eagerly where a compiled model calls it (Note [Hooks outside compiled code])."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
+def land_gathers_before_compiled_forwards(engine: Engine) -> Any:
+    """Stages 1-2: a model compiled after ``initialize`` and called directly (``torch.compile(model)(x)``, or
+    ``model.compile()``) cannot land a parameter's all-gather on its first read (Note [Gathers land on first
+    read]), which dynamo had refused to trace. So the root's pre-hook, when dynamo traces it with gathers in
+    flight, lands them all eagerly past a graph break, as the engine's forward does for compiled blocks (dynamo
+    guards on the count, so the compiled forward lands them whenever some are in flight); uncompiled it does
+    nothing.
+    Returns the hook's handle."""
+    land = outside_compiled_code(engine.land_param_gathers)
+
+    def hook(module: nn.Module, args: Any) -> None:
+        # (the engine's forward lands them before a compiled module runs: its graph stays whole then)
+        if torch.compiler.is_compiling() and any(buffer.gathers_in_flight for buffer in engine.buffers):
+            land()
+    return engine.module.register_forward_pre_hook(hook, prepend=True)
 
 
 def is_compiled_module(module: nn.Module) -> bool:

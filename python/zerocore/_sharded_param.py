@@ -62,7 +62,7 @@ def _converts_to_itself(param: torch.Tensor, name: str, args: Any, kwargs: dict[
 
 
 class CompileRefused(RuntimeError):
-    """torch.compile traced a sharded parameter; every rank traces alike, so every rank raises it."""
+    """Compiled code read a sharded parameter; every rank traces alike, so every rank raises it."""
 
 
 class _RefusesCompute:
@@ -90,11 +90,12 @@ class _RefusesCompute:
         names = ", ".join(repr(p.__dict__.get(_NAME, "?")) for p in sharded) or "a stage-3 parameter"
         if torch._guards.TracingContext.try_get() is not None:  # torch.compile is tracing the model
             raise CompileRefused(
-                f"torch.compile traced parameter {names}, which ZeRO stage 3 shards and gathers in hooks around "
-                "each unit's forward; compiling the whole stage-3 model (or a unit in place with "
-                "module.compile()) is not supported yet: compile each unit before zerocore.initialize instead "
-                "(model.layers[i] = torch.compile(model.layers[i]), as with FSDP2), so the hooks stay outside the "
-                "compiled code, or run it uncompiled, or compile at stage 1 or 2, whose parameters are whole")
+                f"compiled code read parameter {names} while ZeRO stage 3 holds it sharded, outside its unit's "
+                "forward (a module reading a weight of another unit, as a head tied to an embedding in another "
+                "unit does); only uncompiled code gathers such a read on the spot: keep the module that reads it "
+                "out of the compiled code (torch.compiler.disable on its forward), make both modules one unit "
+                "(initialize(..., units=[...])), or compile each unit instead "
+                "(model.layers[i] = torch.compile(model.layers[i]))")
         raise RuntimeError(
             f"{name}() on parameter {names}, which is sharded by ZeRO stage 3 (outside its unit's forward this rank "
             "holds only a placeholder, not its values): wrap the access in `with zerocore.gathered(params):` "

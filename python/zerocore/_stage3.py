@@ -70,6 +70,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ._compile import outside_compiled_code
 from ._buckets import stage3_prefetch_budget
 from ._divergence import DivergenceCheck
 from ._ds_param_attributes import attach as attach_ds_attributes
@@ -221,14 +222,17 @@ class Stage3Runtime:
         self.hook_handles: list[Any] = []
         # A forward of the whole model starts here, whether or not the root module owns parameters.
         self.hook_handles.append(self.engine.module.register_forward_pre_hook(
-            lambda m, args: None if self._in_backward() else self._begin_forward(), prepend=True))
-        self.hook_handles.append(self.engine.module.register_forward_hook(lambda m, args, out: self._end_forward()))
+            outside_compiled_code(lambda m, args: None if self._in_backward() else self._begin_forward()),
+            prepend=True))
+        self.hook_handles.append(self.engine.module.register_forward_hook(
+            outside_compiled_code(lambda m, args, out: self._end_forward())))
         for unit in self.units:
             module = unit.spec.module
             self.hook_handles.append(module.register_forward_pre_hook(
-                lambda m, args, kwargs, unit=unit: self.pre_forward(unit, args, kwargs), with_kwargs=True))
-            self.hook_handles.append(
-                module.register_forward_hook(lambda m, args, out, unit=unit: self.post_forward(unit, out)))
+                outside_compiled_code(lambda m, args, kwargs, unit=unit: self.pre_forward(unit, args, kwargs)),
+                with_kwargs=True))
+            self.hook_handles.append(module.register_forward_hook(
+                outside_compiled_code(lambda m, args, out, unit=unit: self.post_forward(unit, out))))
         # Note [External parameters]; running or saving a module whose parameters are sharded raises
         self.hook_handles += install_access_checks(self.engine.module, self.units, self._unit_of_param, self)
 

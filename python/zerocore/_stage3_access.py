@@ -32,11 +32,13 @@ still raises: nothing would release the unit after it.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ._compile import outside_compiled_code
 from ._stage3_unit import Unit, UnitState
 
 if TYPE_CHECKING:
@@ -64,9 +66,9 @@ class ExternalAccess(dict):
         if torch.compiler.is_compiling():
             # A compiled unit (torch.compile of each block) runs gathered, its hooks outside the compiled code.
             # Tracing the lookup below would specialize the graph on each parameter's id(): one graph per
-            # block, and past torch._dynamo.config.recompile_limit the rest run uncompiled. A sharded
-            # parameter read here is still refused, as dynamo traces its placeholder (Note [Sharded
-            # parameters refuse compute]).
+            # block, and past torch._dynamo.config.recompile_limit the rest run uncompiled. A parameter of
+            # another unit read in compiled code while sharded is refused as dynamo traces its placeholder
+            # (Note [Hooks outside compiled code] in _compile.py).
             return param
         if param is not None:
             unit = self._unit_of_param.get(id(param))
@@ -86,7 +88,7 @@ def install_access_checks(model: nn.Module, units: list[Unit], unit_of_param: di
         mine = [owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner]
         if mine:
             # Registered after the units' gather hooks, so a unit module gathers before it is checked.
-            handles.append(module.register_forward_pre_hook(lambda m, args, mine=mine: _check_gathered(mine, runtime)))
+            handles.append(module.register_forward_pre_hook(_gathered_check(mine, runtime)))
             # model.state_dict() (torch.save, save_pretrained) would write NaN placeholders: raise.
             handles.append(module.register_state_dict_pre_hook(
                 lambda m, prefix, keep_vars, mine=mine: _check_state_dict(mine, runtime)))
@@ -102,6 +104,22 @@ def remove_external_access(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module._parameters, ExternalAccess):
             module._parameters = dict(module._parameters)
+
+
+def _gathered_check(params: list[tuple[Unit, str]], runtime: Stage3Runtime) -> Callable[..., None]:
+    """The forward pre-hook of a module owning ``params``. Inside a compiled unit's forward (Note [Hooks outside
+    compiled code] in _compile.py) dynamo traces it: with every unit gathered it does nothing, and tracing that
+    keeps the unit's graph whole (``fullgraph=True`` holds); anything else runs eagerly, past a graph break."""
+    eager = outside_compiled_code(lambda: _check_gathered(params, runtime))
+
+    def hook(module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            if all(unit.state is UnitState.GATHERED for unit, _ in params):
+                return
+            eager()
+        else:
+            _check_gathered(params, runtime)
+    return hook
 
 
 def _check_gathered(params: list[tuple[Unit, str]], runtime: Stage3Runtime) -> None:

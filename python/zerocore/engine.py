@@ -40,7 +40,7 @@ from ._backward import GradientRouting, exchange_backward_outcome, exchanges_out
 from ._buckets import BucketSizes
 from ._batch_sizes import set_batch_sizes, sizes_for_batch, sizes_for_micro_batch
 from ._buffer_sync import BufferSync
-from ._compile import compile_engine, is_compiled_module
+from ._compile import compile_engine, is_compiled_module, land_gathers_before_compiled_forwards
 from ._construction import (broadcast_module_state, build_comms, build_reducer, cast_floating,
                             cast_untracked_tensors, cpu_step_threads_line, default_process_group, optimizer_state_for,
                             param_file_for_config, training_device, whole_model_buffer)
@@ -218,6 +218,7 @@ class Engine(DeepSpeedAccessors):
         # compiled code cannot land a gather on first read (Note [Gathers land on first read]): the forward lands
         # them all before it runs
         self._has_compiled_code = any(is_compiled_module(m) for m in model.modules())
+        self._compiled_root_lands = None if self.stage3 is not None else land_gathers_before_compiled_forwards(self)
         self._comm_reset_at_step = 0
         self._samples_mark = (0, 0)  # (global_samples, global_steps) when the batch size last changed
         self._compiled_modules: list[str] = []  # by compile() ("" for the root)
@@ -655,6 +656,8 @@ class Engine(DeepSpeedAccessors):
         self.lifecycle.require("close()", *USABLE)
         self.land_param_gathers()
         self.gradients.remove_hooks()
+        if self._compiled_root_lands is not None:
+            self._compiled_root_lands.remove()
         if self.stage3 is not None:
             self.stage3.close()
         for buffer in self.buffers:  # stage 1's .grad are views of the engine's gradient buffer
