@@ -319,6 +319,9 @@ def first_read_worker(rank: int, world: int, stage: int) -> list[str]:
             torch.save(model, saved)
             saved.seek(0)
             read = torch.load(saved, weights_only=False)
+        if read is not model:  # a copy runs on its own: the engine's hooks it carries do nothing there
+            with torch.no_grad():
+                read(tokens)
         # right after step(): the plain model's own state dict holds every rank's updated shard
         reference.assert_matches({k: v.clone() for k, v in read.state_dict().items()}, label=f"step {step}")
         assert buffer.gathers_in_flight == 0 and all(type(p) is torch.nn.Parameter for p in params)

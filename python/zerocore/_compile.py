@@ -52,21 +52,31 @@ def outside_compiled_code(hook: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(hook, recursive=True)
 
 
-def land_gathers_before_compiled_forwards(engine: Engine) -> Any:
+class _LandBeforeCompiledForward:
     """Stages 1-2: a model compiled after ``initialize`` and called directly (``torch.compile(model)(x)``, or
     ``model.compile()``) cannot land a parameter's all-gather on its first read (Note [Gathers land on first
     read]), which dynamo had refused to trace. So the root's pre-hook, when dynamo traces it with gathers in
     flight, lands them all eagerly past a graph break, as the engine's forward does for compiled blocks (dynamo
     guards on the count, so the compiled forward lands them whenever some are in flight); uncompiled it does
-    nothing.
-    Returns the hook's handle."""
-    land = outside_compiled_code(engine.land_param_gathers)
+    nothing. A model pickled (``torch.save(model)``) or deep-copied takes an inert copy of the hook."""
 
-    def hook(module: nn.Module, args: Any) -> None:
+    def __init__(self, engine: Engine | None) -> None:
+        self._engine = engine
+        self._land = None if engine is None else outside_compiled_code(engine.land_param_gathers)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
         # (the engine's forward lands them before a compiled module runs: its graph stays whole then)
-        if torch.compiler.is_compiling() and any(buffer.gathers_in_flight for buffer in engine.buffers):
-            land()
-    return engine.module.register_forward_pre_hook(hook, prepend=True)
+        if (torch.compiler.is_compiling() and self._engine is not None
+                and any(buffer.gathers_in_flight for buffer in self._engine.buffers)):
+            self._land()
+
+    def __reduce__(self) -> tuple[type, tuple[None]]:
+        return type(self), (None,)
+
+
+def land_gathers_before_compiled_forwards(engine: Engine) -> Any:
+    """Registers :class:`_LandBeforeCompiledForward` on the engine's model; returns the hook's handle."""
+    return engine.module.register_forward_pre_hook(_LandBeforeCompiledForward(engine), prepend=True)
 
 
 def is_compiled_module(module: nn.Module) -> bool:
