@@ -655,6 +655,52 @@ def test_close_hands_the_model_back_whole_and_a_new_engine_can_take_it():
     assert all(run_ranks(close_worker, 2))
 
 
+def ema_worker(rank: int, world: int, stage: int) -> bool:
+    """An EMA model (timm's ModelEmaV2) or a reference model deep-copied from the engine's model is a plain
+    model, as under DDP (Note [Copies of an engine's model]): it carries none of the engine's hooks, so it
+    evaluates on rank 0 alone (which had diverged the ranks at stage 3: the copy's hooks gathered the
+    original's units), gives its state_dict() while the original is sharded, and pickles; the engine trains
+    as without it."""
+    finals = []
+    for with_ema in (False, True):
+        torch.manual_seed(0)
+        model = Zoo()
+        engine = zerocore.initialize(model, {**config(), "zero_optimization": {"stage": stage}})
+        ema = None
+        for step in range(3):
+            engine.backward(loss_of(engine, *data(step, rank)))
+            engine.step()
+            if not with_ema:
+                continue
+            with zerocore.gathered(list(model.parameters())), torch.no_grad():
+                if ema is None:
+                    ema = copy.deepcopy(model)
+                else:
+                    for mine, theirs in zip(ema.parameters(), model.parameters()):
+                        mine.mul_(0.5).add_(theirs, alpha=0.5)
+            expected = {k: v.clone() for k, v in ema.state_dict().items()}  # the original is sharded again
+            plain = Zoo()
+            plain.load_state_dict(expected)
+            if rank == 0:  # evaluation on one rank: no collective
+                tokens = data(9, 0)[0]
+                with torch.no_grad():
+                    assert torch.equal(ema(tokens), plain(tokens))
+                saved = io.BytesIO()
+                torch.save(ema, saved)
+                saved.seek(0)
+                loaded = torch.load(saved, weights_only=False)
+                with torch.no_grad():
+                    assert torch.equal(loaded(tokens), plain(tokens))
+        finals.append(engine.full_state_dict(rank0_only=False))
+        engine.close()
+    return all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deep_copy_of_the_model_is_a_plain_model_an_ema_evaluated_on_one_rank(stage):
+    assert all(run_ranks(ema_worker, 2, stage))
+
+
 def sharded_access_worker(rank: int, world: int) -> str:
     torch.manual_seed(0)
     model = Zoo()

@@ -32,51 +32,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ._module_hooks import EngineHook, outside_compiled_code
+
 if TYPE_CHECKING:
     from .engine import Engine
 
 
-# Note [Hooks outside compiled code]
-# ----------------------------------
-# Stage 3's module hooks gather, release, prefetch and check units: collectives, storage resizes and class
-# swaps that dynamo must not trace (a traced gather would be baked into a graph, or fail inside
-# ``attach_views``). Each hook is wrapped in ``torch.compiler.disable``, as FSDP2 leaves its hooks out of
-# dynamo by default (``skip_fsdp_hooks``): a compiled model breaks its graph at each unit's hooks, runs them
-# eagerly, and compiles the code between them, so ``torch.compile(model)`` (or ``model.compile()``) of a
-# whole stage-3 model runs each unit's forward compiled with its parameters gathered. Dynamo guards a
-# tensor's Python class, so compiled code that meets a parameter still sharded (one read outside its unit's
-# forward) recompiles, and the retrace refuses it (Note [Sharded parameters refuse compute]) instead of
-# computing on a placeholder. Outside compiled code the wrapper costs one function call per hook.
-def outside_compiled_code(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook``, run eagerly where a compiled model calls it (Note [Hooks outside compiled code])."""
-    return torch.compiler.disable(hook, recursive=True)
-
-
-class _LandBeforeCompiledForward:
+def land_gathers_before_compiled_forwards(engine: Engine) -> Any:
     """Stages 1-2: a model compiled after ``initialize`` and called directly (``torch.compile(model)(x)``, or
     ``model.compile()``) cannot land a parameter's all-gather on its first read (Note [Gathers land on first
     read]), which dynamo had refused to trace. So the root's pre-hook, when dynamo traces it with gathers in
     flight, lands them all eagerly past a graph break, as the engine's forward does for compiled blocks (dynamo
     guards on the count, so the compiled forward lands them whenever some are in flight); uncompiled it does
-    nothing. A model pickled (``torch.save(model)``) or deep-copied takes an inert copy of the hook."""
+    nothing. Returns the hook's handle."""
+    land = outside_compiled_code(engine.land_param_gathers)
 
-    def __init__(self, engine: Engine | None) -> None:
-        self._engine = engine
-        self._land = None if engine is None else outside_compiled_code(engine.land_param_gathers)
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def hook(module: nn.Module, args: Any) -> None:
         # (the engine's forward lands them before a compiled module runs: its graph stays whole then)
-        if (torch.compiler.is_compiling() and self._engine is not None
-                and any(buffer.gathers_in_flight for buffer in self._engine.buffers)):
-            self._land()
-
-    def __reduce__(self) -> tuple[type, tuple[None]]:
-        return type(self), (None,)
-
-
-def land_gathers_before_compiled_forwards(engine: Engine) -> Any:
-    """Registers :class:`_LandBeforeCompiledForward` on the engine's model; returns the hook's handle."""
-    return engine.module.register_forward_pre_hook(_LandBeforeCompiledForward(engine), prepend=True)
+        if torch.compiler.is_compiling() and any(buffer.gathers_in_flight for buffer in engine.buffers):
+            land()
+    return engine.module.register_forward_pre_hook(EngineHook(hook), prepend=True)
 
 
 def is_compiled_module(module: nn.Module) -> bool:

@@ -70,12 +70,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ._compile import outside_compiled_code
 from ._buckets import stage3_prefetch_budget
 from ._divergence import DivergenceCheck
 from ._ds_param_attributes import attach as attach_ds_attributes
 from ._ds_param_attributes import detach as detach_ds_attributes
 from ._gather_spares import GatherSpares, spare_capacity
+from ._module_hooks import EngineHook
 from ._native import _C
 from ._sharded_buffer import ShardedBuffer
 from ._sharded_param import mark_whole
@@ -222,17 +222,17 @@ class Stage3Runtime:
         self.hook_handles: list[Any] = []
         # A forward of the whole model starts here, whether or not the root module owns parameters.
         self.hook_handles.append(self.engine.module.register_forward_pre_hook(
-            outside_compiled_code(lambda m, args: None if self._in_backward() else self._begin_forward()),
+            EngineHook(lambda m, args: None if self._in_backward() else self._begin_forward(), eager=True),
             prepend=True))
         self.hook_handles.append(self.engine.module.register_forward_hook(
-            outside_compiled_code(lambda m, args, out: self._end_forward())))
+            EngineHook(lambda m, args, out: self._end_forward(), eager=True)))
         for unit in self.units:
             module = unit.spec.module
             self.hook_handles.append(module.register_forward_pre_hook(
-                outside_compiled_code(lambda m, args, kwargs, unit=unit: self.pre_forward(unit, args, kwargs)),
+                EngineHook(lambda m, args, kwargs, unit=unit: self.pre_forward(unit, args, kwargs), eager=True),
                 with_kwargs=True))
             self.hook_handles.append(module.register_forward_hook(
-                outside_compiled_code(lambda m, args, out, unit=unit: self.post_forward(unit, out))))
+                EngineHook(lambda m, args, out, unit=unit: self.post_forward(unit, out), eager=True)))
         # Note [External parameters]; running or saving a module whose parameters are sharded raises
         self.hook_handles += install_access_checks(self.engine.module, self.units, self._unit_of_param, self)
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ._compile import outside_compiled_code
+from ._module_hooks import EngineHook, outside_compiled_code
 from ._stage3_unit import Unit, UnitState
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class ExternalAccess(dict):
             # Tracing the lookup below would specialize the graph on each parameter's id(): one graph per
             # block, and past torch._dynamo.config.recompile_limit the rest run uncompiled. A parameter of
             # another unit read in compiled code while sharded is refused as dynamo traces its placeholder
-            # (Note [Hooks outside compiled code] in _compile.py).
+            # (Note [Hooks outside compiled code] in _module_hooks.py).
             return param
         if param is not None:
             unit = self._unit_of_param.get(id(param))
@@ -88,12 +88,13 @@ def install_access_checks(model: nn.Module, units: list[Unit], unit_of_param: di
         mine = [owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner]
         if mine:
             # Registered after the units' gather hooks, so a unit module gathers before it is checked.
-            handles.append(module.register_forward_pre_hook(_gathered_check(mine, runtime)))
+            handles.append(module.register_forward_pre_hook(EngineHook(_gathered_check(mine, runtime))))
             # model.state_dict() (torch.save, save_pretrained) would write NaN placeholders: raise.
             handles.append(module.register_state_dict_pre_hook(
-                lambda m, prefix, keep_vars, mine=mine: _check_state_dict(mine, runtime)))
+                EngineHook(lambda m, prefix, keep_vars, mine=mine: _check_state_dict(mine, runtime))))
             # model.load_state_dict() would fail on the placeholders with torch's aliasing error: name the way.
-            handles.append(module.register_load_state_dict_pre_hook(lambda m, *args, mine=mine: _check_load(mine)))
+            handles.append(module.register_load_state_dict_pre_hook(
+                EngineHook(lambda m, *args, mine=mine: _check_load(mine))))
     for module in model.modules():
         if any(id(p) in unit_of_param for p in module._parameters.values() if p is not None):
             module._parameters = ExternalAccess(module._parameters, unit_of_param, runtime)
@@ -108,7 +109,7 @@ def remove_external_access(model: nn.Module) -> None:
 
 def _gathered_check(params: list[tuple[Unit, str]], runtime: Stage3Runtime) -> Callable[..., None]:
     """The forward pre-hook of a module owning ``params``. Inside a compiled unit's forward (Note [Hooks outside
-    compiled code] in _compile.py) dynamo traces it: with every unit gathered it does nothing, and tracing that
+    compiled code] in _module_hooks.py) dynamo traces it: with every unit gathered it does nothing, and tracing that
     keeps the unit's graph whole (``fullgraph=True`` holds); anything else runs eagerly, past a graph break."""
     eager = outside_compiled_code(lambda: _check_gathered(params, runtime))
 
