@@ -545,3 +545,73 @@ def test_a_model_another_system_parallelizes_is_refused_naming_what_to_pass():
     assert "DTensor" in errors[4] and "fully_shard" in errors[4]
     assert "'fc1.weight' was partitioned by DeepSpeed's zero.Init" in errors[5] and "0 of its 128" in errors[5]
     assert "HfDeepSpeedConfig" in errors[5]
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.body = Net()
+        self.head = nn.Linear(8, 10, bias=False)
+        self.act = nn.Tanh()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.embed(tokens)) + self.body.fc2.weight.sum() * 0)
+
+
+def added_parameter_worker(rank: int, world: int, stage: int) -> list[str]:
+    """Note [Parameters added after initialize]: a parameter the engine does not manage, added to its model,
+    would compute in the forward and never be trained or saved; each way of adding one raises where it is
+    added, leaving the model as it was, while assignments of managed parameters and modules go through."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    finals = []
+    for attempts in (False, True):
+        torch.manual_seed(0)
+        model = Tied()
+        engine = zerocore.initialize(model, {**_config(stage), "gradient_clipping": 0.0,
+                                             "zero_optimization": {"stage": stage,
+                                                                   "stage3_param_persistence_threshold": 0}})
+        messages = []
+        for step in range(3):
+            tokens = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(10 * step + rank))
+            if attempts and step == 1:
+                head, weight = model.head, model.head.weight
+                for add in (lambda: setattr(model, "head", nn.Linear(8, 10, bias=False)),
+                            lambda: setattr(model.head, "weight", nn.Parameter(torch.zeros(10, 8))),
+                            lambda: model.register_parameter("extra", nn.Parameter(torch.zeros(3))),
+                            lambda: model.body.add_module("fc3", nn.Linear(4, 4)),
+                            lambda: model.head.load_state_dict({"weight": torch.zeros(10, 8)}, assign=True)):
+                    try:
+                        add()
+                        messages.append("no error")
+                    except RuntimeError as error:
+                        messages.append(str(error))
+                assert model.head is head and model.head.weight is weight and not hasattr(model, "extra")
+                model.act = nn.GELU()  # no parameter: joins the model
+                model.act = nn.Tanh()
+                model.body.fc1 = checkpoint_wrapper(model.body.fc1)  # a wrapper around managed parameters
+            engine.backward(nn.functional.cross_entropy(engine(tokens).reshape(-1, 10), tokens.reshape(-1)))
+            engine.step()
+        finals.append({k.replace("._checkpoint_wrapped_module", ""): v
+                       for k, v in engine.full_state_dict(rank0_only=False).items()})
+        engine.close()
+        if attempts:
+            model.extra = nn.Parameter(torch.zeros(3))  # closed: the model is the user's again
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    return messages
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_added_after_initialize_raises_where_it_is_added(stage):
+    for messages in run_ranks(added_parameter_worker, 2, stage):
+        assert len(messages) == 5
+        *added, loaded = messages
+        for message, name in zip(added, ("head.weight", "head.weight", "extra", "body.fc3.weight")):
+            assert f"parameter {name!r} would be added" in message and "before zerocore.initialize" in message, \
+                (name, message)
+        if stage == 3:  # a load while sharded is refused first (inside gathered() the assignment would be)
+            assert "load_state_dict() into a ZeRO stage 3 model" in loaded, loaded
+        else:
+            assert "parameter 'head.weight' would be added" in loaded, loaded

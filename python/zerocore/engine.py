@@ -50,6 +50,7 @@ from ._divergence import RanksDivergedError, ShardReadError
 from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
 from ._gathered import refuse_managed, unregister
 from ._gathered import register as register_managed
+from ._model_edits import track_model, untrack_model
 from ._grad_clip import clip_grad_norm
 from ._lifecycle import USABLE, EngineState, Lifecycle
 from ._loss_scaler import LossScaler
@@ -208,6 +209,7 @@ class Engine(DeepSpeedAccessors):
         self.whole_frozen_ids = {id(p) for p in self.whole_frozen_params}
         register_managed(self, [p for group in groups for p in group["params"]] + self._frozen_params()
                          + self.whole_frozen_params)
+        track_model(self, model)
         self.loss_scaler = LossScaler(config.fp16)
         self.reducer, param_slots = build_reducer(self)
         self.lifecycle = Lifecycle()
@@ -663,6 +665,7 @@ class Engine(DeepSpeedAccessors):
         for buffer in self.buffers:  # stage 1's .grad are views of the engine's gradient buffer
             for param in buffer.params:
                 param.grad = None
+        untrack_model(self, self.module)
         unregister(self, [owner.params[local] for owner, local in self.gradients.param_slots] + self._frozen_params()
                    + self.whole_frozen_params)
         self.optimizer_state.close()  # an NVMe state file is removed
