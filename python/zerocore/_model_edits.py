@@ -9,10 +9,10 @@ but never be trained, reduced or saved: a silent wrong result (DeepSpeed and a t
 miss it alike). torch calls its global registration hooks before it sets a parameter or a submodule on a
 module, so a hook that raises leaves the model as it was: assigning a parameter this engine does not manage
 to one of its model's modules raises there, naming it and the way out (a utility that changes a module in
-several assignments, such as a parametrization, is stopped at the one that adds the parameter, part-way). Parameters the engine
-manages may be assigned anywhere (tying a head to an embedding, swapping managed modules), and a module without
-new parameters (an activation, a wrapper around managed ones) joins the model. Each registration in the
-process costs one dictionary lookup; ``close()`` hands the model back free to change.
+several assignments, such as a parametrization, is stopped at the one that adds the parameter, part-way).
+Parameters the engine manages may be assigned anywhere (tying a head to an embedding, swapping managed
+modules), and a module without new parameters (an activation, a wrapper around managed ones) joins the model.
+Each registration in the process costs one dictionary lookup; ``close()`` hands the model back free to change.
 """
 
 from __future__ import annotations
