@@ -209,7 +209,6 @@ class Engine(DeepSpeedAccessors):
         self.whole_frozen_ids = {id(p) for p in self.whole_frozen_params}
         register_managed(self, [p for group in groups for p in group["params"]] + self._frozen_params()
                          + self.whole_frozen_params)
-        track_model(self, model)
         self.loss_scaler = LossScaler(config.fp16)
         self.reducer, param_slots = build_reducer(self)
         self.lifecycle = Lifecycle()
@@ -240,6 +239,7 @@ class Engine(DeepSpeedAccessors):
         self.host_syncs = 0  # blocking device-to-host reads on the step path (see comm_report)
         self._last_grad_norm: float | None = None
         self.zero_grad()
+        track_model(self, model)  # last: an initialize that raised leaves the model free to change
 
     @property
     def state(self) -> EngineState:
