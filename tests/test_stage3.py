@@ -7,6 +7,8 @@ import contextlib
 import copy
 import io
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -720,6 +722,23 @@ def test_module_run_while_sharded_raises_naming_the_parameter():
         assert "blocks.1.linear.weight" in message and "zerocore.gathered" in message, message
 
 
+def refusals_of(*actions: Callable[[], Any]) -> list[str]:
+    """Each action's RuntimeError message, or "no error: <what it returned>"."""
+    messages = []
+    for action in actions:
+        try:
+            messages.append(f"no error: {action()!r}")
+        except RuntimeError as error:
+            messages.append(str(error))
+    return messages
+
+
+def assert_each_names_the_weight(messages: list[str], count: int) -> None:
+    assert len(messages) == count, messages
+    for message in messages:
+        assert "'blocks.1.linear.weight'" in message and "zerocore.gathered" in message, message
+
+
 def sharded_read_worker(rank: int, world: int) -> list[str]:
     """Issue 9 item 5: a parameter read at rest (outside any gather) raises instead of computing on NaN."""
     torch.manual_seed(0)
@@ -732,15 +751,9 @@ def sharded_read_worker(rank: int, world: int) -> list[str]:
     assert isinstance(weight, nn.Parameter) and weight.shape == (DIM, DIM) and weight.dtype == torch.float32
     assert weight.numel() == DIM * DIM and weight.requires_grad and weight.is_leaf and weight.device.type == "cpu"
     assert weight in set(model.parameters()) and "sharded by ZeRO stage 3" in repr(weight)
-    messages = []
-    for read in (lambda: weight.sum(), lambda: torch.nn.functional.linear(torch.randn(2, DIM), weight),
-                 lambda: weight.data, lambda: weight.detach(), lambda: weight[0, 0].item(),
-                 lambda: copy.deepcopy(model.blocks[1]), lambda: torch.save(weight, io.BytesIO())):
-        try:
-            value = read()
-            messages.append(f"no error: {value!r}")
-        except RuntimeError as error:
-            messages.append(str(error))
+    messages = refusals_of(lambda: weight.sum(), lambda: torch.nn.functional.linear(torch.randn(2, DIM), weight),
+                           lambda: weight.data, lambda: weight.detach(), lambda: weight[0, 0].item(),
+                           lambda: copy.deepcopy(model.blocks[1]), lambda: torch.save(weight, io.BytesIO()))
     # The refusals changed nothing: training goes on and matches what the gathered values say.
     engine.backward(loss_of(engine, *data(1, rank)))
     engine.step()
@@ -756,9 +769,7 @@ def sharded_read_worker(rank: int, world: int) -> list[str]:
 
 def test_reading_a_sharded_parameter_at_rest_raises_instead_of_computing_on_placeholders():
     for messages in run_ranks(sharded_read_worker, 2):
-        assert len(messages) == 7
-        for message in messages:
-            assert "'blocks.1.linear.weight'" in message and "zerocore.gathered" in message, message
+        assert_each_names_the_weight(messages, 7)
 
 
 def conversion_worker(rank: int, world: int) -> list[str]:
@@ -778,13 +789,8 @@ def conversion_worker(rank: int, world: int) -> list[str]:
     assert model.blocks[1].linear.weight is weight and "sharded by ZeRO stage 3" in repr(weight)
     after = engine.full_state_dict(rank0_only=False)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    messages = []
-    for change in (lambda: weight.to(torch.float64), lambda: weight.to("cpu", copy=True), lambda: weight.half(),
-                   lambda: weight.to(memory_format=torch.channels_last)):
-        try:
-            messages.append(f"no error: {change()!r}")
-        except RuntimeError as error:
-            messages.append(str(error))
+    messages = refusals_of(lambda: weight.to(torch.float64), lambda: weight.to("cpu", copy=True),
+                           lambda: weight.half(), lambda: weight.to(memory_format=torch.channels_last))
     engine.backward(loss_of(engine, *data(1, rank)))
     engine.step()
     assert all(torch.isfinite(v).all() for v in engine.full_state_dict(rank0_only=False).values())
@@ -793,9 +799,7 @@ def conversion_worker(rank: int, world: int) -> list[str]:
 
 def test_a_conversion_to_what_a_sharded_parameter_already_is_passes_and_any_other_raises():
     for messages in run_ranks(conversion_worker, 2):
-        assert len(messages) == 4
-        for message in messages:
-            assert "'blocks.1.linear.weight'" in message and "zerocore.gathered" in message, message
+        assert_each_names_the_weight(messages, 4)
 
 
 def state_dict_worker(rank: int, world: int) -> str:

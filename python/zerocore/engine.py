@@ -50,12 +50,12 @@ from ._divergence import RanksDivergedError, ShardReadError
 from ._full_state import full_state_dict, gather_for_user, release_for_user, save_16bit_model
 from ._gathered import refuse_managed, unregister
 from ._gathered import register as register_managed
-from ._model_edits import track_model, untrack_model
 from ._grad_clip import clip_grad_norm
 from ._lifecycle import USABLE, EngineState, Lifecycle
 from ._loss_scaler import LossScaler
 from ._model_checks import (check_plain_model, check_same_config_on_all_ranks, check_same_model_on_all_ranks,
                             check_trainable_dtypes, collect_trainable)
+from ._model_edits import track_model, untrack_model
 from ._monitor import Monitor, start_monitor
 from ._native import _C
 from ._policy import StagePolicy
