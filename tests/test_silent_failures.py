@@ -615,3 +615,72 @@ def test_a_parameter_added_after_initialize_raises_where_it_is_added(stage):
             assert "load_state_dict() into a ZeRO stage 3 model" in loaded, loaded
         else:
             assert "parameter 'head.weight' would be added" in loaded, loaded
+
+
+class Symmetric(nn.Module):
+    """A parametrization without parameters of its own (its right inverse is the identity)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + x.t()) / 2
+
+
+class Parametrized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.pair = nn.Linear(6, 6)
+        torch.nn.utils.parametrize.register_parametrization(self.pair, "weight", Symmetric())  # before initialize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pair(torch.tanh(self.fc(x)))
+
+
+def part_way_worker(rank: int, world: int, stage: int) -> list[str]:
+    """Note [Parameters added after initialize]: weight_norm, old and new, deletes the weight (and the new one
+    swaps the module's class and adds a property) before it adds its parameters; refused, it leaves the model
+    as it was and training goes on as if it had never been tried."""
+    import warnings
+
+    from torch.nn.utils import parametrizations
+
+    def shape_of(model: nn.Module) -> list:
+        return [(name, id(param)) for name, param in model.named_parameters()] + [
+            (name, type(module).__name__, sorted(k for k, v in vars(type(module)).items() if isinstance(v, property)))
+            for name, module in model.named_modules()]
+
+    finals, messages = [], []
+    for attempts in (False, True):
+        torch.manual_seed(0)
+        model = Parametrized()
+        engine = zerocore.initialize(model, {**_config(stage), "gradient_clipping": 0.0})
+        for step in range(3):
+            if attempts and step == 1:
+                before = shape_of(model)
+                for attempt in (lambda: torch.nn.utils.weight_norm(model.fc),  # deletes fc.weight first
+                                lambda: parametrizations.weight_norm(model.fc),  # also a new class and property
+                                lambda: parametrizations.weight_norm(model.pair, "bias")):  # parametrized already
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", FutureWarning)  # (the old weight_norm is deprecated)
+                        with pytest.raises(RuntimeError) as error:
+                            attempt()
+                    messages.append(str(error.value))
+                    assert shape_of(model) == before, (str(error.value), shape_of(model), before)
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        finals.append(engine.full_state_dict(rank0_only=False))
+        engine.close()
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    return messages
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_refused_weight_norm_leaves_the_model_as_it_was(stage):
+    for messages in run_ranks(part_way_worker, 2, stage):
+        if stage == 3:  # computing the norm of a sharded weight is refused first (inside gathered() it would not)
+            assert all("which is sharded by ZeRO stage 3" in message for message in messages), messages
+        else:
+            for message, name in zip(messages, ("fc.weight_g", "fc.parametrizations.weight.original0",
+                                                "pair.parametrizations.bias.original0")):
+                assert f"parameter {name!r} would be added" in message, (name, message)

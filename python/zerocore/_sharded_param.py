@@ -27,6 +27,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ._ds_param_attributes import ZeroParamStatus
+from ._gathered import engine_for
+from ._model_edits import restore_emptied_slots
 
 # Operations that read no values: they may run on a placeholder. Properties are named by their descriptor.
 _METADATA = frozenset({
@@ -96,12 +98,21 @@ class _RefusesCompute:
                 "out of the compiled code (torch.compiler.disable on its forward), make both modules one unit "
                 "(initialize(..., units=[...])), or compile each unit instead "
                 "(model.layers[i] = torch.compile(model.layers[i]))")
+        _restore_emptied_slots(sharded)
         raise RuntimeError(
             f"{name}() on parameter {names}, which is sharded by ZeRO stage 3 (outside its unit's forward this rank "
             "holds only a placeholder, not its values): wrap the access in `with zerocore.gathered(params):` "
             "(a collective: every rank enters it; pass modifier_rank=0 to write), take engine.full_state_dict(), "
             "or engine.close() to get the plain model back"
         )
+
+
+def _restore_emptied_slots(params: list[Any]) -> None:
+    """A utility refused here may have taken the parameter out of its module first (``weight_norm`` deletes
+    ``weight``, then computes its norm): it goes back, so the refusal leaves the model as it was (Note
+    [Parameters added after initialize])."""
+    for engine in {id(e): e for e in map(engine_for, params) if e is not None}.values():
+        restore_emptied_slots(engine)
 
 
 _subclasses: dict[tuple[type, type], type] = {}  # (guard, parameter class) -> the guarded subclass
