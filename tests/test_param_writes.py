@@ -384,3 +384,47 @@ def rebound_at_rest_worker(rank: int, world: int) -> str:
 def test_a_stage3_parameter_given_a_tensor_at_rest_is_refused_at_its_gather_naming_it():
     for message in run_ranks(rebound_at_rest_worker, 2):
         assert "['2.bias']" in message and "modifier_rank" in message, message
+
+
+def resized_worker(rank: int, world: int, stage: int, where: str) -> str:
+    """A parameter given a tensor of another shape (an old way to grow an embedding: ``w.data = torch.cat(...)``)
+    has no place in the engine's buffer: refused on every rank, naming it, with nothing else changed, and
+    training goes on as if it had not been tried (compared with a run without it)."""
+    finals, message = [], ""
+    for attempt in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        engine = zerocore.initialize(model, _config(stage, "fp32", lr=1e-2))
+        _train(engine, rank, 2)
+        if attempt:
+            weight = model.fc1.weight
+            grown = lambda: torch.cat([weight.data, torch.zeros(2, 8)])  # noqa: E731
+            if where == "forward":  # stages 1-2: the parameters are whole between steps
+                weight.data = grown()
+                with pytest.raises(RuntimeError) as raised:
+                    engine(torch.randn(4, 8))
+                weight.data = weight.data[:16]  # the rows it had: trains on from its own values
+            else:  # inside a modifier block, with another write beside it that must be discarded too
+                with pytest.raises(RuntimeError) as raised:
+                    with zerocore.gathered(list(model.parameters()), modifier_rank=0):
+                        with torch.no_grad():
+                            model.fc2.bias.fill_(7.0)
+                        weight.data = grown()
+                assert tuple(weight.shape) == (16, 8)
+            message = str(raised.value)
+        _train(engine, rank, 2)
+        finals.append(engine.full_state_dict(rank0_only=False))
+        engine.close()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    return message
+
+
+@pytest.mark.parametrize("stage,where", [(1, "forward"), (2, "forward"), (1, "gathered"), (2, "gathered"),
+                                         (3, "gathered")])
+def test_a_parameter_given_another_shape_is_refused_on_every_rank_changing_nothing(stage, where):
+    messages = run_ranks(resized_worker, 2, stage, where)
+    if where == "forward":
+        assert all("'fc1.weight' has shape [18, 8] but zerocore laid it out as [16, 8]" in m for m in messages)
+    else:  # the modifier names the parameter, the others the modifier
+        assert "'fc1.weight' was given a tensor of shape (18, 8)" in messages[0], messages[0]
+        assert "rank 0 gave a parameter a tensor of another shape" in messages[1], messages[1]

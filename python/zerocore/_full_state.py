@@ -85,30 +85,64 @@ def release_for_user(engine: Engine, params: list[nn.Parameter], modifier_rank: 
     changes made inside the block are discarded on every rank, also where the parameters stay whole
     afterwards (stages 1-2, stage-3 units kept gathered): whether any rank wrote is agreed by one tiny
     all-reduce (so every rank issues the same collectives), and then the whole values come back from the
-    shards."""
+    shards. A parameter given a tensor of another shape on the modifier rank is refused on every rank, with
+    the block's writes discarded everywhere."""
     stage3 = engine.stage3
     buffers = _buffers_of(engine, params)
-    if modifier_rank is not None:
-        broadcast_tensors(engine.comm, [p for p in params if id(p) in engine.whole_frozen_ids], modifier_rank)
-        for buffer in buffers:
+    try:
+        if modifier_rank is not None:
+            # a tensor of another shape given on the modifier rank (p.data = t) is refused on every rank before
+            # anything is sent, and every rank drops the block's writes: the modifier alone raising would leave
+            # the others waiting in the broadcasts below
+            refused: RuntimeError | None = None
             if engine.rank == modifier_rank:
-                buffer.reattach_rebound()  # ``p.data = t`` inside the block: t's values are broadcast
-            engine.comm.broadcast(buffer.full, modifier_rank).wait()
-            buffer.take_shard_from_full()
-            buffer.mark_rewritten()  # a graph recorded with the values before the block is stale
-    else:  # only parameters that stay whole need undoing; which ones do is the same on every rank
-        stay = [b for b in buffers if stage3 is None or stage3.unit_of_buffer(b).persistent]
-        if stay:
-            written = torch.tensor([float(any(buffer.params_written() for buffer in stay))], dtype=torch.float64)
-            engine.comm.all_reduce(written, False).wait()
-            if written.item() > 0:
-                for buffer in stay:
-                    buffer.discard_param_writes(engine.comm)
-                    buffer.mark_rewritten()
-    for buffer in buffers:
-        buffer.forget_own_values()
-        if stage3 is not None:
-            stage3.unhold(stage3.unit_of_buffer(buffer))
+                try:
+                    for buffer in buffers:
+                        buffer.check_rebound_shapes()
+                except RuntimeError as error:
+                    refused = error
+            flag = torch.tensor([float(refused is not None)], dtype=torch.float64)
+            engine.comm.all_reduce(flag, False).wait()
+            if flag.item() > 0:
+                _discard_writes(engine, buffers, written=True)
+                for buffer in buffers:  # (released below: a parameter given other storage is the engine's again)
+                    buffer.reattach_rebound(keep_values=False)
+                if refused is None:
+                    refused = RuntimeError(
+                        f"zerocore.gathered(..., modifier_rank={modifier_rank}): rank {modifier_rank} gave a parameter "
+                        "a tensor of another shape inside the block (p.data = ...; its error names it)")
+                refused.add_note("zerocore: the block's writes were discarded on every rank")
+                raise refused
+            broadcast_tensors(engine.comm, [p for p in params if id(p) in engine.whole_frozen_ids], modifier_rank)
+            for buffer in buffers:
+                if engine.rank == modifier_rank:
+                    buffer.reattach_rebound()  # ``p.data = t`` inside the block: t's values are broadcast
+                engine.comm.broadcast(buffer.full, modifier_rank).wait()
+                buffer.take_shard_from_full()
+                buffer.mark_rewritten()  # a graph recorded with the values before the block is stale
+        else:
+            _discard_writes(engine, buffers, written=None)
+    finally:
+        for buffer in buffers:
+            buffer.forget_own_values()
+            if stage3 is not None:
+                stage3.unhold(stage3.unit_of_buffer(buffer))
+
+
+def _discard_writes(engine: Engine, buffers: list[ShardedBuffer], written: bool | None) -> None:
+    """Undoes the block's writes on every rank (a collective): only parameters that stay whole need it (stages
+    1-2, stage-3 units kept gathered), and which ones do is the same on every rank. ``written`` None: whether
+    any rank wrote is agreed first, by one tiny all-reduce."""
+    stage3 = engine.stage3
+    stay = [b for b in buffers if stage3 is None or stage3.unit_of_buffer(b).persistent]
+    if stay and written is None:
+        flag = torch.tensor([float(any(buffer.params_written() for buffer in stay))], dtype=torch.float64)
+        engine.comm.all_reduce(flag, False).wait()
+        written = flag.item() > 0
+    if written:
+        for buffer in stay:
+            buffer.discard_param_writes(engine.comm)
+            buffer.mark_rewritten()
 
 
 def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str], save_filename: str,

@@ -64,16 +64,24 @@ class ParamWrites:
         return [i for i, (param, view) in enumerate(zip(self.params, self.views))
                 if param.data_ptr() != view.data_ptr() and view.numel() > 0]
 
+    def check_rebound_shapes(self) -> None:
+        """Raises naming the first parameter given a tensor of another shape (``p.data = t``): its values have
+        no place in the engine's buffer."""
+        for i in self.rebound_params():
+            param, view = self.params[i], self.views[i]
+            if param.shape != view.shape:
+                raise RuntimeError(f"parameter {self.names[i]!r} was given a tensor of shape {tuple(param.shape)} "
+                                   "(p.data = ...), but it was laid out at zerocore.initialize with shape "
+                                   f"{tuple(view.shape)}: a parameter's shape cannot change")
+
     def reattach_rebound(self, keep_values: bool = True) -> None:
         """Every rebound parameter is the engine's view again, holding the value the user gave it
         (``keep_values``) or the engine's (a write being discarded)."""
+        if keep_values:
+            self.check_rebound_shapes()
         for i in self.rebound_params():
             param, view = self.params[i], self.views[i]
             if keep_values:
-                if param.shape != view.shape:
-                    raise RuntimeError(f"parameter {self.names[i]!r} was given a tensor of shape "
-                                       f"{tuple(param.shape)} (p.data = ...), but it was laid out at zerocore.initialize "
-                                       f"with shape {tuple(view.shape)}: a parameter's shape cannot change")
                 view.copy_(param.detach())
             param.data = view
             mark_whole(param)

@@ -81,6 +81,7 @@ class ShardedBuffer(ParamWrites):
         self.label = label
         self.params = params
         self.names = list(names)
+        self.shapes = [p.shape for p in params]  # as laid out: a parameter given another shape is refused
         self.groups = list(groups)  # param group of each parameter
         self.layout = FlatLayout([p.numel() for p in params], world, ALIGNMENT, bucket_cap)
         self.buckets: list[Bucket] = self.layout.buckets

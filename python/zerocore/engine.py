@@ -462,9 +462,17 @@ class Engine(DeepSpeedAccessors):
         stage 1's backward then failed inside torch, stage 2 trained one step in the new dtype and silently cast
         back. The dtype is the config's (bf16 / fp16) and fixed at initialize. So is the device: ``.cpu()`` moves
         stages 1-2's parameters off the engine's storage (stage 3's sharded parameters refuse ``.to()``
-        themselves); moved back, they are taken as written (Note [Writes through .data] in _step.py)."""
+        themselves); moved back, they are taken as written (Note [Writes through .data] in _step.py). So is each
+        parameter's shape: one resized through ``p.data = ...`` failed inside torch's backward."""
         for buffer in self.param_storages:
-            for name, param in zip(buffer.names, buffer.params):
+            for name, param, shape in zip(buffer.names, buffer.params, buffer.shapes):
+                if param.shape != shape:  # (stage 3 refuses another tensor at its gather, naming it)
+                    raise RuntimeError(
+                        f"parameter {name!r} has shape {list(param.shape)} but zerocore laid it out as {list(shape)} "
+                        "at initialize (was it given a tensor of another shape, p.data = ...?): its shards, "
+                        "gradient buckets and optimizer state have that size. Resize it before zerocore.initialize "
+                        "(resize_token_embeddings too), or engine.close() and initialize again; give it back a tensor "
+                        "of its shape before the engine's next forward")
                 if param.dtype != buffer.dtype:
                     raise RuntimeError(
                         f"parameter {name!r} is {param.dtype} but zerocore holds it in {buffer.dtype}, the compute "
