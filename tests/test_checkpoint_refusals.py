@@ -210,3 +210,50 @@ def test_stage3_fp32_parameters_on_nvme_save_and_resume_bit_exactly(tmp_path):
     for straight, resumed in run_ranks(nvme_params_worker, 2, os.fspath(tmp_path / "ckpt"),
                                        os.fspath(tmp_path)):
         assert straight == resumed
+
+
+# ---- buffers a module registers in its first forward ------------------------------------------------------
+class LazyBuffers(Net):
+    """Registers a cache (``persistent=False``) in its first forward, as some rotary embeddings do, and with
+    ``count`` a persistent buffer as well."""
+
+    def __init__(self, count: bool) -> None:
+        super().__init__()
+        self.count = count
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "cache"):
+            self.register_buffer("cache", torch.full((8,), 0.5), persistent=False)
+            if self.count:
+                self.register_buffer("seen", torch.zeros(()))
+        if self.count:
+            self.seen += 1
+        return super().forward(x + self.cache)
+
+
+def lazy_buffers_worker(rank: int, world: int, stage: int, directory: str, count: bool) -> tuple[str, bool]:
+    torch.manual_seed(0)
+    engine = zerocore.initialize(LazyBuffers(count), _config(stage))
+    _micro_step(engine, 0, rank)
+    engine.save_checkpoint(directory, tag="t")
+    saved = engine.full_state_dict(rank0_only=False)
+    torch.manual_seed(1)
+    fresh = zerocore.initialize(LazyBuffers(count), _config(stage))  # no forward yet: no cache, no count
+    try:
+        fresh.load_checkpoint(directory, tag="t")
+    except ValueError as error:
+        return str(error), False
+    loaded = fresh.full_state_dict(rank0_only=False)
+    _micro_step(fresh, 1, rank)  # the cache is made in its first forward
+    return "", loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_cache_made_in_the_first_forward_is_no_state_but_a_count_is(stage, tmp_path):
+    """A persistent=False buffer is no state (load_state_dict ignores it): one the checkpoint's model had made
+    and a fresh model has not yet does not stop the load; a persistent one is refused, naming it (as
+    load_state_dict refuses an unexpected key), with nothing changed."""
+    for message, equal in run_ranks(lazy_buffers_worker, 2, stage, str(tmp_path / "cache"), False):
+        assert not message and equal, message
+    for message, _ in run_ranks(lazy_buffers_worker, 2, stage, str(tmp_path / "count"), True):
+        assert "in the checkpoint only: ['seen']" in message and "first forward" in message, message

@@ -95,14 +95,26 @@ def check_param_groups(engine: Engine, index: Mapping[str, Any]) -> None:
                              "build the engine with the same param_groups, or load with load_optimizer_states=False")
 
 
-def check_untracked(ours: dict[str, torch.Tensor], index: Mapping[str, Any], model_file: Any, path: str) -> None:
-    theirs = index["untracked"]
+def check_untracked(ours: dict[str, torch.Tensor], index: Mapping[str, Any], model_file: Any, path: str,
+                    persistent: set[str]) -> dict[str, torch.Tensor]:
+    """``ours`` (this model's buffers and frozen parameters) checked against the checkpoint's, less the
+    ``persistent=False`` buffers it does not hold: such a buffer is no state (a cache a module may create
+    in its first forward, after the checkpoint's model had made it), so one on either side only is left as it
+    is, as ``load_state_dict`` leaves it; those both hold are loaded."""
+    theirs = {name: entry for name, entry in index["untracked"].items()
+              if name in ours or entry.get("persistent", True)}
+    ours = {name: tensor for name, tensor in ours.items() if name in theirs or name in persistent}
     if set(ours) != set(theirs):
-        diff = sorted(set(ours) ^ set(theirs))
-        raise ValueError(f"buffers or frozen parameters differ between the checkpoint {path} and this model: {diff}")
+        sides = [f"{where} only: {names[:8]}" for where, names in (
+            ("in the checkpoint", sorted(set(theirs) - set(ours))), ("in this model", sorted(set(ours) - set(theirs))))
+            if names]
+        raise ValueError(f"buffers or frozen parameters differ between the checkpoint {path} and this model "
+                         f"({'; '.join(sides)}): build the model as the saved one was (a buffer a module registers "
+                         "in its first forward exists only after one)")
     for name, tensor in ours.items():
         if list(tensor.shape) != theirs[name]["shape"] or name not in model_file.header:
             raise ValueError(f"{name!r}: shape {theirs[name]['shape']} in the checkpoint, {list(tensor.shape)} here")
+    return ours
 
 
 def trainable_params(engine: Engine) -> dict[str, Any]:

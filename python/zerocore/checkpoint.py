@@ -456,8 +456,8 @@ def _read_validated(engine: Engine, load_dir: str, tag: str | None, load_optimiz
                 staged.rng = {name: files[rank].tensor(name).clone() for name in ("rng.cpu", "rng.cuda")
                               if name in files[rank].header}
         model = files[-1] = open_file(io, path, index["model_file"])
-        staged.untracked = untracked_state(engine, frozen=not index.get("frozen_excluded", False))
-        check_untracked(staged.untracked, index, model, path)
+        staged.untracked = check_untracked(untracked_state(engine, frozen=not index.get("frozen_excluded", False)),
+                                           index, model, path, persistent_names(engine))
         staged.untracked_values, staged.frozen_shards = read_untracked(engine, model, staged.untracked)
     finally:
         for f in files.values():
