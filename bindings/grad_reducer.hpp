@@ -12,8 +12,13 @@
 // each take a buffer of the root unit's size. (Letting two reductions travel while a third bucket fills was
 // measured: no faster beyond this machine's noise, and one more bucket of peak memory.) With gradients
 // arriving roughly in reverse layout order (the launch order), two or three buffers are live at a time,
-// whatever the model size. A pool buffer is never zeroed as a whole: each gradient is written into its slot
-// once, scaled by the prescale in the same pass where the dtypes agree, and at launch only the padding and
+// whatever the model size. A module registered after modules it runs before breaks that (Hugging Face's Llama
+// and Qwen layers register their norms after the projections): the buckets of the layer fill while the one
+// holding its first-run norm waits for its gradient, which comes last, so the pool grows to a layer's buckets
+// (eight buffers with 2,000-element buckets on a 64-wide Llama; about three with buckets of a few layers).
+// DDP rebuilds its buckets in the first iteration's arrival order for this; launching in rank 0's recorded
+// completion order would do it here. A pool buffer is never zeroed as a whole: each gradient is written into
+// its slot once, scaled by the prescale in the same pass where the dtypes agree, and at launch only the padding and
 // the slots of parameters without a gradient are zeroed (a bucket costs one pass over its gradients, not a
 // zeroing, a copy and a scaling). When the reduce dtype is fp32 and the algorithm sums at the receiver (Note
 // [Widening reduce-scatter]), buckets stay in the gradients' dtype (16-bit or fp32): a gradient is copied
