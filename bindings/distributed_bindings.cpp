@@ -121,7 +121,10 @@ void bind_distributed(py::module_& m) {
       .def("is_marked", &GradReducer::is_marked, py::arg("param"))
       .def_property_readonly("wire_dtype", &GradReducer::wire_dtype)
       .def_property_readonly("buffer_bytes", &GradReducer::buffer_bytes)
-      .def_property_readonly("peak_buffer_bytes", &GradReducer::peak_buffer_bytes);
+      .def_property_readonly("peak_buffer_bytes", &GradReducer::peak_buffer_bytes)
+      .def_property_readonly("launch_order", &GradReducer::launch_order)
+      .def("completion_order", &GradReducer::completion_order)
+      .def("set_launch_order", &GradReducer::set_launch_order, py::arg("order"));
 
   py::class_<ReadyTracker>(m, "ReadyTracker")
       .def(py::init<std::vector<int64_t>, int64_t, std::vector<int64_t>>(), py::arg("param_bucket"),
@@ -137,7 +140,10 @@ void bind_distributed(py::module_& m) {
         std::vector<int64_t> launch, unmarked;
         t.finalize(launch, unmarked);
         return py::make_tuple(launch, unmarked);
-      });
+      })
+      .def("completion_order", &ReadyTracker::completion_order)
+      .def("set_launch_order", &ReadyTracker::set_launch_order, py::arg("launch_order"))
+      .def_property_readonly("launch_order", &ReadyTracker::launch_order);
 }
 
 }  // namespace zerocore::bindings

@@ -247,6 +247,13 @@ std::vector<int64_t> GradReducer::unmarked_params() const {
   return unmarked;
 }
 
+void GradReducer::set_launch_order(std::vector<int64_t> order) {
+  ZC_CHECK(in_flight_.empty() && !in_backward(), "set_launch_order() during a backward; call it after finalize()");
+  tracker_.set_launch_order(std::move(order));
+  for (const at::Tensor& buffer : free_buffers_) pool_bytes_ -= buffer.numel() * buffer.element_size();
+  free_buffers_.clear();
+}
+
 int64_t GradReducer::buffer_bytes() const { return pool_bytes_; }
 
 int64_t GradReducer::peak_buffer_bytes() const { return peak_pool_bytes_; }

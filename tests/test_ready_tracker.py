@@ -65,3 +65,45 @@ def test_errors_name_the_problem():
         tracker.finalize()
     tracker.reset()
     assert tracker.mark_ready(2) == [1]
+
+
+@given(tracker_inputs())
+def test_completion_order_is_where_the_last_gradient_of_each_bucket_arrived(inputs):
+    """Note [Bucket launch order]: a bucket is complete when its last parameter is marked, whatever its turn;
+    finalize() completes the rest (zero-filled, or without parameters) in launch order."""
+    param_bucket, num_buckets, launch_order, ready_order = inputs
+    tracker = _C.ReadyTracker(param_bucket, num_buckets, launch_order)
+    expected, pending = [], {b: param_bucket.count(b) for b in range(num_buckets)}
+    for param in ready_order:
+        tracker.mark_ready(param)
+        pending[param_bucket[param]] -= 1
+        if pending[param_bucket[param]] == 0:
+            expected.append(param_bucket[param])
+        assert tracker.completion_order() == expected
+    tracker.finalize()
+    assert tracker.completion_order() == expected + [b for b in launch_order if b not in expected]
+    tracker.reset()
+    assert tracker.completion_order() == []
+
+
+@given(tracker_inputs(), st.randoms(use_true_random=False))
+def test_a_new_launch_order_takes_effect_at_the_next_backward(inputs, rng):
+    param_bucket, num_buckets, launch_order, ready_order = inputs
+    tracker = _C.ReadyTracker(param_bucket, num_buckets, launch_order)
+    new_order = list(launch_order)
+    rng.shuffle(new_order)
+    if ready_order:
+        tracker.mark_ready(ready_order[0])
+        with pytest.raises(RuntimeError, match="during a backward"):
+            tracker.set_launch_order(new_order)
+    tracker.finalize()
+    with pytest.raises(ValueError, match="permutation"):
+        tracker.set_launch_order([num_buckets] * num_buckets)  # (out of range)
+    assert tracker.launch_order == list(launch_order)  # a refused order changes nothing
+    tracker.set_launch_order(new_order)
+    tracker.reset()
+    launched = []
+    for param in ready_order:
+        launched += tracker.mark_ready(param)
+    launched += tracker.finalize()[0]
+    assert launched == new_order

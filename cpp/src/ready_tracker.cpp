@@ -23,29 +23,51 @@ std::vector<int64_t> validated_param_bucket(std::vector<int64_t> param_bucket, i
   return param_bucket;
 }
 
+// Checked before anything of its size is allocated: launch_order.size() == num_buckets.
+void check_permutation(const std::vector<int64_t>& launch_order, int64_t num_buckets) {
+  ZC_CHECK_ARG(static_cast<int64_t>(launch_order.size()) == num_buckets, "launch_order must list all ",
+               num_buckets, " buckets once, got ", launch_order.size(), " entries");
+  std::vector<uint8_t> seen(num_buckets, 0);
+  for (int64_t bucket : launch_order) {
+    ZC_CHECK_ARG(bucket >= 0 && bucket < num_buckets && !seen[bucket],
+                 "launch_order must be a permutation of the bucket indices; bad or repeated entry ", bucket);
+    seen[bucket] = 1;
+  }
+}
+
 }  // namespace
 
 ReadyTracker::ReadyTracker(std::vector<int64_t> param_bucket, int64_t num_buckets, std::vector<int64_t> launch_order)
     : param_bucket_(validated_param_bucket(std::move(param_bucket), num_buckets, launch_order)),
       launch_order_(std::move(launch_order)) {
-  // num_buckets == launch_order_.size() now: the vectors below are no larger than the caller's own.
-  std::vector<uint8_t> seen(num_buckets, 0);
-  for (int64_t bucket : launch_order_) {
-    ZC_CHECK_ARG(bucket >= 0 && bucket < num_buckets && !seen[bucket],
-                 "launch_order must be a permutation of the bucket indices; bad or repeated entry ", bucket);
-    seen[bucket] = 1;
-  }
+  check_permutation(launch_order_, num_buckets);
   expected_.assign(num_buckets, 0);
   for (int64_t bucket : param_bucket_) ++expected_[bucket];
   marked_.assign(param_bucket_.size(), 0);
+  completed_.assign(num_buckets, 0);
   pending_ = expected_;
 }
 
 void ReadyTracker::reset() {
   pending_ = expected_;
   std::fill(marked_.begin(), marked_.end(), 0);
+  std::fill(completed_.begin(), completed_.end(), 0);
+  completion_order_.clear();
   cursor_ = 0;
   state_ = State::kIdle;
+}
+
+void ReadyTracker::set_launch_order(std::vector<int64_t> launch_order) {
+  check_permutation(launch_order, num_buckets());
+  ZC_CHECK(state_ != State::kInBackward, "set_launch_order() during a backward pass; call it after finalize()");
+  launch_order_ = std::move(launch_order);  // (reset() starts the next backward at its first bucket)
+}
+
+void ReadyTracker::complete(int64_t bucket) {
+  if (!completed_[bucket]) {
+    completed_[bucket] = 1;
+    completion_order_.push_back(bucket);
+  }
 }
 
 void ReadyTracker::check_can_mark(int64_t param) const {
@@ -63,7 +85,7 @@ void ReadyTracker::mark_ready(int64_t param, std::vector<int64_t>& launch) {
   check_can_mark(param);
   state_ = State::kInBackward;
   marked_[param] = 1;
-  --pending_[param_bucket_[param]];
+  if (--pending_[param_bucket_[param]] == 0) complete(param_bucket_[param]);
   advance(launch);
 }
 
@@ -80,6 +102,7 @@ void ReadyTracker::finalize(std::vector<int64_t>& launch, std::vector<int64_t>& 
     if (!marked_[i]) unmarked.push_back(i);
   }
   while (cursor_ < num_buckets()) launch.push_back(launch_order_[cursor_++]);
+  for (int64_t bucket : launch_order_) complete(bucket);  // (zero-filled now, or without parameters)
   state_ = State::kFinalized;
 }
 

@@ -85,6 +85,10 @@ class GradientRouting:
         self._buffers = list({id(buffer): buffer for buffer, _ in param_slots}.values())
         self.reducing = False
         self.finalized = True
+        # stages 1-2, until the first clean reducing backward: launch in the order rank 0 completed the buckets
+        # then (Note [Bucket launch order]). Stage 3 keeps the reverse layout order: a unit is one bucket, and its
+        # reductions interleave with the backward's gathers (Note [Parameters this backward will not reach]).
+        self.learns_launch_order = not policy.params_sharded
         # which parameters got a gradient on this rank since the window began (Note [Parameters without gradients])
         self.got_grad = bytearray(len(param_slots))
         self._pinned_flags: torch.Tensor | None = None
@@ -167,6 +171,23 @@ class GradientRouting:
             self._held_since_reduction = False
         elif self._holds_apart:
             self._held_since_reduction = True
+
+    def launch_order_proposal(self) -> list[int] | None:
+        """What this rank sends with the backward outcome exchange for the launch order to learn (Note [Bucket
+        launch order] in ready_tracker.hpp): the order its reducing backward completed the buckets in, once all
+        are (rank 0's is the one taken); None when nothing is learned (the same on every rank)."""
+        if not (self.learns_launch_order and self.reducing):
+            return None
+        order = list(self.reducer.completion_order())
+        buckets = len(self.reducer.launch_order)
+        return order if len(order) == buckets else [-1] * buckets
+
+    def adopt_launch_order(self, order: list[int]) -> None:
+        """Every rank, at the same exchange, with rank 0's completion order: the buckets launch in it from the
+        next backward on."""
+        if sorted(order) == list(range(len(order))):
+            self.reducer.set_launch_order(order)
+            self.learns_launch_order = False
 
     def _reductions_add(self) -> bool:
         """Whether this reducing backward adds to the gradient shards rather than overwriting them: one answer
@@ -405,18 +426,25 @@ def exchange_backward_outcome(engine: Engine, failed_here: bool) -> tuple[list[i
     that raised in the backward, the counts by rank, and the ranks whose forward raised."""
     world = engine.world_size
     life = engine.lifecycle
-    flags = torch.zeros(3 * world, dtype=torch.float64, device=engine.device)
+    proposal = engine.gradients.launch_order_proposal()  # (until the launch order is learned: rank 0's rides along)
+    flags = torch.zeros(3 * world + (0 if proposal is None else len(proposal)), dtype=torch.float64,
+                        device=engine.device)
     if failed_here:
         flags[engine.rank] = 1.0
     flags[world + engine.rank] = float(life.forwards)
     flags[2 * world + engine.rank] = float(life.forward_raised)
+    if proposal and engine.rank == 0:
+        flags[3 * world:] = torch.tensor(proposal, dtype=torch.float64)
     life.forwards, life.forward_raised = 0, False
     engine.comm.all_reduce(flags, False).wait()
     if engine.device.type != "cpu":
         engine.host_syncs += 1
     values = flags.tolist()
-    return ([rank for rank, flag in enumerate(values[:world]) if flag > 0], [int(v) for v in values[world:2 * world]],
-            [rank for rank, flag in enumerate(values[2 * world:]) if flag > 0])
+    failed = [rank for rank, flag in enumerate(values[:world]) if flag > 0]
+    raised = [rank for rank, flag in enumerate(values[2 * world:3 * world]) if flag > 0]
+    if proposal is not None and not failed and not raised:
+        engine.gradients.adopt_launch_order([int(v) for v in values[3 * world:]])
+    return failed, [int(v) for v in values[world:2 * world]], raised
 
 
 def outcome_problem(failed: list[int], forwards: list[int], forward_raised: list[int]) -> str | None:

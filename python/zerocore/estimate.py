@@ -19,8 +19,9 @@ reducer's pool, Note [Reducer memory]) and, in stage 3, gathered units; ``"step"
 what it assumes: the pool holds buffers of at most the largest bucket in the dtype gradients travel in (the
 reduce dtype, or the 16-bit gradients' own where the default algorithm of the device's backend -- Gloo's on the
 CPU, NCCL's on a GPU -- widens at the receiver, Note [Widening reduce-scatter]), two of them (one
-filling while the previous one reduces; gradients arriving out of layout order open more: a Llama layer, whose
-norms are registered after the projections they run before, up to its buckets, Note [Reducer memory]), and stage 3's
+filling while the previous one reduces; gradients arriving out of layout order open more: in the first backward
+of a Llama layer, whose norms are registered after the projections they run before, up to its buckets, Note
+[Reducer memory]), and stage 3's
 gathered units follow the runtime's gather and release rules and its C++ prefetch planner
 (``_C.PrefetchPlanner``, the runtime's) over the units run once each in registration order,
 as in a step after the first (which records the order); a model that calls a unit twice, reads another unit's

@@ -10,6 +10,12 @@
 // At the end of backward, finalize() launches every bucket not yet launched, still in launch_order, and
 // lists the parameters that were never marked so their slots can be zero-filled: unused parameters
 // never leave a rank waiting in a collective that the other ranks skipped.
+//
+// The tracker also records the order in which this backward completed the buckets (the arrival of each one's
+// last gradient; at finalize() the rest, in launch order), and takes a new launch order between backwards:
+// an engine launches from its second backward on in the order its first one completed them on one rank (the
+// same order on every rank), so a bucket holding a module that runs before the modules registered ahead of it
+// no longer keeps the buckets after it waiting (Note [Reducer memory] in bindings/grad_reducer.hpp).
 #pragma once
 
 #include <cstdint>
@@ -46,16 +52,26 @@ class ReadyTracker {
   // never marked to `unmarked`. Throws std::runtime_error if called twice without reset().
   void finalize(std::vector<int64_t>& launch, std::vector<int64_t>& unmarked);
 
+  // The buckets this backward completed, in the order it completed them; after finalize() every bucket.
+  const std::vector<int64_t>& completion_order() const { return completion_order_; }
+
+  // Launches in `launch_order` from the next backward on. Throws InvalidArgument unless it is a permutation
+  // of the buckets, and std::runtime_error during a backward (between mark_ready() and finalize()).
+  void set_launch_order(std::vector<int64_t> launch_order);
+
   bool is_marked(int64_t param) const { return marked_.at(param) != 0; }
 
  private:
   void advance(std::vector<int64_t>& launch);
+  void complete(int64_t bucket);
 
   std::vector<int64_t> param_bucket_;  // bucket of each parameter
   std::vector<int64_t> launch_order_;  // the one order every rank launches buckets in
   std::vector<int64_t> expected_;      // parameters per bucket
   std::vector<int64_t> pending_;       // parameters per bucket not yet marked in this backward
   std::vector<uint8_t> marked_;        // per parameter: marked in this backward
+  std::vector<uint8_t> completed_;     // per bucket: in completion_order_
+  std::vector<int64_t> completion_order_;
   int64_t cursor_ = 0;                 // next position in launch_order_ to launch
   State state_ = State::kIdle;
 };
