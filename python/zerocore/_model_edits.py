@@ -120,8 +120,10 @@ def restore_emptied_slots(engine: Engine) -> None:
             now = dict(home._parameters)
             home._parameters.clear()
             for attribute in slots:  # initialize's order, then what came later
-                if attribute in emptied or attribute in now:
-                    home._parameters[attribute] = emptied.get(attribute, now.pop(attribute, None))
+                if attribute in emptied:
+                    home._parameters[attribute] = emptied[attribute]
+                elif attribute in now:
+                    home._parameters[attribute] = now.pop(attribute)
             home._parameters.update(now)
 
 

@@ -300,7 +300,7 @@ class Engine(DeepSpeedAccessors):
         self._end_unstepped_micro_step()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args = cast_floating(args, torch.float16)
-        self._refuse_recast_params()
+        self._refuse_changed_params()
         if self._has_compiled_code:
             self.land_param_gathers()
         training = torch.is_grad_enabled()
@@ -457,7 +457,7 @@ class Engine(DeepSpeedAccessors):
         dtype = self.config.autocast_dtype
         return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
-    def _refuse_recast_params(self) -> None:
+    def _refuse_changed_params(self) -> None:
         """``model.half()`` / ``.to(dtype)`` after initialize gives the parameters new tensors of another dtype:
         stage 1's backward then failed inside torch, stage 2 trained one step in the new dtype and silently cast
         back. The dtype is the config's (bf16 / fp16) and fixed at initialize. So is the device: ``.cpu()`` moves
